@@ -1,0 +1,14 @@
+"""keras_linattn: kernelized linear attention layers for Keras 3 (TensorFlow backend).
+
+>>> import keras_linattn as kla
+>>> layer = kla.layers.LinearAttention(num_heads=8, key_dim=64, feature_map="elu")
+"""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+from keras_linattn import feature_maps, layers, ops  # noqa: E402
+from keras_linattn.version import __version__  # noqa: E402
+
+__all__ = ["__version__", "feature_maps", "layers", "ops"]

@@ -1,0 +1,25 @@
+"""Feature maps ``phi`` for kernelized attention, and their registry.
+
+>>> from keras_linattn import feature_maps
+>>> feature_maps.available()
+['elu', 'relu', 'taylor', ...]
+>>> fm = feature_maps.get("relu", epsilon=1e-3)
+"""
+
+from keras_linattn.feature_maps.base import FeatureMap
+from keras_linattn.feature_maps.elu import EluFeatureMap
+from keras_linattn.feature_maps.registry import available, deserialize, get, register, serialize
+from keras_linattn.feature_maps.relu import ReluFeatureMap
+from keras_linattn.feature_maps.taylor import TaylorFeatureMap
+
+__all__ = [
+    "EluFeatureMap",
+    "FeatureMap",
+    "ReluFeatureMap",
+    "TaylorFeatureMap",
+    "available",
+    "deserialize",
+    "get",
+    "register",
+    "serialize",
+]

@@ -1,0 +1,329 @@
+"""LinearAttention: multi-head kernelized attention in O(N) time and memory."""
+
+import keras
+from keras import ops
+
+from keras_linattn import feature_maps as feature_maps_lib
+from keras_linattn.ops import core as la_ops
+
+
+@keras.saving.register_keras_serializable(package="keras_linattn")
+class LinearAttention(keras.layers.Layer):
+    """Multi-head linear attention, a drop-in for `keras.layers.MultiHeadAttention`.
+
+    Queries and keys are projected per head and mapped through a feature map
+    ``phi``; attention is ``phi(q)^T S / phi(q)^T z`` with
+    ``S = sum_j phi(k_j) v_j^T`` and ``z = sum_j phi(k_j)``, which costs
+    ``O(N * C * M)`` instead of ``O(N^2)``. Causal attention uses the
+    chunkwise-parallel algorithm. Features and the state ``(S, z)`` are
+    accumulated in float32 under any dtype policy.
+
+    Shapes: B batch, T query length, S key length, H heads, D key dim,
+    C feature dim, M value dim.
+
+    Args:
+        num_heads: number of attention heads H.
+        key_dim: size of each query/key head D.
+        value_dim: size of each value head M; defaults to `key_dim`.
+        feature_map: a registered name (`keras_linattn.feature_maps.available()`),
+            a serialized feature-map config, or a `FeatureMap` instance.
+            Default ``"elu"`` (elu + 1).
+        chunk_size: chunk length of the causal algorithm. Default 64.
+        dropout: dropout rate applied to the per-head attention output before
+            the output projection (linear attention has no attention matrix
+            to drop from).
+        use_bias: whether the projections have biases.
+        output_shape: size of the last output dim; defaults to the query's.
+        epsilon: relative guard of the normalizer (see
+            `keras_linattn.ops.linear_attention`).
+        kernel_initializer, bias_initializer, kernel_regularizer,
+        bias_regularizer, activity_regularizer, kernel_constraint,
+        bias_constraint: as in `keras.layers.MultiHeadAttention`.
+        seed: seed of the dropout.
+
+    Call arguments:
+        query: ``[B, T, dim]``.
+        value: ``[B, S, dim]``.
+        key: optional ``[B, S, dim]``; defaults to `value`.
+        key_mask: optional ``[B, S]`` padding mask of the keys (1 = keep).
+            Keras masks (e.g. from ``Embedding(mask_zero=True)``) on `value`
+            or `key` are used automatically.
+        attention_mask: not supported: a full ``[B, T, S]`` mask has no
+            linear-attention equivalent. Passing one raises ``ValueError``;
+            use `key_mask` for padding and `use_causal_mask` for causality.
+        use_causal_mask: causal self-attention (requires ``S == T``).
+        training: Python boolean, for dropout and training-only behaviour of
+            feature maps.
+        return_state: also return the final state ``(S [B, H, C, M], z [B, H, C])``.
+        initial_state: optional state to continue from (e.g. from the
+            previous piece of a long sequence with ``return_state=True``).
+
+    Returns:
+        ``[B, T, output_dim]``, and the state if `return_state`.
+
+    Example:
+
+    >>> layer = LinearAttention(num_heads=4, key_dim=16, feature_map="elu")
+    >>> x = keras.random.normal((2, 100, 64))
+    >>> layer(x, x, use_causal_mask=True).shape
+    (2, 100, 64)
+    """
+
+    def __init__(
+        self,
+        num_heads,
+        key_dim,
+        value_dim=None,
+        feature_map="elu",
+        chunk_size=64,
+        dropout=0.0,
+        use_bias=True,
+        output_shape=None,
+        epsilon=la_ops.DEFAULT_EPSILON,
+        kernel_initializer="glorot_uniform",
+        bias_initializer="zeros",
+        kernel_regularizer=None,
+        bias_regularizer=None,
+        activity_regularizer=None,
+        kernel_constraint=None,
+        bias_constraint=None,
+        seed=None,
+        **kwargs,
+    ):
+        super().__init__(activity_regularizer=activity_regularizer, **kwargs)
+        self.supports_masking = True
+        for name, val in (("num_heads", num_heads), ("key_dim", key_dim), ("chunk_size", chunk_size)):
+            la_ops._check_positive_int(name, val)
+        if value_dim is not None:
+            la_ops._check_positive_int("value_dim", value_dim)
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
+        if not isinstance(epsilon, (int, float)) or epsilon < 0:
+            raise ValueError(f"`epsilon` must be a non-negative number. Received: epsilon={epsilon!r}")
+        if output_shape is not None:
+            if isinstance(output_shape, (list, tuple)):
+                if len(output_shape) != 1:
+                    raise ValueError(
+                        "`output_shape` must be an int or a 1-tuple. "
+                        f"Received: output_shape={output_shape!r}"
+                    )
+                output_shape = output_shape[0]
+            la_ops._check_positive_int("output_shape", output_shape)
+        self.num_heads = num_heads
+        self.key_dim = key_dim
+        self.value_dim = value_dim if value_dim is not None else key_dim
+        self.feature_map = feature_maps_lib.get(feature_map)
+        self.chunk_size = chunk_size
+        self.dropout = dropout
+        self.use_bias = use_bias
+        self.output_shape_ = output_shape
+        self.epsilon = float(epsilon)
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.bias_initializer = keras.initializers.get(bias_initializer)
+        self.kernel_regularizer = keras.regularizers.get(kernel_regularizer)
+        self.bias_regularizer = keras.regularizers.get(bias_regularizer)
+        self.kernel_constraint = keras.constraints.get(kernel_constraint)
+        self.bias_constraint = keras.constraints.get(bias_constraint)
+        self.seed = seed
+        self.feature_dim = self.feature_map.feature_dim(key_dim)
+        self._dropout_layer = keras.layers.Dropout(dropout, seed=seed)
+
+    # ------------------------------------------------------------------ build
+    def _dense(self, equation, output_shape, bias_axes, name):
+        # A fresh initializer per weight: an initializer instance reuses its seed.
+        kernel_init = self.kernel_initializer.__class__.from_config(self.kernel_initializer.get_config())
+        bias_init = self.bias_initializer.__class__.from_config(self.bias_initializer.get_config())
+        return keras.layers.EinsumDense(
+            equation,
+            output_shape=output_shape,
+            bias_axes=bias_axes if self.use_bias else None,
+            kernel_initializer=kernel_init,
+            bias_initializer=bias_init,
+            kernel_regularizer=self.kernel_regularizer,
+            bias_regularizer=self.bias_regularizer,
+            kernel_constraint=self.kernel_constraint,
+            bias_constraint=self.bias_constraint,
+            dtype=self.dtype_policy,
+            name=name,
+        )
+
+    def build(self, query_shape, value_shape, key_shape=None):
+        key_shape = value_shape if key_shape is None else key_shape
+        for name, shape in (("query", query_shape), ("value", value_shape), ("key", key_shape)):
+            if len(shape) != 3:
+                raise ValueError(
+                    f"`{name}` must have rank 3 [batch, length, dim]. "
+                    f"Received: {name}.shape={tuple(shape)}"
+                )
+        if value_shape[1] is not None and key_shape[1] is not None and value_shape[1] != key_shape[1]:
+            raise ValueError(
+                "`key` and `value` must have the same length. "
+                f"Received: key.shape={tuple(key_shape)}, value.shape={tuple(value_shape)}"
+            )
+        h, d, m = self.num_heads, self.key_dim, self.value_dim
+        out_dim = self.output_shape_ or query_shape[-1]
+        self.query_dense = self._dense("btd,dhk->bthk", (None, h, d), "hk", "query")
+        self.query_dense.build(query_shape)
+        self.key_dense = self._dense("btd,dhk->bthk", (None, h, d), "hk", "key")
+        self.key_dense.build(key_shape)
+        self.value_dense = self._dense("btd,dhk->bthk", (None, h, m), "hk", "value")
+        self.value_dense.build(value_shape)
+        self.output_dense = self._dense("bthk,hkd->btd", (None, out_dim), "d", "attention_output")
+        self.output_dense.build((query_shape[0], query_shape[1], h, m))
+        self.feature_map.build((None, None, h, d))
+        self.built = True
+
+    # ------------------------------------------------------------------- call
+    def project(self, query, value, key=None):
+        """Per-head projections before the feature map.
+
+        Returns ``(q [B, T, H, D], k [B, S, H, D], v [B, S, H, M])``; used by
+        attention distillation and by anyone who wants to inspect the
+        attention this layer computes.
+        """
+        if key is None:
+            key = value
+        q = self.query_dense(query)  # [B, T, H, D]
+        k = self.key_dense(key)  # [B, S, H, D]
+        v = self.value_dense(value)  # [B, S, H, M]
+        return q, k, v
+
+    def _features(self, query, value, key, causal, training):
+        """Projects and feature-maps: ([B,T,H,C], [B,S,H,C], [B,S,H,M])."""
+        q, k, v = self.project(query, value, key)
+        qf = self.feature_map(q, is_query=True, causal=causal, training=training)  # [B, T, H, C]
+        kf = self.feature_map(k, is_query=False, causal=causal, training=training)  # [B, S, H, C]
+        return qf, kf, v
+
+    def _project_output(self, attended, training):
+        attended = self._dropout_layer(attended, training=training)  # [B, T, H, M]
+        return self.output_dense(attended)  # [B, T, out_dim]
+
+    def call(
+        self,
+        query,
+        value,
+        key=None,
+        query_mask=None,
+        value_mask=None,
+        key_mask=None,
+        attention_mask=None,
+        use_causal_mask=False,
+        training=None,
+        return_state=False,
+        initial_state=None,
+    ):
+        if attention_mask is not None:
+            raise ValueError(
+                "LinearAttention does not support an arbitrary `attention_mask`: a full "
+                "[B, T, S] mask cannot be applied without forming the T x S attention "
+                "matrix, which linear attention never does. Use `key_mask` ([B, S]) for "
+                "padding and `use_causal_mask=True` for causal attention. "
+                f"Received: attention_mask with shape {tuple(attention_mask.shape)}"
+            )
+        if key is None:
+            key = value
+        if key_mask is None:
+            key_mask = value_mask
+        if use_causal_mask and query.shape[1] is not None and key.shape[1] is not None and query.shape[1] != key.shape[1]:
+            raise ValueError(
+                "`use_causal_mask=True` needs query and key of the same length. "
+                f"Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}"
+            )
+        if initial_state is not None:
+            la_ops.check_state(
+                initial_state, self.num_heads, self.feature_dim, self.value_dim, name="initial_state"
+            )
+        qf, kf, v = self._features(query, value, key, use_causal_mask, training)
+        result = la_ops.linear_attention(
+            qf,
+            kf,
+            v,
+            causal=use_causal_mask,
+            key_mask=key_mask,
+            chunk_size=self.chunk_size,
+            initial_state=initial_state,
+            return_state=return_state,
+            eps=self.epsilon,
+        )
+        if return_state:
+            attended, state = result
+            return self._project_output(attended, training), state
+        return self._project_output(result, training)
+
+    def compute_mask(self, query, value, key=None, query_mask=None, value_mask=None, key_mask=None, **kwargs):
+        if kwargs.get("return_state"):
+            return (query_mask, None)
+        return query_mask
+
+    # -------------------------------------------------------- recurrent API
+    def get_initial_state(self, batch_size):
+        """Empty state ``(S [B, H, C, M], z [B, H, C])`` (float32 zeros)."""
+        return la_ops.zero_state(batch_size, self.num_heads, self.feature_dim, self.value_dim)
+
+    def step(self, query_t, value_t, state, key_t=None, training=None):
+        """One causal decoding step, sharing weights with the parallel layer.
+
+        Args:
+            query_t: ``[B, dim]`` the query at step t.
+            value_t: ``[B, dim]`` the value at step t.
+            state: ``(S, z)`` from `get_initial_state` or a previous step
+                (or from ``call(..., return_state=True)``).
+            key_t: optional ``[B, dim]``; defaults to `value_t`.
+
+        Returns:
+            ``(output_t [B, output_dim], new_state)``.
+        """
+        if key_t is None:
+            key_t = value_t
+        for name, x in (("query_t", query_t), ("value_t", value_t), ("key_t", key_t)):
+            if len(x.shape) != 2:
+                raise ValueError(
+                    f"`{name}` must have rank 2 [batch, dim]. Received: {name}.shape={tuple(x.shape)}"
+                )
+        batch = query_t.shape[0]
+        la_ops.check_state(
+            state, self.num_heads, self.feature_dim, self.value_dim, batch_size=batch, name="state"
+        )
+        if not self.built:
+            self.build(
+                (None, None, query_t.shape[-1]), (None, None, value_t.shape[-1]), (None, None, key_t.shape[-1])
+            )
+        qf, kf, v = self._features(
+            query_t[:, None], value_t[:, None], key_t[:, None], True, training
+        )  # [B, 1, H, C], [B, 1, H, C], [B, 1, H, M]
+        out, new_state = la_ops.linear_attention_step(qf[:, 0], kf[:, 0], v[:, 0], state, eps=self.epsilon)
+        out = self._project_output(out[:, None], training)  # [B, 1, out_dim]
+        return out[:, 0], new_state
+
+    # ----------------------------------------------------------------- config
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "num_heads": self.num_heads,
+                "key_dim": self.key_dim,
+                "value_dim": self.value_dim,
+                "feature_map": feature_maps_lib.serialize(self.feature_map),
+                "chunk_size": self.chunk_size,
+                "dropout": self.dropout,
+                "use_bias": self.use_bias,
+                "output_shape": self.output_shape_,
+                "epsilon": self.epsilon,
+                "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
+                "bias_initializer": keras.initializers.serialize(self.bias_initializer),
+                "kernel_regularizer": keras.regularizers.serialize(self.kernel_regularizer),
+                "bias_regularizer": keras.regularizers.serialize(self.bias_regularizer),
+                "activity_regularizer": keras.regularizers.serialize(self.activity_regularizer),
+                "kernel_constraint": keras.constraints.serialize(self.kernel_constraint),
+                "bias_constraint": keras.constraints.serialize(self.bias_constraint),
+                "seed": self.seed,
+            }
+        )
+        return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config["feature_map"] = feature_maps_lib.get(config["feature_map"])
+        return cls(**config)

@@ -1,0 +1,27 @@
+"""Pure attention functions (no weights): linear attention and exact references."""
+
+from keras_linattn.ops.core import (
+    DEFAULT_EPSILON,
+    check_state,
+    linear_attention,
+    linear_attention_step,
+    zero_state,
+)
+from keras_linattn.ops.reference import (
+    kernel_attention_reference,
+    kernel_attention_weights,
+    softmax_attention,
+    softmax_attention_weights,
+)
+
+__all__ = [
+    "DEFAULT_EPSILON",
+    "check_state",
+    "kernel_attention_reference",
+    "kernel_attention_weights",
+    "linear_attention",
+    "linear_attention_step",
+    "softmax_attention",
+    "softmax_attention_weights",
+    "zero_state",
+]

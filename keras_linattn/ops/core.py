@@ -1,0 +1,298 @@
+"""Linear (kernelized) attention as pure functions of feature-mapped tensors.
+
+Shape legend (used in every shape comment of this package):
+
+    B batch, T query length, S key length, H heads,
+    D key dim, C feature dim, M value dim, L chunk length, N number of chunks
+
+Given query features ``phi(q)`` ``[B, T, H, C]``, key features ``phi(k)``
+``[B, S, H, C]`` and values ``v`` ``[B, S, H, M]``:
+
+    out_i = phi(q_i)^T S / (phi(q_i)^T z),  S = sum_j phi(k_j) v_j^T,  z = sum_j phi(k_j)
+
+Non-causal attention uses one ``(S, z)`` per batch and head. Causal attention
+uses the chunkwise-parallel form: inside a chunk a masked ``L x L`` product,
+across chunks an exclusive prefix sum of chunk states. Everything is
+accumulated in float32 whatever the input dtype.
+
+The numerator and the denominator are computed by the same contractions: the
+values are extended with a column of ones, so ``S`` and ``z`` travel together
+as one ``[B, H, C, M + 1]`` tensor inside these functions.
+"""
+
+from keras import ops
+
+DEFAULT_EPSILON = 1e-6
+# Added to the denominator guard so that a zero query feature vector with no
+# keys gives 0 / tiny = 0 instead of 0 / 0.
+_TINY = 1e-30
+
+
+def _check_rank(name, x, rank):
+    if len(x.shape) != rank:
+        raise ValueError(
+            f"`{name}` must have rank {rank}. Received: {name}.shape={tuple(x.shape)}"
+        )
+
+
+def _check_positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(
+            f"`{name}` must be a positive integer. Received: {name}={value!r}"
+        )
+
+
+def _validate(q_features, k_features, v, key_mask, initial_state):
+    _check_rank("q_features", q_features, 4)
+    _check_rank("k_features", k_features, 4)
+    _check_rank("v", v, 4)
+    qh, qc = q_features.shape[2], q_features.shape[3]
+    kh, kc = k_features.shape[2], k_features.shape[3]
+    vh = v.shape[2]
+    if qc is not None and kc is not None and qc != kc:
+        raise ValueError(
+            "`q_features` and `k_features` must have the same feature dim C. "
+            f"Received: q_features.shape={tuple(q_features.shape)}, "
+            f"k_features.shape={tuple(k_features.shape)}"
+        )
+    for name, h in (("k_features", kh), ("v", vh)):
+        if qh is not None and h is not None and qh != h:
+            raise ValueError(
+                f"`q_features` and `{name}` must have the same number of heads H. "
+                f"Received: q_features.shape={tuple(q_features.shape)}, "
+                f"{name}.shape={tuple(k_features.shape if name == 'k_features' else v.shape)}"
+            )
+    ks, vs = k_features.shape[1], v.shape[1]
+    if ks is not None and vs is not None and ks != vs:
+        raise ValueError(
+            "`k_features` and `v` must have the same length S. "
+            f"Received: k_features.shape={tuple(k_features.shape)}, v.shape={tuple(v.shape)}"
+        )
+    if key_mask is not None:
+        _check_rank("key_mask", key_mask, 2)
+        if ks is not None and key_mask.shape[1] is not None and key_mask.shape[1] != ks:
+            raise ValueError(
+                "`key_mask` must have shape [B, S] matching `k_features`. "
+                f"Received: key_mask.shape={tuple(key_mask.shape)}, "
+                f"k_features.shape={tuple(k_features.shape)}"
+            )
+    if initial_state is not None:
+        check_state(initial_state, q_features.shape[2], q_features.shape[3], v.shape[3])
+
+
+def check_state(state, num_heads, feature_dim, value_dim, batch_size=None, name="state"):
+    """Validates a linear-attention state ``(S [B, H, C, M], z [B, H, C])``.
+
+    Raises:
+        ValueError: naming `name` and the shapes received, if the state is not
+            a pair of tensors of the expected shapes.
+    """
+    if not isinstance(state, (tuple, list)) or len(state) != 2:
+        raise ValueError(
+            f"`{name}` must be a pair (S, z) with S of shape [B, H, C, M] and z of "
+            f"shape [B, H, C]. Received: {name}={state!r}"
+        )
+    s, z = state
+    expected_s = (batch_size, num_heads, feature_dim, value_dim)
+    expected_z = (batch_size, num_heads, feature_dim)
+    for part, x, expected in (("S", s, expected_s), ("z", z, expected_z)):
+        shape = tuple(x.shape)
+        ok = len(shape) == len(expected) and all(
+            e is None or d is None or d == e for d, e in zip(shape, expected)
+        )
+        if not ok:
+            raise ValueError(
+                f"`{name}` {part} must have shape {_fmt(expected)}. "
+                f"Received: {name}[{0 if part == 'S' else 1}].shape={shape}"
+            )
+    if tuple(s.shape)[0] is not None and tuple(z.shape)[0] is not None and s.shape[0] != z.shape[0]:
+        raise ValueError(
+            f"`{name}` S and z must have the same batch size. "
+            f"Received: S.shape={tuple(s.shape)}, z.shape={tuple(z.shape)}"
+        )
+
+
+def _fmt(shape):
+    return "[" + ", ".join("B" if d is None else str(d) for d in shape) + "]"
+
+
+def _mask_keys(k_features, key_mask):
+    """Zeroes the features of padded keys (after the feature map)."""
+    if key_mask is None:
+        return k_features
+    m = ops.cast(key_mask, "float32")[:, :, None, None]  # [B, S, 1, 1]
+    return k_features * m
+
+
+def _augment_values(v):
+    """Appends a column of ones so the denominator rides along: [B, S, H, M+1]."""
+    ones = ops.ones_like(v[..., :1])  # [B, S, H, 1]
+    return ops.concatenate([v, ones], axis=-1)
+
+
+def _pack_state(state):
+    s, z = state
+    s = ops.cast(s, "float32")  # [B, H, C, M]
+    z = ops.cast(z, "float32")  # [B, H, C]
+    return ops.concatenate([s, z[..., None]], axis=-1)  # [B, H, C, M+1]
+
+
+def _unpack_state(packed):
+    return packed[..., :-1], packed[..., -1]  # [B, H, C, M], [B, H, C]
+
+
+def _normalize(q_features, num_den, eps):
+    """Splits [..., M+1] into numerator / guarded denominator."""
+    num = num_den[..., :-1]
+    den = num_den[..., -1:]
+    guard = eps * ops.sum(ops.abs(q_features), axis=-1, keepdims=True) + _TINY
+    return num / ops.maximum(den, guard)
+
+
+def linear_attention(
+    q_features,
+    k_features,
+    v,
+    causal=False,
+    key_mask=None,
+    chunk_size=64,
+    initial_state=None,
+    return_state=False,
+    eps=DEFAULT_EPSILON,
+):
+    """Kernelized linear attention over feature-mapped queries and keys.
+
+    Args:
+        q_features: query features ``phi(q)``, ``[B, T, H, C]``.
+        k_features: key features ``phi(k)``, ``[B, S, H, C]``.
+        v: values, ``[B, S, H, M]``.
+        causal: if True, query ``i`` attends to keys ``0..i`` only (requires
+            ``S == T``). Computed with the chunkwise-parallel algorithm.
+        key_mask: optional ``[B, S]`` boolean/0-1 mask, 1 for real keys.
+            Padded keys contribute nothing (masking happens on the features,
+            i.e. after the feature map).
+        chunk_size: chunk length ``L`` of the causal algorithm. Any ``T`` is
+            accepted; the sequence is padded to a multiple of ``L`` internally.
+        initial_state: optional ``(S [B, H, C, M], z [B, H, C])`` to continue
+            from, e.g. the state returned for the previous piece of a sequence.
+        return_state: if True, also return the final state ``(S, z)``.
+        eps: relative guard of the denominator: ``phi(q).z`` is floored at
+            ``eps * sum|phi(q)|``. A query with no (unmasked) key gets 0.
+
+    Returns:
+        ``[B, T, H, M]`` in the dtype of ``v`` (and the float32 state
+        ``(S, z)`` if ``return_state``).
+    """
+    _validate(q_features, k_features, v, key_mask, initial_state)
+    _check_positive_int("chunk_size", chunk_size)
+    out_dtype = v.dtype
+    q = ops.cast(q_features, "float32")  # [B, T, H, C]
+    k = _mask_keys(ops.cast(k_features, "float32"), key_mask)  # [B, S, H, C]
+    va = _augment_values(ops.cast(v, "float32"))  # [B, S, H, M+1]
+    s0 = None if initial_state is None else _pack_state(initial_state)  # [B, H, C, M+1]
+    if causal:
+        num_den, state = _causal_chunked(q, k, va, chunk_size, s0)
+    else:
+        state = ops.einsum("bshc,bshm->bhcm", k, va)  # [B, H, C, M+1]
+        if s0 is not None:
+            state = state + s0
+        num_den = ops.einsum("bthc,bhcm->bthm", q, state)  # [B, T, H, M+1]
+    out = ops.cast(_normalize(q, num_den, eps), out_dtype)  # [B, T, H, M]
+    if return_state:
+        return out, _unpack_state(state)
+    return out
+
+
+def _causal_chunked(q, k, va, chunk_size, s0):
+    """Chunkwise-parallel causal attention on float32 tensors.
+
+    Returns ``(num_den [B, T, H, M+1], final packed state [B, H, C, M+1])``.
+    """
+    t_static = q.shape[1]
+    if k.shape[1] is not None and t_static is not None and k.shape[1] != t_static:
+        raise ValueError(
+            "Causal attention needs as many keys as queries (S == T). "
+            f"Received: q_features.shape={tuple(q.shape)}, k_features.shape={tuple(k.shape)}"
+        )
+    h, c, m1 = q.shape[2], q.shape[3], va.shape[3]
+    length = ops.shape(q)[1]
+    chunk = chunk_size
+    if t_static is not None:
+        # Never use chunks longer than the (static) sequence: saves work for
+        # short sequences and keeps the result independent of padding.
+        chunk = max(1, min(chunk_size, t_static))
+    pad = (-length) % chunk
+    paddings = [[0, 0], [0, pad], [0, 0], [0, 0]]
+    q = ops.pad(q, paddings)  # [B, N*L, H, C]
+    k = ops.pad(k, paddings)  # [B, N*L, H, C]
+    va = ops.pad(va, paddings)  # [B, N*L, H, M+1]
+    qc = ops.reshape(q, (ops.shape(q)[0], -1, chunk, h, c))  # [B, N, L, H, C]
+    kc = ops.reshape(k, (ops.shape(k)[0], -1, chunk, h, c))  # [B, N, L, H, C]
+    vc = ops.reshape(va, (ops.shape(va)[0], -1, chunk, h, m1))  # [B, N, L, H, M+1]
+
+    # Intra-chunk: masked L x L products.
+    scores = ops.einsum("bnlhc,bnshc->bnhls", qc, kc)  # [B, N, H, L, L]
+    tril = ops.tril(ops.ones((chunk, chunk), dtype="bool"))  # [L, L]
+    scores = ops.where(tril, scores, ops.zeros_like(scores))
+    intra = ops.einsum("bnhls,bnshm->bnlhm", scores, vc)  # [B, N, L, H, M+1]
+
+    # Inter-chunk: exclusive prefix sum of chunk states.
+    chunk_states = ops.einsum("bnshc,bnshm->bnhcm", kc, vc)  # [B, N, H, C, M+1]
+    inclusive = ops.cumsum(chunk_states, axis=1)  # [B, N, H, C, M+1]
+    exclusive = ops.pad(inclusive, [[0, 0], [1, 0], [0, 0], [0, 0], [0, 0]])[:, :-1]
+    if s0 is not None:
+        exclusive = exclusive + s0[:, None]  # [B, N, H, C, M+1]
+    inter = ops.einsum("bnlhc,bnhcm->bnlhm", qc, exclusive)  # [B, N, L, H, M+1]
+
+    num_den = ops.reshape(intra + inter, (ops.shape(q)[0], -1, h, m1))  # [B, N*L, H, M+1]
+    num_den = num_den[:, :length]  # [B, T, H, M+1]
+    final = inclusive[:, -1]  # [B, H, C, M+1]
+    if s0 is not None:
+        final = final + s0
+    return num_den, final
+
+
+def linear_attention_step(q_t, k_t, v_t, state, key_mask_t=None, eps=DEFAULT_EPSILON):
+    """One recurrent step of causal linear attention.
+
+    ``S <- S + phi(k_t) v_t^T``, ``z <- z + phi(k_t)``, then
+    ``out_t = phi(q_t)^T S / phi(q_t)^T z``.
+
+    Args:
+        q_t: query features at step t, ``[B, H, C]``.
+        k_t: key features at step t, ``[B, H, C]``.
+        v_t: values at step t, ``[B, H, M]``.
+        state: ``(S [B, H, C, M], z [B, H, C])``.
+        key_mask_t: optional ``[B]`` mask; a masked step leaves the state
+            unchanged.
+        eps: relative denominator guard (see `linear_attention`).
+
+    Returns:
+        ``(out_t [B, H, M], (S, z))`` with the state in float32.
+    """
+    _check_rank("q_t", q_t, 3)
+    _check_rank("k_t", k_t, 3)
+    _check_rank("v_t", v_t, 3)
+    check_state(state, q_t.shape[1], q_t.shape[2], v_t.shape[2])
+    out_dtype = v_t.dtype
+    q = ops.cast(q_t, "float32")  # [B, H, C]
+    k = ops.cast(k_t, "float32")  # [B, H, C]
+    if key_mask_t is not None:
+        k = k * ops.cast(key_mask_t, "float32")[:, None, None]
+    v = ops.cast(v_t, "float32")  # [B, H, M]
+    s, z = state
+    s = ops.cast(s, "float32") + k[..., :, None] * v[..., None, :]  # [B, H, C, M]
+    z = ops.cast(z, "float32") + k  # [B, H, C]
+    num = ops.einsum("bhc,bhcm->bhm", q, s)  # [B, H, M]
+    den = ops.sum(q * z, axis=-1, keepdims=True)  # [B, H, 1]
+    guard = eps * ops.sum(ops.abs(q), axis=-1, keepdims=True) + _TINY
+    out = num / ops.maximum(den, guard)
+    return ops.cast(out, out_dtype), (s, z)
+
+
+def zero_state(batch_size, num_heads, feature_dim, value_dim):
+    """An empty state ``(S, z)``: zeros of ``[B, H, C, M]`` and ``[B, H, C]``."""
+    return (
+        ops.zeros((batch_size, num_heads, feature_dim, value_dim), dtype="float32"),
+        ops.zeros((batch_size, num_heads, feature_dim), dtype="float32"),
+    )

@@ -1,0 +1,74 @@
+"""Exact quadratic-time attention, the oracles that the fast paths are tested against.
+
+Shape legend: B batch, T query length, S key length, H heads, D key dim,
+C feature dim, M value dim.
+"""
+
+from keras import ops
+
+
+def _pair_mask(batch_t, batch_s, causal, key_mask, t, s):
+    """[B, 1, T, S] boolean mask of allowed (query, key) pairs, or None."""
+    mask = None
+    if causal:
+        mask = ops.tril(ops.ones((t, s), dtype="bool"))[None, None]  # [1, 1, T, S]
+    if key_mask is not None:
+        km = ops.cast(key_mask, "bool")[:, None, None, :]  # [B, 1, 1, S]
+        mask = km if mask is None else ops.logical_and(mask, km)
+    return mask
+
+
+def kernel_attention_reference(q_features, k_features, v, causal=False, key_mask=None):
+    """Quadratic kernel attention: ``A = phi(q) phi(k)^T``, ``out = A v / A 1``.
+
+    Same contract as `keras_linattn.ops.linear_attention` (features
+    ``[B, T, H, C]``, ``[B, S, H, C]``, values ``[B, S, H, M]``), computed
+    the slow, obvious way in float32. Rows with no allowed key give 0.
+    """
+    q = ops.cast(q_features, "float32")
+    k = ops.cast(k_features, "float32")
+    v32 = ops.cast(v, "float32")
+    t, s = q.shape[1], k.shape[1]
+    scores = ops.einsum("bthc,bshc->bhts", q, k)  # [B, H, T, S]
+    mask = _pair_mask(None, None, causal, key_mask, t, s)
+    if mask is not None:
+        scores = ops.where(mask, scores, ops.zeros_like(scores))
+    num = ops.einsum("bhts,bshm->bthm", scores, v32)  # [B, T, H, M]
+    den = ops.transpose(ops.sum(scores, axis=-1), (0, 2, 1))[..., None]  # [B, T, H, 1]
+    safe = ops.where(ops.equal(den, 0.0), ops.ones_like(den), den)
+    return ops.cast(num / safe, v.dtype)
+
+
+def kernel_attention_weights(q_features, k_features, causal=False, key_mask=None):
+    """Normalized linear-attention weights ``[B, H, T, S]`` (rows sum to 1)."""
+    q = ops.cast(q_features, "float32")
+    k = ops.cast(k_features, "float32")
+    scores = ops.einsum("bthc,bshc->bhts", q, k)  # [B, H, T, S]
+    mask = _pair_mask(None, None, causal, key_mask, q.shape[1], k.shape[1])
+    if mask is not None:
+        scores = ops.where(mask, scores, ops.zeros_like(scores))
+    den = ops.sum(scores, axis=-1, keepdims=True)
+    return scores / ops.where(ops.equal(den, 0.0), ops.ones_like(den), den)
+
+
+def softmax_attention_weights(q, k, causal=False, key_mask=None, scale=None):
+    """Softmax attention weights ``[B, H, T, S]`` of raw queries/keys ``[B, *, H, D]``."""
+    q = ops.cast(q, "float32")
+    k = ops.cast(k, "float32")
+    if scale is None:
+        scale = float(q.shape[-1]) ** -0.5
+    logits = ops.einsum("bthd,bshd->bhts", q, k) * scale  # [B, H, T, S]
+    mask = _pair_mask(None, None, causal, key_mask, q.shape[1], k.shape[1])
+    if mask is not None:
+        logits = ops.where(mask, logits, ops.full_like(logits, -1e30))
+    weights = ops.softmax(logits, axis=-1)
+    if mask is not None:
+        weights = ops.where(mask, weights, ops.zeros_like(weights))
+    return weights
+
+
+def softmax_attention(q, k, v, causal=False, key_mask=None, scale=None):
+    """Exact softmax attention ``[B, T, H, M]`` of queries/keys ``[B, *, H, D]``."""
+    weights = softmax_attention_weights(q, k, causal, key_mask, scale)  # [B, H, T, S]
+    out = ops.einsum("bhts,bshm->bthm", weights, ops.cast(v, "float32"))
+    return ops.cast(out, v.dtype)
