@@ -2,6 +2,7 @@
 
 import keras
 from keras import ops
+from keras.src.backend.common.masking import set_keras_mask
 
 from keras_linattn import feature_maps as feature_maps_lib
 from keras_linattn.ops import core as la_ops
@@ -225,6 +226,11 @@ class LinearAttention(keras.layers.Layer):
             key = value
         if key_mask is None:
             key_mask = value_mask
+        # Masks are consumed here (as key padding); the projections must not
+        # see them. The output gets the query's mask back through
+        # `supports_masking` (Layer.compute_mask returns the query mask).
+        for tensor in (query, value, key):
+            set_keras_mask(tensor, None)
         if use_causal_mask and query.shape[1] is not None and key.shape[1] is not None and query.shape[1] != key.shape[1]:
             raise ValueError(
                 "`use_causal_mask=True` needs query and key of the same length. "
@@ -250,11 +256,6 @@ class LinearAttention(keras.layers.Layer):
             attended, state = result
             return self._project_output(attended, training), state
         return self._project_output(result, training)
-
-    def compute_mask(self, query, value, key=None, query_mask=None, value_mask=None, key_mask=None, **kwargs):
-        if kwargs.get("return_state"):
-            return (query_mask, None)
-        return query_mask
 
     # -------------------------------------------------------- recurrent API
     def get_initial_state(self, batch_size):
