@@ -1,0 +1,93 @@
+"""FAVOR+ positive random features (Choromanski et al. 2021, "Rethinking Attention with Performers")."""
+
+import math
+
+from keras import ops
+
+from keras_linattn.feature_maps.random_features import RandomFeatureMap
+from keras_linattn.feature_maps.registry import register
+
+# Upper bound of a causal key's exponent. ``w.x' - |x'|^2/2 <= |w|^2/2`` for
+# every x', so with D <= 64 the bound is never reached in practice; it only
+# keeps a key lying almost exactly on a random direction of a large-D
+# projection from overflowing float32 (exp(50) ~ 5e21, leaving room to sum
+# ~1e16 such keys).
+KEY_EXPONENT_CAP = 50.0
+
+
+@register("favor+")
+class FavorPlusFeatureMap(RandomFeatureMap):
+    """FAVOR+: positive orthogonal random features for the softmax kernel.
+
+    ``phi(x)_i = exp(w_i . x' - |x'|^2 / 2 - stab) / sqrt(m)`` with
+    ``x' = x * D^(-1/4)`` and ``w_i`` the rows of a random Gaussian projection
+    ``W [H, m, D]`` (one independent draw per head). Since
+    ``E[exp(w.q') exp(w.k')] = exp(|q'|^2/2 + |k'|^2/2 + q'.k')``,
+    ``phi(q) . phi(k)`` is an unbiased estimate of ``exp(q.k / sqrt(D))``
+    (up to the constant ``stab`` factors, which the attention normalization
+    removes): linear attention with these features approximates softmax
+    attention, with an error that falls as ``1 / sqrt(m)``. All features are
+    positive, so attention weights and denominators are positive.
+
+    Stabilizers (``stab``), chosen so that they cancel exactly in
+    ``phi(q)^T S / phi(q)^T z``:
+
+    - queries: the per-token max of the exponent over the m features (a
+      per-query factor, cancels between numerator and denominator);
+    - keys, non-causal: the max over all keys and features of each
+      (batch, head) — one constant for every key of a row, cancels;
+    - keys, causal: none. A max over time would make a key's features depend
+      on later tokens (leaking the future), and a per-token shift of a key
+      does not cancel (it reweights that key against the others). The
+      exponent is bounded by construction, ``w.x' - |x'|^2/2 <= |w|^2/2``,
+      and is additionally capped at 50 so that float32 cannot overflow.
+
+    The projection is a non-trainable weight created in `build` from `seed`:
+    it is saved with the model, exported as a constant and never changes at
+    inference. `redraw()` draws a new one; during training, the
+    `keras_linattn.callbacks.RedrawRandomFeatures` callback does it every n
+    steps. Features are computed in float32 (the map's dtype) under any
+    mixed-precision policy. ``C = m``.
+
+    Args:
+        num_features: m, the number of random features per head. Default 256.
+        kind: ``"orthogonal"`` (default; blocks of D orthogonal rows from the
+            QR of Gaussian matrices, lower variance) or ``"iid"``.
+        scaling: ``"chi"`` (default; chi(D) row norms, unbiased) or ``"sqrt"``
+            (every row norm ``sqrt(D)``).
+        scale: input multiplier; None means ``D^(-1/4)`` (softmax kernel with
+            the usual ``1/sqrt(D)`` temperature).
+        seed: None or a non-negative int fixing the initial projection.
+        **kwargs: standard `keras.layers.Layer` arguments.
+
+    Call arguments:
+        inputs: ``[B, T, H, D]`` projected queries or keys.
+        is_query: selects the stabilizer (see above).
+        causal: selects the key stabilizer (see above).
+
+    Returns:
+        ``[B, T, H, m]`` positive float32 features.
+
+    Example:
+
+    >>> fm = FavorPlusFeatureMap(num_features=64, seed=0)
+    >>> fm(np.zeros((1, 4, 2, 16)), is_query=False, causal=True).shape
+    (1, 4, 2, 64)
+    """
+
+    def feature_dim(self, input_dim):
+        return self.num_features
+
+    def call(self, inputs, is_query=True, causal=False):
+        x, proj = self._project(inputs)  # [B, T, H, D], [B, T, H, m]
+        half_sq_norm = 0.5 * ops.sum(ops.square(x), axis=-1, keepdims=True)  # [B, T, H, 1]
+        exponent = proj - half_sq_norm  # [B, T, H, m]
+        if is_query:
+            stab = ops.max(exponent, axis=-1, keepdims=True)  # [B, T, H, 1]
+            exponent = exponent - ops.stop_gradient(stab)
+        elif not causal:
+            stab = ops.max(exponent, axis=(1, 3), keepdims=True)  # [B, 1, H, 1]
+            exponent = exponent - ops.stop_gradient(stab)
+        else:
+            exponent = ops.minimum(exponent, KEY_EXPONENT_CAP)  # [B, T, H, m]
+        return ops.exp(exponent) / math.sqrt(self.num_features)  # [B, T, H, m]

@@ -1,0 +1,220 @@
+"""Random projections shared by the random-feature maps (FAVOR+, FAVOR-trig).
+
+The projections are drawn with NumPy from an explicit seed, so that a map
+built twice from the same seed gets the same matrix on every backend and
+device. They are stored in non-trainable weights: a saved model keeps the
+matrix it was trained with, whatever the seed.
+
+Shape legend: H heads, m random features, D key dim.
+"""
+
+import numpy as np
+from keras import ops
+
+from keras_linattn.feature_maps.base import FeatureMap
+from keras_linattn.ops.core import _check_positive_int
+
+KINDS = ("orthogonal", "iid")
+SCALINGS = ("chi", "sqrt")
+
+
+def check_kind(kind):
+    if kind not in KINDS:
+        raise ValueError(f"`kind` must be one of {KINDS}. Received: kind={kind!r}")
+
+
+def check_scaling(scaling):
+    if scaling not in SCALINGS:
+        raise ValueError(f"`scaling` must be one of {SCALINGS}. Received: scaling={scaling!r}")
+
+
+def check_seed(seed):
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
+        raise ValueError(f"`seed` must be None or a non-negative int. Received: seed={seed!r}")
+
+
+def make_rng(seed, draw_index=0):
+    """NumPy generator for draw number `draw_index` of a map seeded with `seed`.
+
+    ``seed=None`` takes fresh entropy from the OS. Draw 0 is the one made in
+    `build`; draws 1, 2, ... are the successive `redraw()` calls, so a seeded
+    map redraws along a reproducible sequence.
+    """
+    if seed is None:
+        return np.random.default_rng()
+    return np.random.default_rng([int(seed), int(draw_index)])
+
+
+def orthogonal_block(rng, dim):
+    """A ``[dim, dim]`` Haar-distributed orthogonal matrix (QR of a Gaussian).
+
+    The signs of ``diag(R)`` are folded into ``Q`` so that the distribution
+    is uniform over the orthogonal group (a bare QR is biased).
+    """
+    gaussian = rng.standard_normal((dim, dim))  # [D, D]
+    q, r = np.linalg.qr(gaussian)
+    signs = np.sign(np.diag(r))
+    signs[signs == 0] = 1.0
+    return q * signs[None, :]  # [D, D], orthonormal rows and columns
+
+
+def gaussian_projection(rng, num_features, dim, kind="orthogonal", scaling="chi"):
+    """Random projection ``W [m, D]`` whose rows ``w_i`` define the features.
+
+    Args:
+        rng: a `numpy.random.Generator`.
+        num_features: m, the number of rows.
+        dim: D, the input dim.
+        kind: ``"orthogonal"``: rows come in blocks of D mutually orthogonal
+            directions (each block the Q of a Gaussian matrix's QR, the last
+            block truncated to ``m mod D`` rows); ``"iid"``: rows are
+            independent ``N(0, I_D)`` vectors.
+        scaling: row norms. ``"chi"``: each norm is drawn from the chi(D)
+            distribution (the norm of a D-dim standard Gaussian), so every row
+            is marginally ``N(0, I_D)`` and the softmax-kernel estimator is
+            unbiased. ``"sqrt"``: every row has norm ``sqrt(D)`` (the
+            "regularized" variant: lower variance, slightly biased).
+
+    Returns:
+        float32 array ``[m, D]``.
+    """
+    _check_positive_int("num_features", num_features)
+    _check_positive_int("dim", dim)
+    check_kind(kind)
+    check_scaling(scaling)
+    if kind == "orthogonal":
+        num_blocks = -(-num_features // dim)
+        blocks = [orthogonal_block(rng, dim) for _ in range(num_blocks)]  # each [D, D]
+        directions = np.concatenate(blocks, axis=0)[:num_features]  # [m, D], unit rows
+        if scaling == "chi":
+            norms = np.linalg.norm(rng.standard_normal((num_features, dim)), axis=1)  # [m]
+        else:
+            norms = np.full((num_features,), np.sqrt(dim))  # [m]
+        projection = directions * norms[:, None]  # [m, D]
+    else:
+        projection = rng.standard_normal((num_features, dim))  # [m, D]
+        if scaling == "sqrt":
+            projection *= np.sqrt(dim) / np.linalg.norm(projection, axis=1, keepdims=True)
+    return projection.astype("float32")
+
+
+def headwise_projection(rng, num_heads, num_features, dim, kind="orthogonal", scaling="chi"):
+    """Independent projections for each head: float32 ``[H, m, D]``."""
+    _check_positive_int("num_heads", num_heads)
+    return np.stack(
+        [gaussian_projection(rng, num_features, dim, kind, scaling) for _ in range(num_heads)]
+    )  # [H, m, D]
+
+
+class RandomFeatureMap(FeatureMap):
+    """Base of the feature maps built on a random Gaussian projection.
+
+    Holds the projection ``W [H, m, D]`` (one independent draw per head) in a
+    non-trainable float32 weight created in `build` from `seed`, and
+    `redraw()` to replace it. Subclasses turn ``(x', W x')`` into features.
+
+    Args:
+        num_features: m, the number of random features per head.
+        kind: ``"orthogonal"`` (blocks of orthogonal rows, lower variance) or
+            ``"iid"`` (independent Gaussian rows).
+        scaling: ``"chi"`` (chi(D)-distributed row norms, unbiased) or
+            ``"sqrt"`` (every row norm ``sqrt(D)``).
+        scale: multiplier of the inputs, ``x' = scale * x``; None means
+            ``D^(-1/4)``, so that ``exp(q'.k') = exp(q.k / sqrt(D))``, the
+            softmax kernel.
+        seed: None or a non-negative int; the projection drawn in `build` is
+            a function of the seed only. None draws from OS entropy.
+        **kwargs: standard `keras.layers.Layer` arguments.
+    """
+
+    def __init__(self, num_features=256, kind="orthogonal", scaling="chi", scale=None, seed=None, **kwargs):
+        super().__init__(**kwargs)
+        _check_positive_int("num_features", num_features)
+        check_kind(kind)
+        check_scaling(scaling)
+        if scale is not None and (
+            isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0
+        ):
+            raise ValueError(f"`scale` must be a positive number or None. Received: scale={scale!r}")
+        check_seed(seed)
+        self.num_features = num_features
+        self.kind = kind
+        self.scaling = scaling
+        self.scale = None if scale is None else float(scale)
+        self.seed = None if seed is None else int(seed)
+        self._draw_count = 0
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        num_heads, dim = input_shape[-2], input_shape[-1]
+        if num_heads is None or dim is None:
+            raise ValueError(
+                f"{type(self).__name__} needs known head and key dims [B, T, H, D]. "
+                f"Received: input_shape={tuple(input_shape)}"
+            )
+        self._num_heads, self._dim = int(num_heads), int(dim)
+        initial = headwise_projection(
+            make_rng(self.seed, 0), self._num_heads, self.num_features, self._dim, self.kind, self.scaling
+        )  # [H, m, D]
+        self.projection = self.add_weight(
+            name="projection",
+            shape=(self._num_heads, self.num_features, self._dim),
+            initializer=lambda shape, dtype=None: ops.convert_to_tensor(initial, dtype=dtype),
+            trainable=False,
+            dtype="float32",
+        )
+
+    def redraw(self, seed=None):
+        """Draws a new projection and assigns it to the weight.
+
+        Args:
+            seed: None continues the map's reproducible sequence of draws (draw
+                1, 2, ... of `self.seed`; fresh entropy when `self.seed` is
+                None). An int draws the matrix that a map built with
+                ``seed=seed`` has (``redraw(seed=self.seed)`` restores the
+                initial projection).
+        """
+        if not self.built:
+            raise ValueError(
+                f"{type(self).__name__} must be built (called once) before `redraw()`. "
+                f"Received: a map with built={self.built}"
+            )
+        if seed is None:
+            self._draw_count += 1
+            rng = make_rng(self.seed, self._draw_count)
+        else:
+            check_seed(seed)
+            rng = make_rng(seed, 0)
+        new = headwise_projection(rng, self._num_heads, self.num_features, self._dim, self.kind, self.scaling)
+        self.projection.assign(new)  # [H, m, D]
+
+    def _check_inputs(self, inputs):
+        if len(inputs.shape) != 4:
+            raise ValueError(
+                f"{type(self).__name__} expects inputs of rank 4 [B, T, H, D]. "
+                f"Received: inputs.shape={tuple(inputs.shape)}"
+            )
+        if inputs.shape[-2] != self._num_heads or inputs.shape[-1] != self._dim:
+            raise ValueError(
+                f"{type(self).__name__} was built for H={self._num_heads}, D={self._dim}. "
+                f"Received: inputs.shape={tuple(inputs.shape)}"
+            )
+
+    def _project(self, inputs):
+        """Returns ``(x' [B, T, H, D], W x' [B, T, H, m])`` in the compute dtype."""
+        self._check_inputs(inputs)
+        x = ops.cast(inputs, self.compute_dtype)
+        scale = self.scale if self.scale is not None else self._dim ** -0.25
+        x = x * scale  # [B, T, H, D]
+        w = ops.cast(self.projection, self.compute_dtype)  # [H, m, D]
+        return x, ops.einsum("bthd,hmd->bthm", x, w)  # [B, T, H, m]
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "num_features": self.num_features,
+            "kind": self.kind,
+            "scaling": self.scaling,
+            "scale": self.scale,
+            "seed": self.seed,
+        }
