@@ -1,0 +1,175 @@
+"""Shared machinery of the trainable, head-wise feature maps (ffn, glu, oglu, aoglu).
+
+Shape legend: B batch, T length, H heads, D input (key) dim, C feature dim,
+r rank of a low-rank factor.
+"""
+
+import math
+
+from keras import ops
+
+from keras_linattn.feature_maps.base import FeatureMap
+from keras_linattn.regularizers import OrthogonalRegularizer
+
+HIDDEN_ACTIVATIONS = {
+    "gelu": ops.gelu,
+    "relu": ops.relu,
+    "sigmoid": ops.sigmoid,
+    "tanh": ops.tanh,
+}
+
+
+def check_int_range(name, value, low, high):
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(
+            f"`{name}` must be an integer in [{low}, {high}]. Received: {name}={value!r}"
+        )
+
+
+def check_optional_positive_int(name, value):
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"`{name}` must be a positive integer or None. Received: {name}={value!r}")
+
+
+def check_activation(name, value):
+    if value not in HIDDEN_ACTIVATIONS:
+        raise ValueError(
+            f"Unknown `{name}`. Expected one of {sorted(HIDDEN_ACTIVATIONS)}. "
+            f"Received: {name}={value!r}"
+        )
+
+
+def check_penalty(name, value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ValueError(f"`{name}` must be a non-negative finite number. Received: {name}={value!r}")
+    return float(value)
+
+
+def check_seed(value):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"`seed` must be a non-negative integer or None. Received: seed={value!r}")
+
+
+def headwise_matmul(x, w):
+    """Applies one matrix per head: ``[B, T, H, D] x [H, D, C] -> [B, T, H, C]``."""
+    return ops.einsum("bthd,hdc->bthc", x, w)  # [B, T, H, C]
+
+
+class HeadwiseInitializer:
+    """Initializes a ``[H, rows, cols]`` weight head by head.
+
+    Each head gets its own fresh instance of `initializer`, called with the
+    2-D shape ``(rows, cols)``: fan-in/fan-out are those of one head (a plain
+    Keras initializer on a 3-D shape would count ``H`` as a receptive field),
+    `Orthogonal` gives each head orthonormal rows (or columns when
+    ``rows > cols``), and heads get different matrices. Seeds: with an
+    integer base seed (the map's `seed`, else the initializer's own integer
+    seed) head ``h`` of weight ``i`` uses ``base + i * H + h``; without one,
+    each fresh instance draws its own seed.
+    """
+
+    def __init__(self, initializer, base_seed, weight_index):
+        self.initializer = initializer
+        self.base_seed = base_seed
+        self.weight_index = weight_index
+
+    def _head_initializer(self, head, num_heads):
+        config = self.initializer.get_config()
+        if "seed" not in config:
+            return self.initializer.__class__.from_config(config)
+        if isinstance(config["seed"], dict):
+            # A SeedGenerator seed advances on every call: reuse the instance.
+            return self.initializer
+        base = self.base_seed if self.base_seed is not None else config["seed"]
+        if base is not None:
+            config["seed"] = base + self.weight_index * num_heads + head
+        return self.initializer.__class__.from_config(config)
+
+    def __call__(self, shape, dtype=None):
+        num_heads, rows, cols = shape
+        heads = [
+            self._head_initializer(h, num_heads)((rows, cols), dtype=dtype) for h in range(num_heads)
+        ]  # H x [rows, cols]
+        return ops.stack(heads, axis=0)  # [H, rows, cols]
+
+
+class TrainableFeatureMap(FeatureMap):
+    """Base of the trainable head-wise maps: one set of weights per branch.
+
+    With ``share_qk=True`` queries and keys go through the same weights
+    (branch ``"qk"``); otherwise queries use branch ``"query"`` and keys
+    branch ``"key"``. Subclasses implement `build_branch(prefix, num_heads,
+    input_dim)` returning the branch's weights, and
+    `apply_branch(inputs, weights)`.
+    """
+
+    def __init__(self, feature_dim=None, share_qk=True, seed=None, **kwargs):
+        super().__init__(**kwargs)
+        check_optional_positive_int("feature_dim", feature_dim)
+        if not isinstance(share_qk, bool):
+            raise ValueError(f"`share_qk` must be a bool. Received: share_qk={share_qk!r}")
+        check_seed(seed)
+        # `feature_dim` is the FeatureMap method giving C; the argument lives here.
+        self.feature_dim_ = feature_dim
+        self.share_qk = share_qk
+        self.seed = seed
+
+    def feature_dim(self, input_dim):
+        return self.feature_dim_ if self.feature_dim_ is not None else input_dim
+
+    def add_headwise_weight(self, name, shape, initializer, regularizer=None):
+        """A float32 ``[H, rows, cols]`` weight initialized head by head."""
+        index = self._num_headwise_weights
+        self._num_headwise_weights += 1
+        return self.add_weight(
+            name=name,
+            shape=shape,
+            initializer=HeadwiseInitializer(initializer, self.seed, index),
+            regularizer=regularizer,
+            trainable=True,
+            dtype="float32",
+        )
+
+    @staticmethod
+    def orthogonal_regularizer(factor):
+        return OrthogonalRegularizer(factor) if factor > 0 else None
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        num_heads, input_dim = input_shape[-2], input_shape[-1]
+        if num_heads is None or input_dim is None:
+            raise ValueError(
+                f"{type(self).__name__} needs static head and input dims [B, T, H, D]. "
+                f"Received: input_shape={tuple(input_shape)}"
+            )
+        self._num_headwise_weights = 0
+        names = ("qk",) if self.share_qk else ("query", "key")
+        self._branches = {name: self.build_branch(name, num_heads, input_dim) for name in names}
+
+    def call(self, inputs, is_query=True, causal=False):
+        # Token-wise map: causal needs no special treatment.
+        if self.share_qk:
+            branch = "qk"
+        else:
+            branch = "query" if is_query else "key"
+        return self.apply_branch(inputs, self._branches[branch])
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "feature_dim": self.feature_dim_,
+            "share_qk": self.share_qk,
+            "seed": self.seed,
+        }
+
+
+def layer_dims(input_dim, feature_dim, depth):
+    """(in, out) dims of the `depth` layers/units: ``D -> C`` then ``C -> C``."""
+    return [(input_dim if i == 0 else feature_dim, feature_dim) for i in range(depth)]

@@ -1,0 +1,180 @@
+"""GLU trainable kernels (Yorsh & Kovalenko 2022): the shared GLU stack and `glu`."""
+
+import keras
+from keras import ops
+
+from keras_linattn.feature_maps import _trainable
+from keras_linattn.feature_maps.registry import register
+
+
+class GLUStack(_trainable.TrainableFeatureMap):
+    """A head-wise stack of GLU units; the logic shared by `glu`, `oglu`, `aoglu`.
+
+    Unit ``i`` maps ``u_{i-1}`` (``u_0 = x``) to
+    ``u_i = act(u_{i-1} W_f^i) * sigmoid(u_{i-1} W_g^i)``; the last unit
+    uses softplus for ``act``, so features are positive. The filter
+    ``W_f^i`` and gate ``W_g^i`` are ``[H, D, C]`` for the first unit and
+    ``[H, C, C]`` after it. A subclass whose `gate_rank(width)` returns an
+    integer ``r`` gets a low-rank gate ``W_g = A B`` with ``A [H, in, r]``
+    and ``B [H, r, C]``, applied as ``(u A) B``.
+
+    Not registered and not meant to be built directly: the public maps
+    (`GLUFeatureMap`, `OGLUFeatureMap`, `AOGLUFeatureMap`) fix its
+    arguments and serialize their own.
+
+    Args:
+        depth: number of GLU units, 1 to 3.
+        feature_dim: unit width ``C``; None means ``C = D``.
+        hidden_activation: filter activation of all units but the last.
+        share_qk: one kernel for queries and keys (True) or one each.
+        filter_initializer, gate_initializer: initializers, applied head by head.
+        filter_penalty: `OrthogonalRegularizer` factor on the filters (0: none).
+        seed: optional integer base seed of the initializers.
+    """
+
+    def __init__(
+        self,
+        depth,
+        feature_dim,
+        hidden_activation,
+        share_qk,
+        filter_initializer,
+        gate_initializer,
+        filter_penalty=0.0,
+        seed=None,
+        **kwargs,
+    ):
+        super().__init__(feature_dim=feature_dim, share_qk=share_qk, seed=seed, **kwargs)
+        _trainable.check_int_range("depth", depth, 1, 3)
+        _trainable.check_activation("hidden_activation", hidden_activation)
+        self.depth = depth
+        self.hidden_activation = hidden_activation
+        self._filter_initializer = keras.initializers.get(filter_initializer)
+        self._gate_initializer = keras.initializers.get(gate_initializer)
+        self._filter_penalty = _trainable.check_penalty("orthogonal_penalty", filter_penalty)
+
+    def gate_rank(self, width):
+        """Rank of the gates of units of width `width`; None: full-rank gates."""
+        return None
+
+    def build_branch(self, prefix, num_heads, input_dim):
+        rank = self.gate_rank(self.feature_dim(input_dim))
+        dims = _trainable.layer_dims(input_dim, self.feature_dim(input_dim), self.depth)
+        units = []
+        for i, (n_in, n_out) in enumerate(dims):
+            unit = {
+                "filter": self.add_headwise_weight(
+                    f"{prefix}_filter_{i}",
+                    (num_heads, n_in, n_out),
+                    self._filter_initializer,
+                    self.orthogonal_regularizer(self._filter_penalty),
+                )
+            }
+            if rank is None:
+                unit["gate"] = self.add_headwise_weight(
+                    f"{prefix}_gate_{i}", (num_heads, n_in, n_out), self._gate_initializer
+                )
+            else:
+                unit["gate_a"] = self.add_headwise_weight(
+                    f"{prefix}_gate_a_{i}", (num_heads, n_in, rank), self._gate_initializer
+                )
+                unit["gate_b"] = self.add_headwise_weight(
+                    f"{prefix}_gate_b_{i}", (num_heads, rank, n_out), self._gate_initializer
+                )
+            units.append(unit)
+        return units
+
+    def _gate_logits(self, x, unit):
+        if "gate" in unit:
+            return _trainable.headwise_matmul(x, unit["gate"])  # [B, T, H, C]
+        low = _trainable.headwise_matmul(x, unit["gate_a"])  # [B, T, H, r]
+        return _trainable.headwise_matmul(low, unit["gate_b"])  # [B, T, H, C]
+
+    def apply_branch(self, inputs, units):
+        hidden = _trainable.HIDDEN_ACTIVATIONS[self.hidden_activation]
+        x = inputs  # [B, T, H, D]
+        for i, unit in enumerate(units):
+            act = ops.softplus if i == len(units) - 1 else hidden
+            filt = act(_trainable.headwise_matmul(x, unit["filter"]))  # [B, T, H, C]
+            x = filt * ops.sigmoid(self._gate_logits(x, unit))  # [B, T, H, C]
+        return x
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "depth": self.depth,
+            "hidden_activation": self.hidden_activation,
+        }
+
+
+@register("glu")
+class GLUFeatureMap(GLUStack):
+    """GLU trainable kernel: a stack of gated linear units with a positive output.
+
+    From Yorsh & Kovalenko 2022, "Linear Self-Attention Approximation via
+    Trainable Feedforward Kernel". With ``u_0 = x``, unit ``i`` computes
+    ``u_i = act(u_{i-1} W_f^i) * sigmoid(u_{i-1} W_g^i)``, and the last unit
+    ``phi(x) = softplus(u W_f) * sigmoid(u W_g)``, which is positive. Each
+    head has its own filter and gate matrices (``[H, D, C]`` for the first
+    unit, ``[H, C, C]`` after; float32, no biases). Parameters:
+    ``H * (2*D*C + 2*(k-1)*C^2)`` for ``k`` units, twice that with
+    ``share_qk=False``.
+
+    Args:
+        depth: number of GLU units ``k``, 1 to 3. Default 1.
+        feature_dim: width ``C`` of every unit (the output feature dim).
+            Default None: ``C = D``.
+        hidden_activation: filter activation of the units before the last:
+            ``"sigmoid"`` (default, as in the paper), ``"gelu"``,
+            ``"relu"``, ``"tanh"``.
+        share_qk: True (default): one kernel for queries and keys. False:
+            separate kernels.
+        kernel_initializer: initializer of filters and gates, applied head by
+            head with a fresh instance per head and weight. Default
+            ``"glorot_uniform"``.
+        seed: optional integer base seed of the initializers.
+        **kwargs: `FeatureMap` / `keras.layers.Layer` arguments.
+
+    Call arguments:
+        inputs: ``[B, T, H, D]`` projected queries or keys.
+        is_query: selects the query or key kernel when ``share_qk=False``.
+        causal: unused (the map is token-wise).
+
+    Returns:
+        ``[B, T, H, C]`` positive float32 features.
+
+    Example:
+
+    >>> layer = keras_linattn.layers.LinearAttention(
+    ...     4, 16, feature_map=GLUFeatureMap(depth=2, feature_dim=32))
+    >>> layer(x, x).shape
+    (2, 100, 64)
+    """
+
+    def __init__(
+        self,
+        depth=1,
+        feature_dim=None,
+        hidden_activation="sigmoid",
+        share_qk=True,
+        kernel_initializer="glorot_uniform",
+        seed=None,
+        **kwargs,
+    ):
+        super().__init__(
+            depth=depth,
+            feature_dim=feature_dim,
+            hidden_activation=hidden_activation,
+            share_qk=share_qk,
+            filter_initializer=kernel_initializer,
+            gate_initializer=kernel_initializer,
+            seed=seed,
+            **kwargs,
+        )
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
+        }
