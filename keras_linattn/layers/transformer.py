@@ -1,0 +1,253 @@
+"""Shared body of the pre-norm linear-attention transformer blocks.
+
+`LinearTransformerEncoder` (non-causal) and `LinearTransformerDecoder`
+(causal) differ only in the attention direction; both subclass the private
+`_LinearTransformerBlock` below.
+"""
+
+import keras
+
+from keras_linattn import feature_maps as feature_maps_lib
+from keras_linattn.layers.linear_attention import LinearAttention
+from keras_linattn.ops import core as la_ops
+
+
+class _LinearTransformerBlock(keras.layers.Layer):
+    """Pre-norm block: ``x + Drop(Attn(LN(x)))``, then ``x + Drop(FFN(LN(x)))``.
+
+    Subclasses set the class attribute ``_causal``.
+    """
+
+    _causal = False
+
+    def __init__(
+        self,
+        num_heads,
+        intermediate_dim,
+        key_dim=None,
+        value_dim=None,
+        feature_map="elu",
+        chunk_size=64,
+        dropout=0.0,
+        activation="gelu",
+        layer_norm_epsilon=1e-5,
+        use_bias=True,
+        kernel_initializer="glorot_uniform",
+        bias_initializer="zeros",
+        seed=None,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        la_ops._check_positive_int("num_heads", num_heads)
+        la_ops._check_positive_int("intermediate_dim", intermediate_dim)
+        if key_dim is not None:
+            la_ops._check_positive_int("key_dim", key_dim)
+        if value_dim is not None:
+            la_ops._check_positive_int("value_dim", value_dim)
+        la_ops._check_positive_int("chunk_size", chunk_size)
+        if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
+        if not isinstance(layer_norm_epsilon, (int, float)) or layer_norm_epsilon <= 0:
+            raise ValueError(
+                "`layer_norm_epsilon` must be a positive number. "
+                f"Received: layer_norm_epsilon={layer_norm_epsilon!r}"
+            )
+        self.num_heads = num_heads
+        self.intermediate_dim = intermediate_dim
+        self.key_dim = key_dim
+        self.value_dim = value_dim
+        self.feature_map = feature_maps_lib.get(feature_map)
+        self.chunk_size = chunk_size
+        self.dropout = float(dropout)
+        self.activation = keras.activations.get(activation)
+        self.layer_norm_epsilon = float(layer_norm_epsilon)
+        self.use_bias = use_bias
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.bias_initializer = keras.initializers.get(bias_initializer)
+        self.seed = seed
+        self.supports_masking = True
+
+    def _init(self, initializer):
+        # A fresh initializer per weight: an initializer instance reuses its seed.
+        return initializer.__class__.from_config(initializer.get_config())
+
+    def build(self, inputs_shape):
+        if len(inputs_shape) != 3:
+            raise ValueError(
+                f"{type(self).__name__} expects inputs of rank 3 [batch, length, dim]. "
+                f"Received: inputs.shape={tuple(inputs_shape)}"
+            )
+        dim = inputs_shape[-1]
+        if dim is None:
+            raise ValueError(
+                f"The last dim of the inputs of {type(self).__name__} must be defined. "
+                f"Received: inputs.shape={tuple(inputs_shape)}"
+            )
+        key_dim = self.key_dim
+        if key_dim is None:
+            if dim % self.num_heads:
+                raise ValueError(
+                    "With `key_dim=None` the hidden dim must be divisible by `num_heads`. "
+                    f"Received: hidden dim={dim}, num_heads={self.num_heads}"
+                )
+            key_dim = dim // self.num_heads
+        self.hidden_dim = dim
+        self._attention_norm = keras.layers.LayerNormalization(
+            epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name="self_attention_layer_norm"
+        )
+        self._attention_norm.build(inputs_shape)
+        self._self_attention = LinearAttention(
+            num_heads=self.num_heads,
+            key_dim=key_dim,
+            value_dim=self.value_dim,
+            # A copy: the block's `feature_map` attribute stays an unbuilt
+            # template and the attention layer owns the weights.
+            feature_map=feature_maps_lib.deserialize(feature_maps_lib.serialize(self.feature_map)),
+            chunk_size=self.chunk_size,
+            dropout=self.dropout,
+            use_bias=self.use_bias,
+            kernel_initializer=self._init(self.kernel_initializer),
+            bias_initializer=self._init(self.bias_initializer),
+            seed=self.seed,
+            dtype=self.dtype_policy,
+            name="self_attention",
+        )
+        self._self_attention.build(inputs_shape, inputs_shape)
+        self._attention_dropout = keras.layers.Dropout(self.dropout, seed=self.seed, dtype=self.dtype_policy)
+        self._ffn_norm = keras.layers.LayerNormalization(
+            epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name="feedforward_layer_norm"
+        )
+        self._ffn_norm.build(inputs_shape)
+        self._ffn_intermediate = keras.layers.Dense(
+            self.intermediate_dim,
+            activation=self.activation,
+            use_bias=self.use_bias,
+            kernel_initializer=self._init(self.kernel_initializer),
+            bias_initializer=self._init(self.bias_initializer),
+            dtype=self.dtype_policy,
+            name="feedforward_intermediate_dense",
+        )
+        self._ffn_intermediate.build(inputs_shape)
+        self._ffn_output = keras.layers.Dense(
+            dim,
+            use_bias=self.use_bias,
+            kernel_initializer=self._init(self.kernel_initializer),
+            bias_initializer=self._init(self.bias_initializer),
+            dtype=self.dtype_policy,
+            name="feedforward_output_dense",
+        )
+        self._ffn_output.build(tuple(inputs_shape[:-1]) + (self.intermediate_dim,))
+        self._ffn_dropout = keras.layers.Dropout(self.dropout, seed=self.seed, dtype=self.dtype_policy)
+        self.built = True
+
+    @property
+    def attention(self):
+        """The block's `LinearAttention` layer (built with the block)."""
+        return self._self_attention
+
+    def _feedforward(self, x, training):
+        h = self._ffn_norm(x)  # [..., dim]
+        h = self._ffn_intermediate(h)  # [..., intermediate_dim]
+        h = self._ffn_output(h)  # [..., dim]
+        return x + self._ffn_dropout(h, training=training)
+
+    def call(self, inputs, padding_mask=None, training=None, return_state=False, initial_state=None, mask=None):
+        if padding_mask is None:
+            padding_mask = mask
+        if padding_mask is not None:
+            if len(padding_mask.shape) != 2:
+                raise ValueError(
+                    "`padding_mask` must have shape [batch, length]. "
+                    f"Received: padding_mask.shape={tuple(padding_mask.shape)}"
+                )
+        h = self._attention_norm(inputs)  # [B, T, dim]
+        result = self._self_attention(
+            h,
+            h,
+            key_mask=padding_mask,
+            use_causal_mask=self._causal,
+            training=training,
+            return_state=return_state,
+            initial_state=initial_state,
+        )
+        attended, state = result if return_state else (result, None)
+        x = inputs + self._attention_dropout(attended, training=training)  # [B, T, dim]
+        x = self._feedforward(x, training)  # [B, T, dim]
+        if return_state:
+            return x, state
+        return x
+
+    def compute_mask(self, inputs, mask=None, **kwargs):
+        if kwargs.get("return_state"):
+            return (mask, None)
+        return mask
+
+    def compute_output_shape(self, inputs_shape):
+        return inputs_shape
+
+    # -------------------------------------------------------- recurrent API
+    def get_initial_state(self, batch_size):
+        """Empty state ``(S [B, H, C, M], z [B, H, C])`` (float32 zeros)."""
+        if not self.built:
+            raise ValueError(
+                f"{type(self).__name__} must be built (called once or `build(shape)`) before "
+                f"`get_initial_state`. Received: batch_size={batch_size!r} on an unbuilt layer."
+            )
+        return self._self_attention.get_initial_state(batch_size)
+
+    def step(self, inputs_t, state, training=None):
+        """One step of the block in its recurrent form.
+
+        Args:
+            inputs_t: ``[B, dim]`` the input token's hidden vector.
+            state: ``(S [B, H, C, M], z [B, H, C])`` from `get_initial_state`,
+                a previous `step`, or ``call(..., return_state=True)``.
+            training: Python boolean (dropout).
+
+        Returns:
+            ``(outputs_t [B, dim], new_state)``.
+        """
+        if len(inputs_t.shape) != 2:
+            raise ValueError(
+                "`inputs_t` must have rank 2 [batch, dim]. "
+                f"Received: inputs_t.shape={tuple(inputs_t.shape)}"
+            )
+        if not self.built:
+            self.build((None, None, inputs_t.shape[-1]))
+        if inputs_t.shape[-1] is not None and inputs_t.shape[-1] != self.hidden_dim:
+            raise ValueError(
+                f"`inputs_t` must have last dim {self.hidden_dim}. "
+                f"Received: inputs_t.shape={tuple(inputs_t.shape)}"
+            )
+        h = self._attention_norm(inputs_t)  # [B, dim]
+        attended, new_state = self._self_attention.step(h, h, state, training=training)  # [B, dim]
+        x = inputs_t + self._attention_dropout(attended, training=training)  # [B, dim]
+        return self._feedforward(x, training), new_state
+
+    # ----------------------------------------------------------------- config
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "num_heads": self.num_heads,
+                "intermediate_dim": self.intermediate_dim,
+                "key_dim": self.key_dim,
+                "value_dim": self.value_dim,
+                "feature_map": feature_maps_lib.serialize(self.feature_map),
+                "chunk_size": self.chunk_size,
+                "dropout": self.dropout,
+                "activation": keras.activations.serialize(self.activation),
+                "layer_norm_epsilon": self.layer_norm_epsilon,
+                "use_bias": self.use_bias,
+                "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
+                "bias_initializer": keras.initializers.serialize(self.bias_initializer),
+                "seed": self.seed,
+            }
+        )
+        return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config["feature_map"] = feature_maps_lib.get(config["feature_map"])
+        return cls(**config)

@@ -1,0 +1,527 @@
+"""LinearCausalLM: a decoder-only language model with constant-memory generation."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import ops
+
+from keras_linattn import feature_maps as feature_maps_lib
+from keras_linattn import samplers as samplers_lib
+from keras_linattn.layers.transformer_decoder import LinearTransformerDecoder
+from keras_linattn.ops import core as la_ops
+
+
+class _FunctionCache:
+    """Holds compiled functions out of Keras' attribute tracking."""
+
+    def __init__(self):
+        self.functions = {}
+
+
+@keras.saving.register_keras_serializable(package="keras_linattn")
+class LinearCausalLM(keras.Model):
+    """Decoder-only language model of causal linear-attention blocks.
+
+    token embedding (+ optional learned positions) -> `num_layers` x
+    `LinearTransformerDecoder` -> final LayerNorm -> logits (the transposed
+    token embedding when `tie_embeddings`). Training runs the chunkwise-
+    parallel causal path; generation prefills the prompt with that path and
+    then decodes token by token with the blocks' recurrent `step`, whose
+    state has a fixed size: decoding time and memory per token do not grow
+    with the context.
+
+    The state is a flat list ``[S_0, z_0, S_1, z_1, ..., position]``: for
+    each layer ``S [B, H, C, M]`` and ``z [B, H, C]`` (float32), then
+    ``position [B]`` (int32), the number of real tokens consumed per row.
+
+    Positions: with ``max_sequence_length=None`` (default) there is no
+    positional embedding. Causal linear attention is order-aware through its
+    prefix sums (token t sees exactly the t + 1 tokens before and at it), so
+    the model runs at any length, and left-padded prompts give exactly the
+    logits of unpadded ones. With an integer `max_sequence_length`, learned
+    absolute position embeddings are added (position = number of real tokens
+    before the token, carried in the state), and sequences may not be longer.
+
+    Args:
+        vocabulary_size: number of token ids V.
+        num_layers: number of decoder blocks.
+        hidden_dim: model width.
+        num_heads: attention heads per block.
+        intermediate_dim: feed-forward width.
+        feature_map: feature-map name, config or `FeatureMap` (template; each
+            block owns a copy). Default ``"elu"``.
+        key_dim: per-head query/key size; defaults to ``hidden_dim // num_heads``.
+        chunk_size: chunk length of the causal algorithm. Default 64.
+        dropout: dropout rate inside the blocks.
+        max_sequence_length: None, or the length of the learned position table
+            (see Positions above).
+        tie_embeddings: use the transposed token embedding as output projection.
+        activation: feed-forward activation. Default "gelu".
+        layer_norm_epsilon: epsilon of every layer norm.
+        **kwargs: `keras.Model` arguments (`name`, `dtype`).
+
+    Call arguments:
+        token_ids: ``[B, T]`` int token ids.
+        padding_mask: optional ``[B, T]`` (1 = real token). Padded tokens do
+            not enter the attention state (use left padding for prompts).
+        training: Python boolean (dropout).
+
+    Returns:
+        ``[B, T, V]`` float32 logits.
+
+    Example:
+
+    >>> lm = LinearCausalLM(vocabulary_size=256, num_layers=2, hidden_dim=64,
+    ...                     num_heads=4, intermediate_dim=128)
+    >>> logits = lm(np.zeros((2, 16), "int32"))                  # [2, 16, 256]
+    >>> out = lm.generate(np.ones((2, 4), "int32"), max_length=20)  # [2, 20]
+    """
+
+    def __init__(
+        self,
+        vocabulary_size,
+        num_layers,
+        hidden_dim,
+        num_heads,
+        intermediate_dim,
+        feature_map="elu",
+        key_dim=None,
+        chunk_size=64,
+        dropout=0.0,
+        max_sequence_length=None,
+        tie_embeddings=True,
+        activation="gelu",
+        layer_norm_epsilon=1e-5,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        for name, value in (
+            ("vocabulary_size", vocabulary_size),
+            ("num_layers", num_layers),
+            ("hidden_dim", hidden_dim),
+            ("num_heads", num_heads),
+            ("intermediate_dim", intermediate_dim),
+            ("chunk_size", chunk_size),
+        ):
+            la_ops._check_positive_int(name, value)
+        if max_sequence_length is not None:
+            la_ops._check_positive_int("max_sequence_length", max_sequence_length)
+        if key_dim is not None:
+            la_ops._check_positive_int("key_dim", key_dim)
+        elif hidden_dim % num_heads:
+            raise ValueError(
+                "`hidden_dim` must be divisible by `num_heads` when `key_dim` is None. "
+                f"Received: hidden_dim={hidden_dim}, num_heads={num_heads}"
+            )
+        self.vocabulary_size = vocabulary_size
+        self.num_layers = num_layers
+        self.hidden_dim = hidden_dim
+        self.num_heads = num_heads
+        self.intermediate_dim = intermediate_dim
+        self.feature_map = feature_maps_lib.get(feature_map)
+        self.key_dim = key_dim
+        self.chunk_size = chunk_size
+        self.dropout = dropout
+        self.max_sequence_length = max_sequence_length
+        self.tie_embeddings = tie_embeddings
+        self.activation = activation
+        self.layer_norm_epsilon = layer_norm_epsilon
+
+        self.token_embedding = keras.layers.ReversibleEmbedding(
+            vocabulary_size,
+            hidden_dim,
+            tie_weights=tie_embeddings,
+            embeddings_initializer=keras.initializers.RandomNormal(stddev=0.02),
+            dtype=self.dtype_policy,
+            name="token_embedding",
+        )
+        self.position_embedding = None
+        if max_sequence_length is not None:
+            self.position_embedding = keras.layers.Embedding(
+                max_sequence_length,
+                hidden_dim,
+                embeddings_initializer=keras.initializers.RandomNormal(stddev=0.02),
+                dtype=self.dtype_policy,
+                name="position_embedding",
+            )
+        self.decoder_blocks = [
+            LinearTransformerDecoder(
+                num_heads=num_heads,
+                intermediate_dim=intermediate_dim,
+                key_dim=key_dim,
+                feature_map=feature_maps_lib.serialize(self.feature_map),
+                chunk_size=chunk_size,
+                dropout=dropout,
+                activation=activation,
+                layer_norm_epsilon=layer_norm_epsilon,
+                dtype=self.dtype_policy,
+                name=f"decoder_block_{i}",
+            )
+            for i in range(num_layers)
+        ]
+        self.final_norm = keras.layers.LayerNormalization(
+            epsilon=layer_norm_epsilon, dtype=self.dtype_policy, name="final_layer_norm"
+        )
+        self._generation = _FunctionCache()
+        self.build(None)
+
+    def build(self, input_shape=None):
+        seq_shape = (None, None, self.hidden_dim)
+        self.token_embedding.build((None, None))
+        if self.position_embedding is not None:
+            self.position_embedding.build((None, None))
+        for block in self.decoder_blocks:
+            block.build(seq_shape)
+        self.final_norm.build(seq_shape)
+        self.built = True
+
+    # ------------------------------------------------------------ helpers
+    def _check_token_ids(self, token_ids, name, rank):
+        token_ids = ops.convert_to_tensor(token_ids)
+        if len(token_ids.shape) != rank:
+            shape = "[batch, length]" if rank == 2 else "[batch]"
+            raise ValueError(
+                f"`{name}` must have shape {shape}. Received: {name}.shape={tuple(token_ids.shape)}"
+            )
+        if "int" not in str(token_ids.dtype):
+            raise ValueError(f"`{name}` must be integer token ids. Received: {name}.dtype={token_ids.dtype}")
+        if rank == 2 and token_ids.shape[1] is not None and self.max_sequence_length is not None:
+            if token_ids.shape[1] > self.max_sequence_length:
+                raise ValueError(
+                    f"`{name}` is longer than max_sequence_length={self.max_sequence_length}. "
+                    f"Received: {name}.shape={tuple(token_ids.shape)}"
+                )
+        return token_ids
+
+    def _embed(self, token_ids, positions):
+        x = self.token_embedding(token_ids)  # [B, T, dim] or [B, dim]
+        if self.position_embedding is not None:
+            positions = ops.clip(positions, 0, self.max_sequence_length - 1)
+            x = x + self.position_embedding(positions)  # [B, T, dim] or [B, dim]
+        return x
+
+    def _logits(self, x):
+        x = self.final_norm(x)  # [..., dim]
+        return ops.cast(self.token_embedding(x, reverse=True), "float32")  # [..., V]
+
+    def _positions(self, token_ids, padding_mask, start):
+        """Position of each token: real tokens before it (start [B] + prefix count)."""
+        if padding_mask is None:
+            length = ops.shape(token_ids)[1]
+            offsets = ops.arange(length, dtype="int32")[None, :]  # [1, T]
+            count = ops.zeros_like(start) + length
+        else:
+            mask = ops.cast(padding_mask, "int32")  # [B, T]
+            offsets = ops.cumsum(mask, axis=1) - mask  # [B, T]
+            count = ops.sum(mask, axis=1)  # [B]
+        return start[:, None] + offsets, start + count  # [B, T], [B]
+
+    def _check_padding_mask(self, padding_mask, token_ids):
+        if padding_mask is None:
+            return None
+        padding_mask = ops.convert_to_tensor(padding_mask)
+        static_match = all(
+            a is None or b is None or a == b for a, b in zip(padding_mask.shape, token_ids.shape)
+        )
+        if len(padding_mask.shape) != 2 or not static_match:
+            raise ValueError(
+                "`padding_mask` must have the shape of the token ids [batch, length]. "
+                f"Received: padding_mask.shape={tuple(padding_mask.shape)}, "
+                f"token_ids.shape={tuple(token_ids.shape)}"
+            )
+        return padding_mask
+
+    def check_state(self, state, batch_size=None, name="state"):
+        """Raises ValueError (naming `name`) unless `state` has this model's layout."""
+        expected = 2 * self.num_layers + 1
+        if not isinstance(state, (list, tuple)) or len(state) != expected:
+            got = len(state) if isinstance(state, (list, tuple)) else type(state).__name__
+            raise ValueError(
+                f"`{name}` must be a list of {expected} tensors [S_0, z_0, ..., "
+                f"S_{self.num_layers - 1}, z_{self.num_layers - 1}, position] as returned by "
+                f"`get_initial_state`. Received: {name} with {got} entries"
+            )
+        for i, block in enumerate(self.decoder_blocks):
+            att = block.attention
+            la_ops.check_state(
+                (state[2 * i], state[2 * i + 1]),
+                att.num_heads,
+                att.feature_dim,
+                att.value_dim,
+                batch_size=batch_size,
+                name=f"{name}[{2 * i}:{2 * i + 2}]",
+            )
+        position = state[-1]
+        if len(position.shape) != 1 or (
+            batch_size is not None and position.shape[0] is not None and position.shape[0] != batch_size
+        ):
+            raise ValueError(
+                f"`{name}[-1]` (position) must have shape [{batch_size or 'B'}]. "
+                f"Received: {name}[-1].shape={tuple(position.shape)}"
+            )
+
+    # ----------------------------------------------------------- parallel
+    def call(self, token_ids, padding_mask=None, training=None):
+        logits, _ = self._forward(token_ids, padding_mask, None, training, return_state=False)
+        return logits
+
+    def _forward(self, token_ids, padding_mask, state, training, return_state):
+        token_ids = self._check_token_ids(token_ids, "token_ids", 2)
+        padding_mask = self._check_padding_mask(padding_mask, token_ids)
+        batch = ops.shape(token_ids)[0]
+        start = ops.zeros((batch,), "int32") if state is None else ops.cast(state[-1], "int32")
+        positions, end = self._positions(token_ids, padding_mask, start)
+        x = self._embed(token_ids, positions)  # [B, T, dim]
+        new_state = []
+        for i, block in enumerate(self.decoder_blocks):
+            layer_state = None if state is None else (state[2 * i], state[2 * i + 1])
+            if return_state:
+                x, (s, z) = block(
+                    x,
+                    padding_mask=padding_mask,
+                    training=training,
+                    return_state=True,
+                    initial_state=layer_state,
+                )  # [B, T, dim]
+                new_state += [s, z]
+            else:
+                x = block(x, padding_mask=padding_mask, training=training)  # [B, T, dim]
+        if return_state:
+            new_state.append(end)
+        return self._logits(x), new_state
+
+    def call_with_state(self, token_ids, state, padding_mask=None, training=None):
+        """Runs a piece of a sequence in parallel, continuing from `state`.
+
+        Args:
+            token_ids: ``[B, T]`` int token ids.
+            state: from `get_initial_state`, `step` or a previous call.
+            padding_mask: optional ``[B, T]`` (1 = real token).
+
+        Returns:
+            ``(logits [B, T, V], new_state)``. Splitting a sequence in pieces
+            and chaining the states gives the logits of one pass.
+        """
+        token_ids = self._check_token_ids(token_ids, "token_ids", 2)
+        self.check_state(state, batch_size=token_ids.shape[0])
+        return self._forward(token_ids, padding_mask, list(state), training, return_state=True)
+
+    # ---------------------------------------------------------- recurrent
+    def get_initial_state(self, batch_size):
+        """Empty state: zeros for every ``(S, z)`` and a zero int32 position."""
+        state = []
+        for block in self.decoder_blocks:
+            state += list(block.get_initial_state(batch_size))
+        state.append(ops.zeros((batch_size,), "int32"))
+        return state
+
+    def step(self, token_t, state, training=None):
+        """One decoding step in recurrent form (constant time and memory).
+
+        Args:
+            token_t: ``[B]`` int token ids.
+            state: from `get_initial_state`, `call_with_state` or `step`.
+
+        Returns:
+            ``(logits_t [B, V] float32, new_state)``.
+        """
+        token_t = self._check_token_ids(token_t, "token_t", 1)
+        self.check_state(state, batch_size=token_t.shape[0])
+        position = ops.cast(state[-1], "int32")  # [B]
+        x = self._embed(token_t, position)  # [B, dim]
+        new_state = []
+        for i, block in enumerate(self.decoder_blocks):
+            x, (s, z) = block.step(x, (state[2 * i], state[2 * i + 1]), training=training)  # [B, dim]
+            new_state += [s, z]
+        new_state.append(position + 1)
+        return self._logits(x), new_state
+
+    # --------------------------------------------------------- generation
+    def _prefill_function(self):
+        fn = self._generation.functions.get("prefill")
+        if fn is None:
+
+            @tf.function(jit_compile=True, reduce_retracing=True)
+            def fn(token_ids, padding_mask, state):
+                logits, new_state = self._forward(token_ids, padding_mask, state, False, return_state=True)
+                return logits[:, -1], new_state  # [B, V]
+
+            self._generation.functions["prefill"] = fn
+        return fn
+
+    def _decode_function(self, sampler, stop_token_ids, pad_token_id):
+        key = ("decode", repr(sampler), type(sampler).__name__, stop_token_ids, pad_token_id)
+        fn = self._generation.functions.get(key)
+        if fn is not None:
+            return fn
+        stop = None if not stop_token_ids else ops.convert_to_tensor(list(stop_token_ids), "int32")
+
+        @tf.function(jit_compile=True)
+        def fn(tokens, logits, state, finished, index, end, seed):
+            def cond(tokens, logits, state, finished, index):
+                return ops.logical_and(index < end, ops.logical_not(ops.all(finished)))
+
+            def body(tokens, logits, state, finished, index):
+                step_seed = seed + ops.stack([ops.zeros_like(index), index])  # [2]
+                next_ids = sampler(logits, seed=step_seed)  # [B]
+                next_ids = ops.where(finished, ops.full_like(next_ids, pad_token_id), next_ids)  # [B]
+                tokens = ops.slice_update(tokens, ops.stack([0, index]), next_ids[:, None])  # [B, L]
+                if stop is not None:
+                    hit = ops.any(next_ids[:, None] == stop[None, :], axis=1)  # [B]
+                    finished = ops.logical_or(finished, hit)
+                logits, state = self.step(next_ids, state)  # [B, V]
+                return tokens, logits, state, finished, index + 1
+
+            return ops.while_loop(cond, body, (tokens, logits, state, finished, index))
+
+        self._generation.functions[key] = fn
+        return fn
+
+    def generate(
+        self,
+        prompt_ids,
+        max_length,
+        sampler="greedy",
+        seed=None,
+        stop_token_ids=None,
+        padding_mask=None,
+        pad_token_id=0,
+        verbose=False,
+        block_size=None,
+    ):
+        """Generates tokens after a prompt: parallel prefill, then recurrent decoding.
+
+        The prompt runs through the chunked parallel path (`call_with_state`,
+        XLA-compiled); each new token then costs one `step` inside an
+        XLA-compiled ``while_loop`` (compiled once per shape and sampler and
+        cached), with a state whose size does not depend on the length.
+
+        Args:
+            prompt_ids: ``[B, P]`` int token ids, ``P >= 1``. Prompts of
+                different lengths in one batch must be left-padded and given
+                a `padding_mask`.
+            max_length: total length of the output, prompt included (>= P).
+            sampler: a `keras_linattn.samplers` name or `Sampler`.
+            seed: int seed of random samplers (None: a fresh random seed).
+            stop_token_ids: optional ids that end a row; once a row emits one,
+                its later positions are `pad_token_id`. Generation stops early
+                when every row has finished.
+            padding_mask: optional ``[B, P]``, 1 for real prompt tokens; each
+                row must be left-padded (zeros, then ones) with >= 1 real token.
+            pad_token_id: id written after a row's stop token.
+            verbose: show a progress bar (decoding then runs in blocks).
+            block_size: tokens decoded per compiled call; default: all at once
+                (32 when `verbose`).
+
+        Returns:
+            ``[B, max_length]`` int32 numpy array of token ids.
+        """
+        prompt = np.asarray(prompt_ids)
+        if prompt.ndim != 2 or prompt.shape[0] == 0 or prompt.shape[1] == 0:
+            raise ValueError(
+                "`prompt_ids` must be a non-empty [batch, length] array of token ids. "
+                f"Received: prompt_ids.shape={prompt.shape}"
+            )
+        if not np.issubdtype(prompt.dtype, np.integer):
+            raise ValueError(f"`prompt_ids` must hold integer token ids. Received: dtype={prompt.dtype}")
+        if prompt.min() < 0 or prompt.max() >= self.vocabulary_size:
+            raise ValueError(
+                f"`prompt_ids` must be in [0, {self.vocabulary_size}). "
+                f"Received: min={prompt.min()}, max={prompt.max()}"
+            )
+        batch, prompt_length = prompt.shape
+        if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)) or max_length < prompt_length:
+            raise ValueError(
+                f"`max_length` must be an integer >= the prompt length {prompt_length}. "
+                f"Received: max_length={max_length!r}"
+            )
+        max_length = int(max_length)
+        if self.max_sequence_length is not None and max_length > self.max_sequence_length:
+            raise ValueError(
+                f"`max_length` exceeds the model's max_sequence_length={self.max_sequence_length}. "
+                f"Received: max_length={max_length}"
+            )
+        mask = None
+        if padding_mask is not None:
+            mask = np.asarray(padding_mask).astype(bool)
+            if mask.shape != prompt.shape:
+                raise ValueError(
+                    f"`padding_mask` must have the prompt's shape {prompt.shape}. "
+                    f"Received: padding_mask.shape={mask.shape}"
+                )
+            if not mask.any(axis=1).all() or (mask[:, 1:] < mask[:, :-1]).any():
+                raise ValueError(
+                    "`padding_mask` rows must be left-padded (zeros then ones) with at least one "
+                    f"real token. Received: padding_mask={mask.astype(int).tolist()}"
+                )
+        if stop_token_ids is not None:
+            stop_token_ids = tuple(int(t) for t in np.atleast_1d(stop_token_ids))
+        sampler = samplers_lib.get(sampler)
+        if block_size is None:
+            block_size = 32 if verbose else max(max_length - prompt_length, 1)
+        la_ops._check_positive_int("block_size", int(block_size))
+        if seed is None:
+            seed = int(np.random.randint(0, 2**31 - 1))
+        seed_t = ops.convert_to_tensor([int(seed) % (2**31 - 1), 0], "int32")
+
+        tokens_np = np.full((batch, max_length), pad_token_id, dtype="int32")
+        tokens_np[:, :prompt_length] = prompt
+        if max_length == prompt_length:
+            return tokens_np
+        state = self.get_initial_state(batch)
+        prompt_t = ops.convert_to_tensor(prompt, "int32")
+        mask_t = ops.ones_like(prompt_t, "bool") if mask is None else ops.convert_to_tensor(mask)
+        logits, state = self._prefill_function()(prompt_t, mask_t, state)  # [B, V]
+        decode = self._decode_function(sampler, stop_token_ids, int(pad_token_id))
+        tokens = ops.convert_to_tensor(tokens_np)
+        finished = ops.zeros((batch,), "bool")
+        index = prompt_length
+        progbar = keras.utils.Progbar(max_length - prompt_length) if verbose else None
+        while index < max_length:
+            end = min(index + block_size, max_length)
+            tokens, logits, state, finished, new_index = decode(
+                tokens,
+                logits,
+                state,
+                finished,
+                ops.convert_to_tensor(index, "int32"),
+                ops.convert_to_tensor(end, "int32"),
+                seed_t,
+            )
+            new_index = int(new_index)
+            if progbar is not None:
+                progbar.update(new_index - prompt_length)
+            if new_index < end:  # every row finished
+                if progbar is not None:
+                    progbar.update(max_length - prompt_length, finalize=True)
+                break
+            index = new_index
+        return np.asarray(tokens)
+
+    # ------------------------------------------------------------- config
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "vocabulary_size": self.vocabulary_size,
+                "num_layers": self.num_layers,
+                "hidden_dim": self.hidden_dim,
+                "num_heads": self.num_heads,
+                "intermediate_dim": self.intermediate_dim,
+                "feature_map": feature_maps_lib.serialize(self.feature_map),
+                "key_dim": self.key_dim,
+                "chunk_size": self.chunk_size,
+                "dropout": self.dropout,
+                "max_sequence_length": self.max_sequence_length,
+                "tie_embeddings": self.tie_embeddings,
+                "activation": self.activation,
+                "layer_norm_epsilon": self.layer_norm_epsilon,
+            }
+        )
+        return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config["feature_map"] = feature_maps_lib.get(config["feature_map"])
+        return cls(**config)
