@@ -1,0 +1,157 @@
+"""Smoke test of the attention benchmark at N=64, and of its naive cumsum anchor."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from benchmarks import anchors
+from benchmarks import bench_attention as bench
+from keras_linattn.layers import LinearAttention
+from keras_linattn.ops import kernel_attention_reference
+from tests.conftest import rel_err
+
+
+def _features(rng, shape):
+    return tf.constant(np.exp(0.5 * rng.standard_normal(shape)), tf.float32)  # positive, like phi
+
+
+def test_naive_cumsum_matches_quadratic_oracle(rng):
+    b, t, h, c, m = 2, 37, 3, 5, 4
+    qf = _features(rng, (b, t, h, c))  # [B, T, H, C]
+    kf = _features(rng, (b, t, h, c))  # [B, T, H, C]
+    v = tf.constant(rng.standard_normal((b, t, h, m)), tf.float32)  # [B, T, H, M]
+    with tf.GradientTape() as tape:
+        tape.watch([qf, kf, v])
+        naive = anchors.naive_causal_linear_attention(qf, kf, v)
+        loss_naive = tf.reduce_sum(naive * tf.sin(tf.range(m, dtype=tf.float32)))
+    g_naive = tape.gradient(loss_naive, [qf, kf, v])
+    with tf.GradientTape() as tape:
+        tape.watch([qf, kf, v])
+        ref = kernel_attention_reference(qf, kf, v, causal=True)
+        loss_ref = tf.reduce_sum(ref * tf.sin(tf.range(m, dtype=tf.float32)))
+    g_ref = tape.gradient(loss_ref, [qf, kf, v])
+    assert rel_err(naive, ref) < 1e-5
+    for a, e in zip(g_naive, g_ref):
+        assert rel_err(a, e) < 1e-4
+
+
+def test_naive_layer_equals_chunked_causal_layer(rng):
+    # T=70 is not a multiple of the chunk (16): several chunks plus padding.
+    x = tf.constant(rng.standard_normal((2, 70, 12)), tf.float32)  # [B, T, dim]
+    ours = LinearAttention(num_heads=2, key_dim=8, feature_map="elu", chunk_size=16)
+    naive = anchors.NaiveCausalLinearAttention(num_heads=2, key_dim=8, feature_map="elu")
+    ours(x, x, use_causal_mask=True)
+    naive(x, x)
+    naive.set_weights(ours.get_weights())
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        y_ours = ours(x, x, use_causal_mask=True)  # [B, T, dim]
+        y_naive = naive(x, x)  # [B, T, dim]
+        l_ours = tf.reduce_sum(y_ours * x)
+        l_naive = tf.reduce_sum(y_naive * x)
+    assert rel_err(y_ours, y_naive) < 1e-5
+    g_ours = tape.gradient(l_ours, [x] + ours.trainable_variables)
+    g_naive = tape.gradient(l_naive, [x] + naive.trainable_variables)
+    assert len(g_ours) == len(g_naive) == 1 + 8
+    for a, e in zip(g_ours, g_naive):
+        assert rel_err(a, e) < 1e-4
+
+
+def _parse_tables(markdown):
+    """{section title: list of rows (list of cells)} of the '### ' sections."""
+    tables, title = {}, None
+    for line in markdown.splitlines():
+        if line.startswith("### "):
+            title = line[4:].strip()
+            tables[title] = []
+        elif title and line.startswith("|") and not set(line) <= set("|-: "):
+            cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+            tables[title].append(cells)
+    return tables
+
+
+def test_benchmark_machinery_at_n64(tmp_path):
+    args = bench.parse_args([
+        "--ns", "64", "--repeats", "2", "--memory-impls", "linear_causal",
+        "--no-download", "--out-dir", str(tmp_path), "--prefix", "smoke",
+    ])
+    results = bench.run_benchmark(args, log=lambda *a: None)
+    paths = bench.write_outputs(results, args.out_dir, args.prefix, plot=True)
+
+    # Markdown tables parse back to the raw numbers of the JSON.
+    with open(paths["json"]) as f:
+        raw = json.load(f)
+    with open(paths["md"]) as f:
+        tables = _parse_tables(f.read())
+    time_table = tables["Time (s), median forward + backward"]
+    header, rows = time_table[0], time_table[1:]
+    assert header == ["N"] + [bench.SHORT[i] for i in bench.IMPLS]
+    assert [r[0] for r in rows] == ["64"]
+    by_impl = {p["impl"]: p for p in raw["points"]}
+    for impl, cell in zip(bench.IMPLS, rows[0][1:]):
+        pt = by_impl[impl]
+        if impl == "kernel_attention" and "skipped" in pt:
+            # Allowed only because downloads are off and the file is not cached.
+            assert cell.startswith("skipped: unavailable") and "not cached" in cell
+            continue
+        assert len(pt["times_s"]) == 2
+        assert float(cell) == pytest.approx(np.median(pt["times_s"]), abs=5e-5)
+        assert float(cell) > 0
+    mem_rows = tables["Peak memory increase (MB), fresh child process per point"][1:]
+    mem_cells = dict(zip(bench.IMPLS, mem_rows[0][1:]))
+    mem = by_impl["linear_causal"]["memory"]
+    assert "error" not in mem, mem
+    assert mem["peak_rss"] >= mem["baseline_rss"] > 0
+    assert float(mem_cells["linear_causal"].lstrip("<= ")) == pytest.approx(mem["increase"] / 1e6, abs=0.05)
+    assert mem_cells["linear"] == "not measured"
+    figure_rows = tables["Figures"][1:]
+    assert len(figure_rows) == len(bench.TARGETS)
+    assert all(r[1] == "n/a" for r in figure_rows)  # no N=8192 point in a smoke run
+    with open(paths["png"], "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+    # The compiled steps the benchmark times compute the same function for the
+    # naive cumsum anchor and our chunked causal layer (same weights).
+    ours = bench.Impl("linear_causal", args)
+    naive = bench.Impl("naive_causal", args)
+    naive.layer.set_weights(ours.layer.get_weights())
+    x, dy = ours.inputs(64)
+    loss_ours, grads_ours = ours.step(x, dy)
+    loss_naive, grads_naive = naive.step(x, dy)
+    assert rel_err(loss_ours, loss_naive) < 1e-4
+    for a, e in zip(grads_ours, grads_naive):
+        assert rel_err(a, e) < 1e-4
+
+
+def test_loglog_slope_and_figures():
+    ns = [4096, 8192, 16384, 32768]
+    assert bench.loglog_slope(ns, [3.0 * n for n in ns]) == pytest.approx(1.0)
+    assert bench.loglog_slope(ns, [1e-6 * n**2 for n in ns]) == pytest.approx(2.0)
+    assert bench.loglog_slope([4096], [1.0]) is None
+    results = {
+        "config": {"ns": ns},
+        "points": [
+            {"impl": "linear", "n": 8192, "median_s": 0.5},
+            {"impl": "linear_causal", "n": 8192, "median_s": 0.9, "memory": {"increase": 100}},
+            {"impl": "kernel_attention", "n": 8192, "median_s": 1.0},
+            {"impl": "mha", "n": 8192, "median_s": 10.0},
+            {"impl": "naive_causal", "n": 8192, "median_s": 30.0, "memory": {"increase": 1000}},
+        ],
+    }
+    figs = bench.compute_figures(results)
+    assert figs["speedup_vs_kernel_attention"]["value"] == pytest.approx(2.0)
+    assert figs["speedup_vs_kernel_attention"]["met"] is False
+    assert figs["speedup_vs_mha"]["value"] == pytest.approx(20.0)
+    assert figs["speedup_vs_mha"]["met"] is True
+    assert figs["causal_over_noncausal_time"]["value"] == pytest.approx(1.8)
+    assert figs["causal_over_naive_memory"]["value"] == pytest.approx(0.1)
+    assert figs["slope_time_linear"]["value"] is None  # one point only
+
+
+def test_kernel_attention_unavailable_without_cache(tmp_path):
+    with pytest.raises(anchors.AnchorUnavailable, match="not cached"):
+        anchors.fetch_kernel_attention_source(str(tmp_path), allow_download=False)
+    assert not os.listdir(tmp_path)
