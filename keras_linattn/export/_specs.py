@@ -1,0 +1,301 @@
+"""Signatures shared by the SavedModel and ONNX exporters.
+
+Every exported function takes named tensors and returns a dict of named
+tensors, so that TF Serving signatures and ONNX graphs carry the same names:
+
+- ``serving_default``: the model's call, dynamic batch and length.
+- ``step`` (causal LMs): ``token_t [B]`` and every state tensor
+  ``state_<i>`` in, ``logits [B, V]`` and ``new_state_<i>`` out.
+- ``generate`` / ``generate_sampled`` (causal LMs): a ``tf.while_loop`` over
+  ``step`` after a parallel prefill of the prompt.
+"""
+
+import re
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+SERVING_DEFAULT = "serving_default"
+STEP = "step"
+GENERATE = "generate"
+GENERATE_SAMPLED = "generate_sampled"
+
+TOKEN_IDS = "token_ids"
+TOKEN_T = "token_t"
+LOGITS = "logits"
+PROMPT_IDS = "prompt_ids"
+MAX_LENGTH = "max_length"
+TEMPERATURE = "temperature"
+SEED = "seed"
+OUTPUT_IDS = "output_ids"
+
+
+def state_name(i):
+    return f"state_{i}"
+
+
+def new_state_name(i):
+    return f"new_state_{i}"
+
+
+def _clean_name(name):
+    name = re.sub(r"[^A-Za-z0-9_]", "_", str(name))
+    if not name or not name[0].isalpha():
+        name = "x_" + name
+    return name
+
+
+def is_causal_lm(model):
+    """True for models with the recurrent LM API (`step`, `call_with_state`)."""
+    return all(
+        callable(getattr(model, attr, None))
+        for attr in ("step", "call_with_state", "get_initial_state", "generate")
+    )
+
+
+def check_exportable(model):
+    """Raises a clear ValueError for objects that cannot be exported."""
+    if not isinstance(model, keras.Model):
+        raise ValueError(
+            f"Only a `keras.Model` can be exported. Received: model={type(model).__name__}"
+        )
+    if not model.built:
+        raise ValueError(
+            "The model is not built: call it on a batch of data (or build it) before "
+            f"exporting, so that its weights exist. Received: model={model.name!r} (built=False)"
+        )
+
+
+class ModelSpecs:
+    """Names, dtypes and dynamic shapes of one model's exported signatures.
+
+    Args:
+        model: a built `keras.Model`.
+        input_signature: optional list of `tf.TensorSpec` (named) for models
+            whose inputs cannot be read from ``model.inputs`` (subclassed
+            models other than causal LMs). Give ``None`` dims to make them
+            dynamic.
+    """
+
+    def __init__(self, model, input_signature=None):
+        check_exportable(model)
+        self.model = model
+        self.causal_lm = is_causal_lm(model)
+        self._inputs_struct = None
+        if input_signature is not None:
+            specs = list(input_signature) if isinstance(input_signature, (list, tuple)) else [input_signature]
+            for i, spec in enumerate(specs):
+                if not isinstance(spec, tf.TensorSpec):
+                    raise ValueError(
+                        "`input_signature` must be a list of `tf.TensorSpec`. "
+                        f"Received: input_signature[{i}]={spec!r}"
+                    )
+            self.input_specs = [
+                tf.TensorSpec(s.shape, s.dtype, name=_clean_name(s.name or f"input_{i}"))
+                for i, s in enumerate(specs)
+            ]
+        elif self.causal_lm:
+            self.input_specs = [tf.TensorSpec((None, None), tf.int32, name=TOKEN_IDS)]
+        else:
+            self.input_specs = self._specs_from_model_inputs(model)
+        names = [s.name for s in self.input_specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"Input names must be unique. Received: input names={names}")
+        self.output_names = self._output_names(model)
+        self.vocabulary_size = self._vocabulary_size(model)
+        self.state_specs = self._state_specs(model) if self.causal_lm else []
+
+    # ------------------------------------------------------------ inputs
+    def _specs_from_model_inputs(self, model):
+        try:
+            inputs = model.inputs
+        except AttributeError:
+            inputs = None
+        if not inputs:
+            raise ValueError(
+                "Cannot read the input shapes of this model (it has no `inputs`: a subclassed "
+                "model). Pass `input_signature=[tf.TensorSpec(shape, dtype, name=...)]`. "
+                f"Received: model={type(model).__name__}"
+            )
+        self._inputs_struct = getattr(model, "_inputs_struct", None)
+        specs = []
+        for i, x in enumerate(inputs):
+            shape = list(x.shape)
+            dtype = tf.as_dtype(keras.backend.standardize_dtype(x.dtype))
+            if dtype.is_integer:
+                # Token ids: every dim is dynamic.
+                shape = [None] * len(shape)
+            else:
+                # Batch and every length dim are dynamic; the feature dim is kept.
+                shape = [None] * (len(shape) - 1) + shape[-1:] if len(shape) > 1 else [None]
+            name = _clean_name(getattr(x, "name", None) or f"input_{i}")
+            specs.append(tf.TensorSpec(shape, dtype, name=name))
+        return specs
+
+    def pack_inputs(self, tensors):
+        """Puts flat input tensors back into the structure the model expects."""
+        tensors = list(tensors)
+        if self._inputs_struct is not None:
+            return keras.tree.pack_sequence_as(self._inputs_struct, tensors)
+        return tensors[0] if len(tensors) == 1 else tensors
+
+    # ----------------------------------------------------------- outputs
+    def _output_names(self, model):
+        if self.causal_lm:
+            return [LOGITS]
+        names = list(getattr(model, "output_names", None) or [])
+        names = [_clean_name(n) for n in names]
+        if not names or len(set(names)) != len(names):
+            names = None
+        return names
+
+    def name_outputs(self, outputs):
+        flat = keras.tree.flatten(outputs)
+        names = self.output_names
+        if names is None or len(names) != len(flat):
+            names = ["output_0"] if len(flat) == 1 else [f"output_{i}" for i in range(len(flat))]
+            self.output_names = names
+        return dict(zip(names, flat))
+
+    @staticmethod
+    def _vocabulary_size(model):
+        size = getattr(model, "vocabulary_size", None)
+        if isinstance(size, int):
+            return size
+        dims = [layer.input_dim for layer in model._flatten_layers() if isinstance(layer, keras.layers.Embedding)]
+        return min(dims) if dims else None
+
+    # ------------------------------------------------------------- state
+    @staticmethod
+    def _state_specs(model):
+        state = model.get_initial_state(1)
+        specs = []
+        for i, s in enumerate(keras.tree.flatten(state)):
+            s = tf.convert_to_tensor(s)
+            specs.append(tf.TensorSpec((None,) + tuple(s.shape[1:]), s.dtype, name=state_name(i)))
+        return specs
+
+    def initial_state(self, batch_size):
+        """Flat list of numpy arrays: the model's initial decoding state."""
+        state = self.model.get_initial_state(batch_size)
+        return [np.asarray(keras.ops.convert_to_numpy(s)) for s in keras.tree.flatten(state)]
+
+    def _pack_state(self, flat):
+        template = self.model.get_initial_state(1)
+        return keras.tree.pack_sequence_as(template, list(flat))
+
+    # --------------------------------------------------------- functions
+    def serving_fn(self):
+        def serve(*args):
+            outputs = self.model(self.pack_inputs(args), training=False)
+            return self.name_outputs(outputs)
+
+        return serve
+
+    def step_fn(self):
+        def step(token_t, *state):
+            logits, new_state = self.model.step(token_t, self._pack_state(state))
+            out = {LOGITS: logits}
+            for i, s in enumerate(keras.tree.flatten(new_state)):
+                out[new_state_name(i)] = s
+            return out
+
+        return step
+
+    def step_signature(self):
+        return [tf.TensorSpec((None,), tf.int32, name=TOKEN_T)] + list(self.state_specs)
+
+    def generate_fn(self, sampled):
+        model = self.model
+
+        def generate(prompt_ids, max_length, temperature=None, seed=None):
+            batch = tf.shape(prompt_ids)[0]
+            prompt_len = tf.shape(prompt_ids)[1]
+            num_new = tf.maximum(max_length - prompt_len, 0)
+            state = model.get_initial_state(batch)
+            logits, state = model.call_with_state(prompt_ids, state)
+            flat_state = [tf.convert_to_tensor(s) for s in keras.tree.flatten(state)]
+            next_logits = tf.cast(logits[:, -1], tf.float32)  # [B, V]
+            tokens = tf.TensorArray(tf.int32, size=num_new, element_shape=tf.TensorShape([None]))
+
+            def pick(step_logits, i):
+                if not sampled:
+                    return tf.argmax(step_logits, axis=-1, output_type=tf.int32)  # [B]
+                scaled = step_logits / tf.maximum(temperature, 1e-6)
+                pair = tf.stack([tf.cast(seed, tf.int64), tf.cast(i, tf.int64)])
+                drawn = tf.random.stateless_categorical(scaled, 1, seed=pair, dtype=tf.int32)
+                return drawn[:, 0]  # [B]
+
+            def body(i, step_logits, tokens, *flat):
+                token = pick(step_logits, i)
+                tokens = tokens.write(i, token)
+                new_logits, new_state = model.step(token, self._pack_state(flat))
+                new_flat = [tf.convert_to_tensor(s) for s in keras.tree.flatten(new_state)]
+                return (i + 1, tf.cast(new_logits, tf.float32), tokens, *new_flat)
+
+            loop = tf.while_loop(
+                lambda i, *_: i < num_new,
+                body,
+                (tf.constant(0), next_logits, tokens, *flat_state),
+            )
+            generated = tf.transpose(loop[2].stack(), [1, 0])  # [B, num_new]
+            generated = tf.reshape(generated, (batch, num_new))  # [B, num_new] (also when empty)
+            out = tf.concat([tf.cast(prompt_ids, tf.int32), generated], axis=1)  # [B, P + num_new]
+            return {OUTPUT_IDS: out[:, :max_length]}
+
+        if sampled:
+            return lambda prompt_ids, max_length, temperature, seed: generate(
+                prompt_ids, max_length, temperature, seed
+            )
+        return lambda prompt_ids, max_length: generate(prompt_ids, max_length)
+
+    @staticmethod
+    def generate_signature(sampled):
+        sig = [
+            tf.TensorSpec((None, None), tf.int32, name=PROMPT_IDS),
+            tf.TensorSpec((), tf.int32, name=MAX_LENGTH),
+        ]
+        if sampled:
+            sig += [tf.TensorSpec((), tf.float32, name=TEMPERATURE), tf.TensorSpec((), tf.int64, name=SEED)]
+        return sig
+
+    # ------------------------------------------------------ description
+    def describe(self):
+        """JSON-able description (written next to the exports)."""
+
+        def spec(s):
+            return {"name": s.name, "dtype": s.dtype.name, "shape": [None if d is None else int(d) for d in s.shape]}
+
+        desc = {
+            "causal_lm": self.causal_lm,
+            "vocabulary_size": self.vocabulary_size,
+            "inputs": [spec(s) for s in self.input_specs],
+            "outputs": list(self.output_names or []),
+        }
+        if self.causal_lm:
+            desc["state"] = [spec(s) for s in self.state_specs]
+            initial = self.initial_state(1)
+            if any(np.any(s != 0) for s in initial):
+                desc["initial_state"] = [s.tolist() for s in initial]
+        return desc
+
+
+def example_inputs(specs_desc, batch_size, length, vocabulary_size=None, seed=0):
+    """Random numpy inputs for described input specs, with dynamic dims set.
+
+    Integer inputs draw ids in ``[0, vocabulary_size)`` (``[0, 2)`` when the
+    size is unknown); float inputs draw from a standard normal.
+    """
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for s in specs_desc:
+        shape = []
+        for axis, d in enumerate(s["shape"]):
+            shape.append(d if d is not None else (batch_size if axis == 0 else length))
+        dtype = np.dtype(s["dtype"])
+        if np.issubdtype(dtype, np.integer):
+            feeds[s["name"]] = rng.integers(0, vocabulary_size or 2, size=shape).astype(dtype)
+        else:
+            feeds[s["name"]] = rng.standard_normal(shape).astype(dtype)
+    return feeds

@@ -1,0 +1,191 @@
+"""OnnxPredictor: an onnxruntime session with input checks and GPU I/O binding."""
+
+import os
+
+import numpy as np
+
+from keras_linattn.export import _providers
+
+_ORT_TO_NUMPY = {
+    "tensor(float)": np.float32,
+    "tensor(double)": np.float64,
+    "tensor(float16)": np.float16,
+    "tensor(int32)": np.int32,
+    "tensor(int64)": np.int64,
+    "tensor(int8)": np.int8,
+    "tensor(uint8)": np.uint8,
+    "tensor(bool)": np.bool_,
+}
+
+
+def _kind(dtype):
+    dtype = np.dtype(dtype)
+    if dtype.kind in "iu":
+        return "integer"
+    if dtype.kind == "f":
+        return "floating"
+    if dtype.kind == "b":
+        return "bool"
+    return dtype.kind
+
+
+class OnnxPredictor:
+    """Runs an exported ONNX graph with onnxruntime on the best device.
+
+    The session asks for the CUDA provider (and TensorRT if
+    ``use_tensorrt``) only when a GPU is visible and the provider's CUDA
+    libraries load, so a CPU-only machine gets the CPU provider without
+    error logs. On GPU, inputs and outputs go through I/O binding; decoding
+    state can stay on the device between calls (`run_bound`).
+
+    Args:
+        path: an ``.onnx`` file (from `keras_linattn.export.export_onnx`).
+        device: ``"auto"`` (default), ``"cpu"`` or ``"gpu"``.
+        use_tensorrt: put the TensorRT provider first when usable.
+        use_io_binding: bind inputs/outputs explicitly; default: on GPU only.
+        session_options: optional `onnxruntime.SessionOptions`.
+
+    Call arguments:
+        inputs: a dict of input name -> array, a list in input order, or a
+            single array for single-input graphs. Arrays are checked against
+            the graph's rank, fixed dims and dtype kind (an integer input
+            refuses floats and vice versa; float64 is cast to float32, int64
+            to int32).
+
+    Returns:
+        dict of output name -> numpy array.
+
+    Example:
+
+    >>> predictor = OnnxPredictor("model.onnx")
+    >>> predictor.provider
+    'CPUExecutionProvider'
+    >>> predictor({"features": x})["head"].shape
+    (2, 100, 5)
+    """
+
+    def __init__(self, path, device="auto", use_tensorrt=False, use_io_binding=None, session_options=None):
+        import onnxruntime as ort
+
+        path = os.fspath(path)
+        if not os.path.isfile(path):
+            raise ValueError(f"`path` must be an existing .onnx file. Received: path={path!r}")
+        self.path = path
+        self.device = device
+        self.use_tensorrt = use_tensorrt
+        self.requested_providers = _providers.select_providers(device, use_tensorrt=use_tensorrt)
+        options = session_options or ort.SessionOptions()
+        self.session = ort.InferenceSession(path, sess_options=options, providers=self.requested_providers)
+        self.providers = self.session.get_providers()
+        self.on_gpu = self.providers[0] in (_providers.CUDA, _providers.TENSORRT)
+        self.use_io_binding = self.on_gpu if use_io_binding is None else bool(use_io_binding)
+        self.ort_device = "cuda" if self.on_gpu else "cpu"
+        self.inputs = {i.name: (_ORT_TO_NUMPY.get(i.type), list(i.shape)) for i in self.session.get_inputs()}
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        self.output_names = [o.name for o in self.session.get_outputs()]
+
+    @property
+    def provider(self):
+        """The provider that runs the graph (first of the session's list)."""
+        return self.providers[0]
+
+    # --------------------------------------------------------- validation
+    def _as_dict(self, inputs):
+        if isinstance(inputs, dict):
+            return inputs
+        if isinstance(inputs, (list, tuple)):
+            if len(inputs) != len(self.input_names):
+                raise ValueError(
+                    f"Expected {len(self.input_names)} inputs {self.input_names}. "
+                    f"Received: {len(inputs)} inputs"
+                )
+            return dict(zip(self.input_names, inputs))
+        if len(self.input_names) != 1:
+            raise ValueError(
+                f"This graph takes several inputs {self.input_names}: pass a dict. "
+                f"Received: inputs of type {type(inputs).__name__}"
+            )
+        return {self.input_names[0]: inputs}
+
+    def check_inputs(self, inputs):
+        """Validates and converts inputs; returns a dict of numpy arrays."""
+        inputs = self._as_dict(inputs)
+        missing = [n for n in self.input_names if n not in inputs]
+        unexpected = sorted(set(inputs) - set(self.input_names))
+        if missing or unexpected:
+            raise ValueError(
+                f"The graph takes inputs {self.input_names}. "
+                f"Received: missing={missing}, unexpected={unexpected}"
+            )
+        feeds = {}
+        for name in self.input_names:
+            dtype, shape = self.inputs[name]
+            value = inputs[name]
+            if _is_ort_value(value):
+                feeds[name] = value
+                continue
+            value = np.asarray(value)
+            expected = "[" + ", ".join(str(d) if isinstance(d, int) else "?" for d in shape) + "]"
+            if value.ndim != len(shape):
+                raise ValueError(
+                    f"Input {name!r} must have rank {len(shape)} (shape {expected}). "
+                    f"Received: {name}.shape={value.shape}"
+                )
+            for axis, (got, want) in enumerate(zip(value.shape, shape)):
+                if isinstance(want, int) and got != want:
+                    raise ValueError(
+                        f"Input {name!r} must have shape {expected}; axis {axis} must be {want}. "
+                        f"Received: {name}.shape={value.shape}"
+                    )
+            if dtype is not None:
+                if _kind(value.dtype) != _kind(dtype):
+                    raise ValueError(
+                        f"Input {name!r} must be {_kind(dtype)} ({np.dtype(dtype).name}). "
+                        f"Received: {name}.dtype={value.dtype}"
+                    )
+                value = value.astype(dtype, copy=False)
+            feeds[name] = value
+        return feeds
+
+    # --------------------------------------------------------------- run
+    def __call__(self, inputs):
+        return self.predict(inputs)
+
+    def predict(self, inputs):
+        feeds = self.check_inputs(inputs)
+        if not self.use_io_binding:
+            outputs = self.session.run(self.output_names, feeds)
+            return dict(zip(self.output_names, outputs))
+        outputs = self.run_bound(feeds)
+        return {name: value.numpy() for name, value in outputs.items()}
+
+    def run_bound(self, inputs):
+        """Runs with I/O binding; returns outputs as `onnxruntime.OrtValue`s.
+
+        Inputs may be numpy arrays (copied to the device) or `OrtValue`s
+        already on the device (e.g. the state outputs of the previous call),
+        which are bound without a copy. Outputs stay on the session's device.
+        """
+        import onnxruntime as ort
+
+        feeds = self.check_inputs(inputs)
+        binding = self.session.io_binding()
+        for name, value in feeds.items():
+            if not _is_ort_value(value):
+                value = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value), self.ort_device, 0)
+            binding.bind_ortvalue_input(name, value)
+        for name in self.output_names:
+            binding.bind_output(name, self.ort_device)
+        self.session.run_with_iobinding(binding)
+        return dict(zip(self.output_names, binding.get_outputs()))
+
+    def __repr__(self):
+        return f"OnnxPredictor(path={self.path!r}, provider={self.provider!r}, io_binding={self.use_io_binding})"
+
+
+def _is_ort_value(value):
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return False
+    return isinstance(value, ort.OrtValue)

@@ -1,0 +1,203 @@
+"""SavedModel export in the TF Serving layout ``base_dir/<version>/``."""
+
+import json
+import os
+import shutil
+import tempfile
+
+import keras
+
+from keras_linattn.export import _specs
+from keras_linattn.export import warmup as warmup_lib
+
+DESCRIPTION_FILE = "keras_linattn.json"
+
+
+def _check_base_dir(base_dir):
+    base_dir = os.fspath(base_dir)
+    if os.path.exists(base_dir) and not os.path.isdir(base_dir):
+        raise ValueError(
+            "`base_dir` must be a directory (the model's base path for TF Serving); a file "
+            f"exists at that path. Received: base_dir={base_dir!r}"
+        )
+    return base_dir
+
+
+def existing_versions(base_dir):
+    """Sorted integer versions already present in `base_dir`."""
+    if not os.path.isdir(base_dir):
+        return []
+    return sorted(int(d) for d in os.listdir(base_dir) if d.isdigit() and os.path.isdir(os.path.join(base_dir, d)))
+
+
+def _resolve_version(base_dir, version):
+    if version is None:
+        versions = existing_versions(base_dir)
+        return (versions[-1] + 1) if versions else 1
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise ValueError(
+            f"`version` must be a non-negative integer (TF Serving version). Received: version={version!r}"
+        )
+    if os.path.exists(os.path.join(base_dir, str(version))):
+        raise ValueError(
+            f"Version {version} already exists in {base_dir!r}; TF Serving versions are "
+            "immutable. Pass another `version` or leave it as None for the next one. "
+            f"Received: version={version!r}"
+        )
+    return version
+
+
+def _is_functional(model):
+    from keras.src.models.functional import Functional
+
+    return isinstance(model, Functional) or getattr(model, "_functional", None) is not None
+
+
+def _track(archive, model):
+    """Tracks a model's layers (for lookup tables and variable lists).
+
+    A subclassed model is not tracked itself: on write-out TF traces every
+    `tf.function` attribute of a tracked object, including Keras' default
+    save signature, which assumes a single float input of the model's build
+    shape (wrong for a token-id model built with `build(None)`). Its layers
+    are tracked instead; endpoint variables are collected in any case.
+    """
+    if _is_functional(model):
+        archive.track(model)
+        return
+    for layer in model.layers:
+        if isinstance(layer, keras.Model):
+            _track(archive, layer)
+        elif layer.built:
+            archive.track(layer)
+
+
+def build_archive(specs, include_generate=True):
+    """A `keras.export.ExportArchive` with every signature of the model."""
+    archive = keras.export.ExportArchive()
+    _track(archive, specs.model)
+    archive.add_endpoint(_specs.SERVING_DEFAULT, specs.serving_fn(), input_signature=specs.input_specs)
+    if specs.causal_lm:
+        archive.add_endpoint(_specs.STEP, specs.step_fn(), input_signature=specs.step_signature())
+        if include_generate:
+            for name, sampled in ((_specs.GENERATE, False), (_specs.GENERATE_SAMPLED, True)):
+                archive.add_endpoint(
+                    name, specs.generate_fn(sampled), input_signature=specs.generate_signature(sampled)
+                )
+    return archive
+
+
+def export_saved_model(
+    model,
+    base_dir,
+    version=None,
+    input_signature=None,
+    include_generate=True,
+    warmup=True,
+    warmup_batch_size=1,
+    warmup_length=16,
+    model_name=None,
+    verbose=False,
+):
+    """Exports a Keras model as a SavedModel for TF Serving.
+
+    Writes ``base_dir/<version>/`` with the signatures:
+
+    - ``serving_default``: the model's call in inference mode; named inputs
+      (the model's input names, ``token_ids`` for causal LMs) with dynamic
+      batch and length dims, named outputs (``logits`` for causal LMs).
+    - causal LMs (`keras_linattn.models.LinearCausalLM` or any model with
+      ``step``/``call_with_state``/``get_initial_state``/``generate``):
+      ``step`` (``token_t [B]`` + ``state_<i>`` -> ``logits [B, V]`` +
+      ``new_state_<i>``: every layer's ``(S, z)`` explicit in and out),
+      ``generate`` (greedy: ``prompt_ids [B, P]``, ``max_length []`` ->
+      ``output_ids [B, max_length]``) and ``generate_sampled`` (adds
+      ``temperature []`` and ``seed []``: same seed, same tokens).
+
+    ``assets.extra/tf_serving_warmup_requests`` holds `PredictionLog`
+    records for each signature (TF Serving replays them at load time), and
+    ``assets.extra/keras_linattn.json`` describes inputs, outputs and state.
+    The export is written to a temporary directory inside `base_dir` and
+    renamed into place at the end, so a failure leaves nothing behind.
+
+    Args:
+        model: a built `keras.Model`.
+        base_dir: the model's base path (holds the integer version dirs).
+        version: integer version; default: one more than the largest present.
+            An existing version is an error.
+        input_signature: optional list of named `tf.TensorSpec` for
+            subclassed models whose inputs cannot be read from the model.
+        include_generate: whether causal LMs get the ``generate`` signatures.
+        warmup: whether to write the warmup requests.
+        warmup_batch_size, warmup_length: shape of the warmup requests.
+        model_name: name written into the warmup requests' `model_spec`
+            (defaults to the base dir's name).
+        verbose: print the archive's variables.
+
+    Returns:
+        The path of the version directory.
+    """
+    base_dir = _check_base_dir(base_dir)
+    specs = _specs.ModelSpecs(model, input_signature=input_signature)
+    version = _resolve_version(base_dir, version)
+    model_name = model_name or os.path.basename(os.path.normpath(os.path.abspath(base_dir)))
+    created_base = not os.path.exists(base_dir)
+    os.makedirs(base_dir, exist_ok=True)
+    tmp_dir = tempfile.mkdtemp(prefix=f".tmp-{version}-", dir=base_dir)
+    try:
+        export_dir = os.path.join(tmp_dir, "export")
+        archive = build_archive(specs, include_generate=include_generate)
+        archive.write_out(export_dir, verbose=verbose)
+        extra = os.path.join(export_dir, "assets.extra")
+        os.makedirs(extra, exist_ok=True)
+        if warmup:
+            warmup_lib.write_warmup_requests(
+                os.path.join(extra, warmup_lib.WARMUP_FILE),
+                specs,
+                model_name=model_name,
+                batch_size=warmup_batch_size,
+                length=warmup_length,
+                include_generate=include_generate,
+            )
+        description = specs.describe()
+        description["signatures"] = signature_names(specs, include_generate)
+        with open(os.path.join(extra, DESCRIPTION_FILE), "w") as f:
+            json.dump(description, f, indent=2)
+        final = os.path.join(base_dir, str(version))
+        if os.path.exists(final):
+            raise ValueError(f"Version {version} appeared in {base_dir!r} during the export.")
+        os.rename(export_dir, final)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        if created_base:
+            shutil.rmtree(base_dir, ignore_errors=True)
+        raise
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    return final
+
+
+def signature_names(specs, include_generate=True):
+    names = [_specs.SERVING_DEFAULT]
+    if specs.causal_lm:
+        names.append(_specs.STEP)
+        if include_generate:
+            names += [_specs.GENERATE, _specs.GENERATE_SAMPLED]
+    return names
+
+
+def read_description(export_dir):
+    """The JSON description written by `export_saved_model`."""
+    path = os.path.join(export_dir, "assets.extra", DESCRIPTION_FILE)
+    with open(path) as f:
+        return json.load(f)
+
+
+def latest_version_dir(base_dir):
+    """``base_dir/<largest version>``, or `base_dir` itself if it is a SavedModel."""
+    if os.path.exists(os.path.join(base_dir, "saved_model.pb")):
+        return base_dir
+    versions = existing_versions(base_dir)
+    if not versions:
+        raise ValueError(f"No SavedModel version found. Received: base_dir={base_dir!r}")
+    return os.path.join(base_dir, str(versions[-1]))
+

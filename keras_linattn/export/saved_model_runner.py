@@ -1,0 +1,91 @@
+"""Runs SavedModel signatures the way TF Serving does (TF1 loader + Session)."""
+
+import numpy as np
+import tensorflow as tf
+
+
+class SavedModelRunner:
+    """Executes the signatures of a SavedModel through a TF1 `Session`.
+
+    This is the path of `tensorflow_model_server` and `saved_model_cli run`:
+    the MetaGraph tagged ``serve`` is loaded into a graph, and each
+    signature is run by feeding and fetching the tensor names recorded in
+    its `SignatureDef`. What passes here is what the server executes.
+
+    Args:
+        export_dir: a SavedModel directory (one version, e.g.
+            ``base_dir/1``).
+        tags: MetaGraph tags; default ``["serve"]``.
+
+    Call arguments (`run`):
+        signature_name: e.g. ``"serving_default"`` or ``"step"``.
+        inputs: dict of name -> array-like, one entry per signature input.
+
+    Returns:
+        dict of output name -> numpy array.
+
+    Example:
+
+    >>> runner = SavedModelRunner("models/lm/1")
+    >>> runner.run("serving_default", {"token_ids": ids})["logits"].shape
+    (2, 16, 256)
+    """
+
+    def __init__(self, export_dir, tags=None):
+        self.export_dir = export_dir
+        self.tags = list(tags or [tf.saved_model.SERVING])
+        self._graph = tf.Graph()
+        self._session = tf.compat.v1.Session(graph=self._graph)
+        with self._graph.as_default():
+            meta = tf.compat.v1.saved_model.loader.load(self._session, self.tags, export_dir)
+        self.signature_defs = {
+            k: v for k, v in meta.signature_def.items() if not k.startswith("__")
+        }
+
+    @property
+    def signature_names(self):
+        return sorted(self.signature_defs)
+
+    def input_info(self, signature_name):
+        """{input name: (numpy dtype, shape with -1 for dynamic dims)}."""
+        sig = self._signature(signature_name)
+        return {
+            name: (
+                tf.dtypes.as_dtype(info.dtype).as_numpy_dtype,
+                [d.size for d in info.tensor_shape.dim],
+            )
+            for name, info in sig.inputs.items()
+        }
+
+    def _signature(self, signature_name):
+        if signature_name not in self.signature_defs:
+            raise ValueError(
+                f"Unknown signature. Received: signature_name={signature_name!r}. "
+                f"Available: {self.signature_names}"
+            )
+        return self.signature_defs[signature_name]
+
+    def run(self, signature_name, inputs):
+        sig = self._signature(signature_name)
+        missing = sorted(set(sig.inputs) - set(inputs))
+        extra = sorted(set(inputs) - set(sig.inputs))
+        if missing or extra:
+            raise ValueError(
+                f"Signature {signature_name!r} takes inputs {sorted(sig.inputs)}. "
+                f"Received: missing={missing}, unexpected={extra}"
+            )
+        feed = {}
+        for name, info in sig.inputs.items():
+            dtype = tf.dtypes.as_dtype(info.dtype).as_numpy_dtype
+            feed[info.name] = np.asarray(inputs[name]).astype(dtype, copy=False)
+        fetches = {name: info.name for name, info in sig.outputs.items()}
+        return self._session.run(fetches, feed_dict=feed)
+
+    def close(self):
+        self._session.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,94 @@
+"""TF Serving warmup requests: ``assets.extra/tf_serving_warmup_requests``.
+
+A TFRecord file of `tensorflow_serving.apis.prediction_log_pb2.PredictionLog`
+records; TF Serving replays them when it loads a version, so the first real
+request does not pay for graph initialization.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from keras_linattn.export import _specs
+
+WARMUP_FILE = "tf_serving_warmup_requests"
+
+
+def _serving_apis():
+    try:
+        from tensorflow_serving.apis import predict_pb2, prediction_log_pb2
+    except ImportError as e:
+        raise ImportError(
+            "Writing TF Serving warmup requests needs the `tensorflow-serving-api` package "
+            "(pip install 'keras-linattn[serving]'), or pass warmup=False."
+        ) from e
+    return predict_pb2, prediction_log_pb2
+
+
+def predict_request(model_name, signature_name, inputs):
+    """A `PredictRequest` for named numpy inputs."""
+    predict_pb2, _ = _serving_apis()
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = model_name
+    request.model_spec.signature_name = signature_name
+    for name, value in inputs.items():
+        request.inputs[name].CopyFrom(tf.make_tensor_proto(np.asarray(value)))
+    return request
+
+
+def warmup_inputs(specs, batch_size=1, length=16, include_generate=True):
+    """(signature name, named numpy inputs) pairs used for warmup."""
+    desc = specs.describe()
+    requests = [
+        (
+            _specs.SERVING_DEFAULT,
+            _specs.example_inputs(desc["inputs"], batch_size, length, specs.vocabulary_size),
+        )
+    ]
+    if specs.causal_lm:
+        step_inputs = {_specs.TOKEN_T: np.zeros((batch_size,), np.int32)}
+        for i, s in enumerate(specs.initial_state(batch_size)):
+            step_inputs[_specs.state_name(i)] = s
+        requests.append((_specs.STEP, step_inputs))
+        if include_generate:
+            prompt = np.zeros((batch_size, 2), np.int32)
+            requests.append(
+                (_specs.GENERATE, {_specs.PROMPT_IDS: prompt, _specs.MAX_LENGTH: np.int32(4)})
+            )
+            requests.append(
+                (
+                    _specs.GENERATE_SAMPLED,
+                    {
+                        _specs.PROMPT_IDS: prompt,
+                        _specs.MAX_LENGTH: np.int32(4),
+                        _specs.TEMPERATURE: np.float32(1.0),
+                        _specs.SEED: np.int64(0),
+                    },
+                )
+            )
+    return requests
+
+
+def write_warmup_requests(path, specs, model_name, batch_size=1, length=16, include_generate=True):
+    """Writes one `PredictionLog` per signature to the TFRecord file `path`."""
+    _, prediction_log_pb2 = _serving_apis()
+    with tf.io.TFRecordWriter(path) as writer:
+        for signature_name, inputs in warmup_inputs(specs, batch_size, length, include_generate):
+            log = prediction_log_pb2.PredictionLog(
+                predict_log=prediction_log_pb2.PredictLog(
+                    request=predict_request(model_name, signature_name, inputs)
+                )
+            )
+            writer.write(log.SerializeToString())
+    return path
+
+
+def read_warmup_requests(path):
+    """Parses a warmup file: a list of (signature name, named numpy inputs)."""
+    _, prediction_log_pb2 = _serving_apis()
+    requests = []
+    for record in tf.data.TFRecordDataset(path).as_numpy_iterator():
+        log = prediction_log_pb2.PredictionLog.FromString(record)
+        request = log.predict_log.request
+        inputs = {name: tf.make_ndarray(proto) for name, proto in request.inputs.items()}
+        requests.append((request.model_spec.signature_name, inputs))
+    return requests
