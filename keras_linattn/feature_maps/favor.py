@@ -36,9 +36,11 @@ class FavorPlusFeatureMap(RandomFeatureMap):
       per-query factor, cancels between numerator and denominator);
     - keys, non-causal: the max over all keys and features of each
       (batch, head) — one constant for every key of a row, cancels;
-    - keys, causal: none. A max over time would make a key's features depend
-      on later tokens (leaking the future), and a per-token shift of a key
-      does not cancel (it reweights that key against the others). The
+    - keys, causal: none. A max over time cancels in exact arithmetic, but
+      its value depends on later tokens, and so do the rounding and the
+      underflow of earlier keys' features: earlier outputs would change when
+      later tokens change (the future leaks). A per-token shift of a key does
+      not cancel at all (it reweights that key against the others). The
       exponent is bounded by construction, ``w.x' - |x'|^2/2 <= |w|^2/2``,
       and is additionally capped at 50 so that float32 cannot overflow.
 

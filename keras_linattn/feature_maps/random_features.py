@@ -145,6 +145,15 @@ class RandomFeatureMap(FeatureMap):
         self._draw_count = 0
 
     def build(self, input_shape):
+        if self.built:
+            # Deserialization builds the map from its build config before the
+            # owning layer builds it again: keep the weights, check the shape.
+            if tuple(input_shape[-2:]) != (self._num_heads, self._dim):
+                raise ValueError(
+                    f"{type(self).__name__} was built for [H, D] = {[self._num_heads, self._dim]}. "
+                    f"Received: input_shape={tuple(input_shape)}"
+                )
+            return
         super().build(input_shape)
         num_heads, dim = input_shape[-2], input_shape[-1]
         if num_heads is None or dim is None:

@@ -1,0 +1,412 @@
+"""FAVOR+ and FAVOR-trig random-feature maps: the estimator, stabilizers, layer integration, saving."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_linattn import feature_maps
+from keras_linattn import ops as lops
+from keras_linattn.feature_maps import FavorPlusFeatureMap, FavorTrigFeatureMap
+from keras_linattn.feature_maps import random_features
+from keras_linattn.layers import LinearAttention
+from tests.conftest import rel_err
+
+D = 16
+RANDOM_MAPS = ["favor+", "favor_trig"]
+
+
+def _qkv(seed, scale, t=32, h=2, m=8):
+    rng = np.random.default_rng(seed)
+    q = (rng.normal(size=(1, t, h, D)) * scale).astype("float32")
+    k = (rng.normal(size=(1, t, h, D)) * scale).astype("float32")
+    v = rng.normal(size=(1, t, h, m)).astype("float32")
+    return q, k, v
+
+
+def _favor_output_mse(q, k, v, num_features, kind, scaling, seeds):
+    """Mean over projection seeds of the MSE of FAVOR+ attention vs exact softmax."""
+    exact = np.asarray(lops.softmax_attention(q, k, v))
+    fm = FavorPlusFeatureMap(num_features=num_features, kind=kind, scaling=scaling, seed=0)
+    fm.build(q.shape)
+    errors = []
+    for s in seeds:
+        fm.redraw(seed=s)
+        out = lops.linear_attention(fm(q, is_query=True), fm(k, is_query=False), v)
+        errors.append(np.mean((np.asarray(out) - exact) ** 2))
+    return float(np.mean(errors))
+
+
+# ------------------------------------------------------------ the estimator
+def test_kernel_estimate_is_unbiased():
+    # With the causal key formula (no shift, cap not reached) for both sides,
+    # phi(q).phi(k) is the raw estimator of exp(q.k / sqrt(D)).
+    rng = np.random.default_rng(3)
+    q = (rng.normal(size=(1, 1, 1, D)) * 0.5).astype("float32")
+    k = (rng.normal(size=(1, 1, 1, D)) * 0.5).astype("float32")
+    exact = float(np.exp(np.sum(q * k) / np.sqrt(D)))
+    fm = FavorPlusFeatureMap(num_features=64, seed=0)
+    fm.build(q.shape)
+    estimates = []
+    for s in range(300):
+        fm.redraw(seed=s)
+        fq = np.asarray(fm(q, is_query=False, causal=True))
+        fk = np.asarray(fm(k, is_query=False, causal=True))
+        estimates.append(float(np.sum(fq * fk)))
+    mean, sem = np.mean(estimates), np.std(estimates) / np.sqrt(len(estimates))
+    assert abs(mean - exact) < 4 * sem
+    assert sem < 0.05 * exact  # the check above is not vacuous
+
+
+def test_output_error_shrinks_as_num_features_grows():
+    q, k, v = _qkv(seed=11, scale=0.5)
+    mses = [_favor_output_mse(q, k, v, m, "orthogonal", "chi", range(20)) for m in (16, 64, 256, 1024)]
+    for smaller_m, larger_m in zip(mses, mses[1:]):
+        assert larger_m < smaller_m / 1.5, mses
+    assert mses[-1] < mses[0] / 10, mses
+    assert mses[-1] < 1e-3, mses
+
+
+def test_orthogonal_features_beat_iid_features():
+    q, k, v = _qkv(seed=12, scale=0.5)
+    # Fixed row norms: orthogonality removes most of the estimator's variance.
+    ortho = _favor_output_mse(q, k, v, 64, "orthogonal", "sqrt", range(20))
+    iid = _favor_output_mse(q, k, v, 64, "iid", "sqrt", range(20))
+    assert iid / ortho > 1.25, (ortho, iid)
+    # chi(D) norms (the unbiased default): a smaller but systematic gain.
+    ortho = _favor_output_mse(q, k, v, 64, "orthogonal", "chi", range(100))
+    iid = _favor_output_mse(q, k, v, 64, "iid", "chi", range(100))
+    assert iid / ortho > 1.1, (ortho, iid)
+
+
+@pytest.mark.parametrize("kind", ["orthogonal", "iid"])
+@pytest.mark.parametrize("scaling", ["chi", "sqrt"])
+def test_projection_structure(kind, scaling):
+    rng = np.random.default_rng(0)
+    w = random_features.gaussian_projection(rng, 40, 8, kind, scaling).astype("float64")  # [m, D]
+    assert w.shape == (40, 8)
+    norms = np.linalg.norm(w, axis=1)
+    if scaling == "sqrt":
+        np.testing.assert_allclose(norms, np.sqrt(8), rtol=1e-5)
+    else:
+        assert np.std(norms) > 0.1  # random norms
+    directions = w / norms[:, None]
+    gram = directions @ directions.T  # [m, m]
+    off_block = np.abs(gram[:8, :8] - np.eye(8)).max()
+    if kind == "orthogonal":
+        for start in (0, 8, 16, 24, 32):  # 5 blocks of D rows, the last one full
+            block = gram[start : start + 8, start : start + 8]
+            np.testing.assert_allclose(block, np.eye(8), atol=1e-5)
+    else:
+        assert off_block > 0.1
+
+
+def test_chi_norms_match_gaussian_second_moment():
+    rng = np.random.default_rng(1)
+    w = random_features.gaussian_projection(rng, 4096, 16, "orthogonal", "chi")
+    # rows of N(0, I_D): E|w|^2 = D, Var|w|^2 = 2D
+    sq = np.sum(w.astype("float64") ** 2, axis=1)
+    assert abs(sq.mean() - 16) < 4 * np.sqrt(32 / 4096)
+
+
+def test_projection_is_a_function_of_the_seed_and_redraw_follows_a_sequence():
+    x = np.zeros((1, 2, 3, D), "float32")
+    a, b, c = (FavorPlusFeatureMap(num_features=20, seed=s) for s in (5, 5, 6))
+    for fm in (a, b, c):
+        fm(x)
+    np.testing.assert_array_equal(a.projection.numpy(), b.projection.numpy())
+    assert not np.allclose(a.projection.numpy(), c.projection.numpy())
+    initial = a.projection.numpy()
+    a.redraw()
+    b.redraw()
+    np.testing.assert_array_equal(a.projection.numpy(), b.projection.numpy())
+    assert not np.allclose(a.projection.numpy(), initial)
+    a.redraw(seed=5)
+    np.testing.assert_array_equal(a.projection.numpy(), initial)
+    a.redraw(seed=6)
+    np.testing.assert_array_equal(a.projection.numpy(), c.projection.numpy())
+    assert not a.projection.trainable
+    # one independent draw per head
+    assert not np.allclose(initial[0], initial[1])
+
+
+# ------------------------------------------------------------ numerics
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("is_query", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+def test_favor_features_non_negative_and_finite_for_large_inputs(dtype, is_query, causal):
+    rng = np.random.default_rng(4)
+    x = rng.uniform(-10, 10, size=(2, 9, 2, D))
+    x[0, 0] = 10.0  # the extremes themselves
+    x[0, 1] = -10.0
+    x[0, 2] = 0.0
+    if dtype == "bfloat16":
+        keras.config.set_dtype_policy("mixed_bfloat16")
+    x = keras.ops.convert_to_tensor(x, dtype=dtype)
+    fm = FavorPlusFeatureMap(num_features=64, seed=1)
+    f = fm(x, is_query=is_query, causal=causal)
+    assert f.dtype == "float32"
+    f = np.asarray(f)
+    assert np.isfinite(f).all()
+    assert (f >= 0).all()
+    if is_query:  # the per-token max puts one feature of every query at 1/sqrt(m)
+        np.testing.assert_allclose(f.max(axis=-1), 1 / 8, rtol=1e-6)
+
+
+def test_favor_attention_finite_in_a_bf16_model():
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    rng = np.random.default_rng(5)
+    x = rng.uniform(-10, 10, size=(2, 20, 8)).astype("float32")
+    layer = LinearAttention(num_heads=2, key_dim=D, feature_map=FavorPlusFeatureMap(num_features=32, seed=2))
+    for causal in (False, True):
+        out = np.asarray(layer(x, x, use_causal_mask=causal)).astype("float32")
+        assert np.isfinite(out).all()
+
+
+# ------------------------------------------------------------ stabilizers
+def _attn(qf, kf, v, causal):
+    return np.asarray(lops.linear_attention(qf, kf, v, causal=causal, chunk_size=8))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_query_stabilizer_cancels(causal):
+    q, k, v = _qkv(seed=6, scale=1.0, t=19)
+    fm = FavorPlusFeatureMap(num_features=32, seed=3)
+    kf = fm(k, is_query=False, causal=causal)
+    stabilized = _attn(fm(q, is_query=True, causal=causal), kf, v, causal)
+    raw = _attn(fm(q, is_query=False, causal=True), kf, v, causal)  # no shift
+    assert rel_err(stabilized, raw) < 1e-5
+
+
+def test_key_shift_cancels_only_when_it_is_one_constant_for_all_keys():
+    q, k, v = _qkv(seed=7, scale=1.0, t=19)
+    fm = FavorPlusFeatureMap(num_features=32, seed=3)
+    qf = fm(q, is_query=True)
+    raw_kf = np.asarray(fm(k, is_query=False, causal=True))  # [B, S, H, m], unshifted
+    for causal in (False, True):
+        reference = _attn(qf, raw_kf, v, causal)
+        # the non-causal stabilizer (max over keys and features of each head)
+        noncausal_kf = fm(k, is_query=False, causal=False)
+        if not causal:
+            assert rel_err(_attn(qf, noncausal_kf, v, causal), reference) < 1e-5
+        # any single constant cancels
+        assert rel_err(_attn(qf, raw_kf * np.exp(-7.0), v, causal), reference) < 1e-5
+        # a per-token shift (each key's own max over features) does not
+        per_token = raw_kf / raw_kf.max(axis=-1, keepdims=True)
+        assert rel_err(_attn(qf, per_token, v, causal), reference) > 1e-2
+
+
+# ------------------------------------------------------------ in LinearAttention
+def _map(name):
+    return feature_maps.get(name, num_features=12, seed=7)
+
+
+def _oracle_forward(layer, x, causal):
+    q, k, v = layer.project(x, x)
+    qf = layer.feature_map(q, is_query=True, causal=causal)
+    kf = layer.feature_map(k, is_query=False, causal=causal)
+    return layer.output_dense(lops.kernel_attention_reference(qf, kf, v, causal=causal))
+
+
+@pytest.mark.parametrize("name", RANDOM_MAPS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_layer_matches_oracle_outputs_and_gradients(rng, name, causal):
+    x = tf.constant(rng.normal(size=(2, 21, 8)).astype("float32") * 0.5)
+    layer = LinearAttention(num_heads=2, key_dim=4, feature_map=_map(name), chunk_size=8)
+    layer(x, x)
+    weights = layer.trainable_variables
+
+    def run(fn):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            out = fn()
+            loss = tf.reduce_sum(out * tf.cos(tf.range(out.shape[-1], dtype="float32")))
+        grads = tape.gradient(loss, [x] + weights)
+        return out.numpy(), np.concatenate([g.numpy().ravel() for g in grads])
+
+    out, grads = run(lambda: layer(x, x, use_causal_mask=causal))
+    ref, ref_grads = run(lambda: _oracle_forward(layer, x, causal))
+    assert rel_err(out, ref) < 1e-4
+    assert rel_err(grads, ref_grads) < 1e-4
+
+
+@pytest.mark.parametrize("name", RANDOM_MAPS)
+def test_causal_outputs_never_see_the_future(rng, name):
+    x = rng.normal(size=(1, 24, 8)).astype("float32")
+    layer = LinearAttention(num_heads=2, key_dim=4, feature_map=_map(name), chunk_size=8)
+    base = np.asarray(layer(x, x, use_causal_mask=True))
+    for t in (0, 5, 8, 17):
+        changed = x.copy()
+        changed[:, t + 1 :] = rng.normal(size=changed[:, t + 1 :].shape) * 5.0
+        out = np.asarray(layer(changed, changed, use_causal_mask=True))
+        np.testing.assert_array_equal(out[:, : t + 1], base[:, : t + 1])
+        assert not np.allclose(out[:, t + 1 :], base[:, t + 1 :])
+
+
+def test_future_leak_check_catches_a_max_over_time():
+    # The same check applied to the non-causal key features (max over all
+    # keys) used in causal attention: a constant over time cancels in exact
+    # arithmetic, but its value depends on later keys, and so do the rounding
+    # (and, for large shifts, the underflow) of earlier keys' features.
+    q, k, v = _qkv(seed=8, scale=1.0, t=16)
+    fm = FavorPlusFeatureMap(num_features=16, seed=0)
+    qf = fm(q, is_query=True)
+    base = _attn(qf, fm(k, is_query=False, causal=False), v, True)
+    k2 = k.copy()
+    # later keys on a random direction's tip: the largest possible exponent
+    k2[:, 10:] = fm.projection.numpy()[:, 0] * D**0.25  # [H, D] broadcast over time
+    leaked = _attn(qf, fm(k2, is_query=False, causal=False), v, True)
+    assert not np.array_equal(leaked[:, :10], base[:, :10])
+    safe = _attn(qf, fm(k, is_query=False, causal=True), v, True)
+    safe2 = _attn(qf, fm(k2, is_query=False, causal=True), v, True)
+    np.testing.assert_array_equal(safe2[:, :10], safe[:, :10])
+
+
+def test_step_decoding_matches_parallel_causal(rng):
+    x = rng.normal(size=(2, 11, 8)).astype("float32")
+    layer = LinearAttention(num_heads=2, key_dim=4, feature_map=_map("favor+"), chunk_size=4)
+    full = np.asarray(layer(x, x, use_causal_mask=True))
+    state = layer.get_initial_state(2)
+    steps = []
+    for t in range(11):
+        out, state = layer.step(x[:, t], x[:, t], state)
+        steps.append(np.asarray(out))
+    assert rel_err(np.stack(steps, axis=1), full) < 1e-5
+
+
+def _tiny_model(feature_map, t=16, dim=8):
+    inputs = keras.Input((t, dim))
+    att = LinearAttention(num_heads=2, key_dim=4, feature_map=feature_map, chunk_size=8)
+    h = att(inputs, inputs, use_causal_mask=True)
+    outputs = keras.layers.Dense(dim)(h)
+    return keras.Model(inputs, outputs)
+
+
+@pytest.mark.parametrize("name", RANDOM_MAPS)
+def test_fit_with_xla(rng, name):
+    x = rng.normal(size=(32, 16, 8)).astype("float32")
+    y = np.roll(x, 1, axis=1)
+    model = _tiny_model(_map(name))
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=True)
+    history = model.fit(x, y, batch_size=8, epochs=4, verbose=0)
+    losses = history.history["loss"]
+    assert np.isfinite(losses).all()
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs",
+    [
+        (FavorPlusFeatureMap, dict(num_features=24, kind="iid", scaling="sqrt", scale=0.3, seed=None)),
+        (FavorTrigFeatureMap, dict(num_features=10, kind="orthogonal", scaling="sqrt", scale=0.4, seed=9)),
+    ],
+)
+def test_keras_save_load_keeps_the_projection(tmp_path, rng, cls, kwargs):
+    x = rng.normal(size=(2, 16, 8)).astype("float32")
+    fm = cls(**kwargs)
+    model = _tiny_model(fm)
+    fm.redraw()  # the saved matrix is not the one the seed gives
+    expected = model.predict(x, verbose=0)
+    path = os.path.join(tmp_path, "model.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    loaded_fm = loaded.layers[1].feature_map
+    assert isinstance(loaded_fm, cls)
+    for key, value in kwargs.items():
+        assert getattr(loaded_fm, key) == value
+    np.testing.assert_array_equal(loaded_fm.projection.numpy(), fm.projection.numpy())
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), expected)
+
+
+@pytest.mark.parametrize("name", RANDOM_MAPS)
+def test_get_config_round_trip(name):
+    fm = feature_maps.get(name, num_features=7, kind="iid", scaling="sqrt", scale=0.5, seed=3)
+    clone = feature_maps.deserialize(feature_maps.serialize(fm))
+    assert type(clone) is type(fm)
+    assert clone.get_config() == fm.get_config()
+    x = np.random.default_rng(0).normal(size=(1, 3, 2, 4)).astype("float32")
+    np.testing.assert_array_equal(np.asarray(clone(x)), np.asarray(fm(x)))
+
+
+def test_inference_is_deterministic(rng):
+    x = rng.normal(size=(2, 16, 8)).astype("float32")
+    model = _tiny_model(_map("favor+"))
+    a = model(x, training=True)
+    b = model(x, training=False)
+    np.testing.assert_array_equal(model.predict(x, verbose=0), model.predict(x, verbose=0))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ------------------------------------------------------------ favor_trig
+def test_trig_estimate_is_unbiased_but_not_positive():
+    rng = np.random.default_rng(9)
+    q = (rng.normal(size=(1, 1, 1, D)) * 0.5).astype("float32")
+    k = (rng.normal(size=(1, 1, 1, D)) * 0.5).astype("float32")
+    exact = float(np.exp(np.sum(q * k) / np.sqrt(D)))
+    fm = FavorTrigFeatureMap(num_features=64, seed=0)
+    fm.build(q.shape)
+    estimates, negative_features = [], 0
+    for s in range(300):
+        fm.redraw(seed=s)
+        fq = np.asarray(fm(q, is_query=True))
+        fk = np.asarray(fm(k, is_query=False, causal=True))
+        negative_features += int((fq < 0).sum())
+        # the query's norm factor is left out (it cancels): put it back
+        estimates.append(float(np.sum(fq * fk)) * np.exp(np.sum((q / 2) ** 2) / 2))
+    mean, sem = np.mean(estimates), np.std(estimates) / np.sqrt(len(estimates))
+    assert abs(mean - exact) < 4 * sem
+    assert sem < 0.05 * exact
+    assert negative_features > 0
+
+
+def test_trig_key_stabilizer_cancels_non_causal():
+    q, k, v = _qkv(seed=10, scale=0.5, t=13)
+    fm = FavorTrigFeatureMap(num_features=32, seed=3)
+    qf = fm(q, is_query=True)
+    stabilized = _attn(qf, fm(k, is_query=False, causal=False), v, False)
+    raw = _attn(qf, fm(k, is_query=False, causal=True), v, False)
+    assert rel_err(stabilized, raw) < 1e-5
+
+
+# ------------------------------------------------------------ bad input
+@pytest.mark.parametrize("cls", [FavorPlusFeatureMap, FavorTrigFeatureMap])
+@pytest.mark.parametrize(
+    "kwargs, arg",
+    [
+        (dict(num_features=0), "num_features"),
+        (dict(num_features=-3), "num_features"),
+        (dict(num_features=2.5), "num_features"),
+        (dict(kind="gaussian"), "kind"),
+        (dict(scaling="unit"), "scaling"),
+        (dict(scale=-1.0), "scale"),
+        (dict(scale=0), "scale"),
+        (dict(seed=-1), "seed"),
+        (dict(seed=1.5), "seed"),
+    ],
+)
+def test_bad_arguments(cls, kwargs, arg):
+    with pytest.raises(ValueError, match=arg):
+        cls(**kwargs)
+
+
+@pytest.mark.parametrize("cls", [FavorPlusFeatureMap, FavorTrigFeatureMap])
+def test_bad_input_rank_and_shape(cls):
+    fm = cls(num_features=8, seed=0)
+    with pytest.raises(ValueError, match="input_shape"):
+        fm(np.zeros((2, 3, 4), "float32"))
+    fm(np.zeros((1, 3, 2, 4), "float32"))
+    with pytest.raises(ValueError, match="inputs.shape"):
+        fm(np.zeros((3, 2, 4), "float32"))
+    with pytest.raises(ValueError, match="inputs.shape"):
+        fm(np.zeros((1, 3, 2, 5), "float32"))
+
+
+def test_redraw_before_build_and_bad_seed():
+    fm = FavorPlusFeatureMap(num_features=8)
+    with pytest.raises(ValueError, match="built"):
+        fm.redraw()
+    fm(np.zeros((1, 3, 2, 4), "float32"))
+    with pytest.raises(ValueError, match="seed"):
+        fm.redraw(seed=-2)
