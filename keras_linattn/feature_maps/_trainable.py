@@ -142,6 +142,15 @@ class TrainableFeatureMap(FeatureMap):
         return OrthogonalRegularizer(factor) if factor > 0 else None
 
     def build(self, input_shape):
+        if self.built:
+            # Deserialization builds the map from its build config before the
+            # owning layer builds it again: keep the weights, check the shape.
+            if tuple(input_shape[-2:]) != self._built_heads_dim:
+                raise ValueError(
+                    f"{type(self).__name__} was built for [H, D] = {list(self._built_heads_dim)}. "
+                    f"Received: input_shape={tuple(input_shape)}"
+                )
+            return
         super().build(input_shape)
         num_heads, input_dim = input_shape[-2], input_shape[-1]
         if num_heads is None or input_dim is None:
@@ -149,6 +158,7 @@ class TrainableFeatureMap(FeatureMap):
                 f"{type(self).__name__} needs static head and input dims [B, T, H, D]. "
                 f"Received: input_shape={tuple(input_shape)}"
             )
+        self._built_heads_dim = (num_heads, input_dim)
         self._num_headwise_weights = 0
         names = ("qk",) if self.share_qk else ("query", "key")
         self._branches = {name: self.build_branch(name, num_heads, input_dim) for name in names}
