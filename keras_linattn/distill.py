@@ -1,0 +1,481 @@
+"""Attention distillation: train feature maps so linear attention mimics softmax attention.
+
+For every `LinearAttention` layer of a model whose feature map has trainable
+weights (``hedgehog``, ``ffn``, ``glu``, ``oglu``, ``aoglu``, ...), the
+queries and keys the layer actually sees on real batches are projected with
+the layer's own (frozen) projections, and the feature map alone is trained
+to minimize the soft cross-entropy between the two attention distributions:
+
+    loss_layer = - mean_{b, h, i} sum_j p_softmax[b, h, i, j] log p_linear[b, h, i, j]
+
+    p_softmax = softmax(q_i . k_j / sqrt(D))   (exact, quadratic)
+    p_linear  = phi(q_i) . phi(k_j) / sum_j' phi(q_i) . phi(k_j')
+
+averaged over layers (the Hedgehog recipe, Zhang et al. 2024). The reported
+figure is the KL divergence ``KL(p_softmax || p_linear)``, which differs from
+the cross-entropy by the (constant) softmax entropy: it is 0 for a perfect
+match. Both use the layer's padding and causal masks.
+
+The layer inputs are captured with call hooks: while the model runs forward,
+each `LinearAttention` layer records the arguments it is called with
+(query, value, key, masks, ``use_causal_mask``). This works for functional,
+Sequential and subclassed models and for layers nested in blocks or
+sub-models, as long as the attention layer is invoked as ``layer(...)`` on
+each forward pass (not from inside a ``while_loop`` / RNN cell, as the
+recurrent ``step`` path does). Inputs are re-captured on every step from the
+model itself, with gradients stopped, so each layer is trained on the inputs
+produced by the already-updated layers before it.
+
+Distillation forms the ``[B, H, T, S]`` attention matrices: use it with
+training-sized sequences, not with the long ones linear attention serves.
+
+Shape legend: B batch, T query length, S key length, H heads, D key dim,
+C feature dim.
+"""
+
+import dataclasses
+import inspect
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras import ops
+
+from keras_linattn.layers.linear_attention import LinearAttention
+from keras_linattn.ops import reference
+
+# Floor of the linear attention weights inside the log (maps such as relu
+# can give exact zeros where softmax is positive).
+_LOG_FLOOR = 1e-12
+
+
+@dataclasses.dataclass
+class DistillationHistory:
+    """What `distill_attention` did.
+
+    Attributes:
+        layers: names of the distilled layers, in model order.
+        kl_before: per-layer ``KL(p_softmax || p_linear)`` before training,
+            on the evaluation data.
+        kl_after: the same after training.
+        history: per-epoch training figures: ``"kl"`` (mean over layers),
+            ``"loss"`` (cross-entropy plus feature-map regularization) and
+            ``"kl/<layer name>"``.
+    """
+
+    layers: list
+    kl_before: dict
+    kl_after: dict
+    history: dict
+
+    @property
+    def mean_kl_before(self):
+        return float(np.mean(list(self.kl_before.values())))
+
+    @property
+    def mean_kl_after(self):
+        return float(np.mean(list(self.kl_after.values())))
+
+
+def find_attention_layers(model, trainable_only=True):
+    """The `LinearAttention` layers of `model` (recursively), in model order.
+
+    Args:
+        model: a Keras model or layer.
+        trainable_only: keep only layers whose feature map has trainable
+            weights (once built) or is not built yet.
+    """
+    found = []
+    candidates = [model] + list(model._flatten_layers(include_self=False, recursive=True))
+    for layer in candidates:
+        if not isinstance(layer, LinearAttention) or any(layer is f for f in found):
+            continue
+        fm = layer.feature_map
+        if trainable_only and fm.built and not fm.trainable_weights:
+            continue
+        found.append(layer)
+    return found
+
+
+class _CallRecorder:
+    """Context manager recording the arguments of every call of some layers.
+
+    The hook is an instance attribute ``call`` that shadows the class method
+    while the context is active (Keras' ``Layer.__call__`` looks it up on the
+    instance), and is removed on exit.
+    """
+
+    def __init__(self, layers):
+        self.layers = layers
+        self.records = []
+
+    def __enter__(self):
+        self.records = []
+        # Keras may trace a layer in a scratch graph (shape inference while
+        # building); only calls in the graph (or eager context) of the
+        # forward pass itself are recorded.
+        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        for index, layer in enumerate(self.layers):
+            original = layer.call
+            signature = inspect.signature(original)
+
+            def hook(*args, _index=index, _original=original, _signature=signature, **kwargs):
+                current = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+                if current is graph:
+                    bound = _signature.bind(*args, **kwargs)
+                    bound.apply_defaults()
+                    self.records.append((_index, dict(bound.arguments)))
+                return _original(*args, **kwargs)
+
+            object.__setattr__(layer, "call", hook)
+        return self
+
+    def __exit__(self, *exc_info):
+        for layer in self.layers:
+            layer.__dict__.pop("call", None)
+        return False
+
+
+def _resolve_causal(arguments, causal):
+    if causal is not None:
+        return bool(causal)
+    flag = arguments.get("use_causal_mask", False)
+    if not isinstance(flag, (bool, np.bool_)):
+        raise ValueError(
+            "`use_causal_mask` of a LinearAttention call is a tensor, so distillation "
+            "cannot tell whether the layer is causal. Pass `causal=True` or `causal=False`. "
+            f"Received: use_causal_mask={flag!r}"
+        )
+    return bool(flag)
+
+
+def _layer_terms(layer, arguments, causal):
+    """Sums over valid query rows of one recorded call.
+
+    Returns ``(cross_entropy_sum, kl_sum, row_count)`` float32 scalars.
+    """
+    query, value, key = arguments["query"], arguments["value"], arguments.get("key")
+    key_mask = arguments.get("key_mask")
+    if key_mask is None:
+        key_mask = arguments.get("value_mask")
+    causal = _resolve_causal(arguments, causal)
+    q, k, _ = layer.project(query, value, key)  # [B, T, H, D], [B, S, H, D]
+    q = ops.stop_gradient(q)
+    k = ops.stop_gradient(k)
+    fm = layer.feature_map
+    qf = fm(q, is_query=True, causal=causal, training=False)  # [B, T, H, C]
+    kf = fm(k, is_query=False, causal=causal, training=False)  # [B, S, H, C]
+    p_soft = reference.softmax_attention_weights(q, k, causal=causal, key_mask=key_mask)  # [B, H, T, S]
+    p_lin = reference.kernel_attention_weights(qf, kf, causal=causal, key_mask=key_mask)  # [B, H, T, S]
+    log_lin = ops.log(ops.maximum(p_lin, _LOG_FLOOR))  # [B, H, T, S]
+    positive = p_soft > 0
+    log_soft = ops.log(ops.where(positive, p_soft, ops.ones_like(p_soft)))  # [B, H, T, S]
+    cross = -ops.sum(p_soft * log_lin, axis=-1)  # [B, H, T]
+    entropy = -ops.sum(p_soft * log_soft, axis=-1)  # [B, H, T]
+    valid = ops.cast(ops.sum(p_soft, axis=-1) > 0.5, "float32")  # [B, H, T]
+    return (
+        ops.sum(cross * valid),
+        ops.sum((cross - entropy) * valid),
+        ops.sum(valid),
+    )
+
+
+def _per_layer_terms(layers, records, causal):
+    """Per-layer ``(ce_sum, kl_sum, count)`` lists, summed over each layer's calls."""
+    sums = [[0.0, 0.0, 0.0] for _ in layers]
+    seen = [False] * len(layers)
+    for index, arguments in records:
+        terms = _layer_terms(layers[index], arguments, causal)
+        sums[index] = [a + b for a, b in zip(sums[index], terms)]
+        seen[index] = True
+    missing = [layers[i].name for i, s in enumerate(seen) if not s]
+    if missing:
+        raise ValueError(
+            "These LinearAttention layers were not called during the forward pass, so "
+            "their inputs could not be captured (a layer used only through `step`, or "
+            f"inside a while_loop / RNN cell, is not supported). Received: layers={missing}"
+        )
+    return sums
+
+
+def _as_dataset(data, batch_size):
+    if isinstance(data, tf.data.Dataset):
+        return data
+    if isinstance(data, keras.utils.PyDataset):
+        raise ValueError(
+            "Pass a tf.data.Dataset or arrays; a PyDataset is not supported. "
+            f"Received: data={type(data).__name__}"
+        )
+    if batch_size is None or isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+        raise ValueError(f"`batch_size` must be a positive integer. Received: batch_size={batch_size!r}")
+    return tf.data.Dataset.from_tensor_slices(data).batch(batch_size)
+
+
+def _inputs_of(batch):
+    x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
+    return x
+
+
+def _check_count(name, value, allow_none=True):
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"`{name}` must be a positive integer{' or None' if allow_none else ''}. Received: {name}={value!r}")
+
+
+def _select_layers(model, layers):
+    if layers is None:
+        chosen = find_attention_layers(model, trainable_only=True)
+    else:
+        everything = find_attention_layers(model, trainable_only=False)
+        chosen = []
+        for layer in layers:
+            if isinstance(layer, str):
+                match = [l for l in everything if l.name == layer]
+                if not match:
+                    raise ValueError(
+                        "No LinearAttention layer of that name in the model. "
+                        f"Received: layers=[..., {layer!r}, ...]; available: {[l.name for l in everything]}"
+                    )
+                layer = match[0]
+            elif not any(layer is l for l in everything):
+                raise ValueError(
+                    "`layers` must name LinearAttention layers of the model. "
+                    f"Received: {layer!r}"
+                )
+            chosen.append(layer)
+    if not chosen:
+        raise ValueError(
+            "The model has no LinearAttention layer with a trainable feature map to distill "
+            "(e.g. feature_map='hedgehog'). "
+            f"Received: model={model.name!r}"
+        )
+    return chosen
+
+
+def _evaluate(model, layers, dataset, steps, causal):
+    recorder = _CallRecorder(layers)
+
+    @tf.function(reduce_retracing=True)
+    def batch_terms(x):
+        with recorder:
+            model(x, training=False)
+        sums = _per_layer_terms(layers, recorder.records, causal)
+        return [ops.stack([ops.convert_to_tensor(v, "float32") for v in s]) for s in sums]
+
+    totals = np.zeros((len(layers), 3))
+    for step, batch in enumerate(dataset):
+        if steps is not None and step >= steps:
+            break
+        totals += np.stack([np.asarray(t) for t in batch_terms(_inputs_of(batch))])
+    if not totals[:, 2].all():
+        raise ValueError("No attention rows to evaluate: `data` is empty or every key is masked.")
+    return totals[:, 1] / totals[:, 2]
+
+
+def _layer_names(layers):
+    names = []
+    for layer in layers:
+        name = layer.name
+        if name in names:
+            name = f"{name}_{len(names)}"
+        names.append(name)
+    return names
+
+
+def attention_kl(model, data, steps=None, batch_size=32, causal=None, layers=None):
+    """Mean ``KL(p_softmax || p_linear)`` per `LinearAttention` layer.
+
+    Args:
+        model: a built Keras model containing `LinearAttention` layers.
+        data: a `tf.data.Dataset` of batches (``x`` or ``(x, y[, w])``) or
+            arrays / a tuple ``(x, y)`` / a dict of arrays, batched with
+            `batch_size`.
+        steps: number of batches to use; None means the whole data.
+        batch_size: batch size for array data.
+        causal: None reads ``use_causal_mask`` from each layer call; a bool
+            overrides it for every layer.
+        layers: None for every `LinearAttention` layer with a trainable
+            feature map; or a list of layers / layer names (any feature map).
+
+    Returns:
+        A dict ``{layer name: KL}`` (nats per query row, averaged over
+        batch, heads and unpadded query rows).
+    """
+    _check_count("steps", steps)
+    chosen = _select_layers(model, layers)
+    values = _evaluate(model, chosen, _as_dataset(data, batch_size), steps, causal)
+    return dict(zip(_layer_names(chosen), (float(v) for v in values)))
+
+
+class _TrainableOnlyFeatureMaps:
+    """Freezes a model except some feature maps; restores every flag on exit."""
+
+    def __init__(self, model, feature_maps):
+        self.model = model
+        self.feature_maps = feature_maps
+
+    def __enter__(self):
+        self.layers = [self.model] + list(self.model._flatten_layers(include_self=False, recursive=True))
+        self.layer_flags = [(layer, layer.trainable) for layer in self.layers]
+        self.variable_flags = [(v, v.trainable) for v in self.model.variables]
+        self.model.trainable = False
+        for fm in self.feature_maps:
+            fm.trainable = True
+        return self
+
+    def __exit__(self, *exc_info):
+        # Parents come before their children: a parent's setter cascades,
+        # then each child gets its own flag back.
+        for layer, flag in self.layer_flags:
+            layer.trainable = flag
+        for variable, flag in self.variable_flags:
+            variable.trainable = flag
+        return False
+
+
+def distill_attention(
+    model,
+    data,
+    epochs=1,
+    steps_per_epoch=None,
+    learning_rate=1e-2,
+    optimizer=None,
+    batch_size=32,
+    causal=None,
+    layers=None,
+    validation_data=None,
+    validation_steps=None,
+    jit_compile=False,
+    verbose=1,
+):
+    """Trains only the feature maps so linear attention matches softmax attention.
+
+    Every other weight of the model is frozen for the duration (all
+    ``trainable`` flags, of layers and of variables, are restored afterwards,
+    also on error). Weight regularizers of the feature maps (e.g. an
+    orthogonality penalty) are added to the loss.
+
+    Args:
+        model: a Keras model (functional, Sequential or subclassed) containing
+            `LinearAttention` layers with trainable feature maps.
+        data: a `tf.data.Dataset` of batches (``x`` or ``(x, y[, w])``; labels
+            are ignored) or arrays / a tuple ``(x, y)`` / a dict of arrays.
+        epochs: number of epochs.
+        steps_per_epoch: batches per epoch; None means one pass over `data`
+            (which must then be finite). With a number, `data` is repeated.
+        learning_rate: learning rate of the default Adam optimizer.
+        optimizer: optional Keras optimizer instance (overrides `learning_rate`).
+        batch_size: batch size for array data.
+        causal: None reads ``use_causal_mask`` from each layer call; a bool
+            overrides it.
+        layers: None for every `LinearAttention` layer with a trainable
+            feature map, or a list of such layers / names.
+        validation_data: data for the before/after KL; defaults to `data`.
+        validation_steps: batches for the before/after KL; defaults to
+            `steps_per_epoch` (None: the whole validation data).
+        jit_compile: compile the distillation step with XLA.
+        verbose: 0 silent, 1 progress bar, 2 one line per epoch.
+
+    Returns:
+        A `DistillationHistory` with per-layer KL before and after.
+
+    Example:
+
+    >>> history = distill_attention(model, x_train, epochs=2, learning_rate=1e-2)
+    >>> history.kl_before, history.kl_after
+    """
+    _check_count("epochs", epochs, allow_none=False)
+    _check_count("steps_per_epoch", steps_per_epoch)
+    _check_count("validation_steps", validation_steps)
+    if verbose not in (0, 1, 2):
+        raise ValueError(f"`verbose` must be 0, 1 or 2. Received: verbose={verbose!r}")
+    if causal is not None and not isinstance(causal, bool):
+        raise ValueError(f"`causal` must be None or a bool. Received: causal={causal!r}")
+    dataset = _as_dataset(data, batch_size)
+    eval_dataset = dataset if validation_data is None else _as_dataset(validation_data, batch_size)
+    eval_steps = validation_steps if validation_steps is not None else steps_per_epoch
+    if steps_per_epoch is None and dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
+        raise ValueError("`data` is infinite: pass `steps_per_epoch`. Received: steps_per_epoch=None")
+
+    chosen = _select_layers(model, layers)
+    names = _layer_names(chosen)
+    before = _evaluate(model, chosen, eval_dataset, eval_steps, causal)  # also builds the model
+    feature_maps = []
+    for layer in chosen:
+        if not any(layer.feature_map is fm for fm in feature_maps):
+            feature_maps.append(layer.feature_map)
+    variables, seen = [], set()
+    for fm in feature_maps:
+        for v in fm.trainable_weights:
+            if id(v) not in seen:
+                seen.add(id(v))
+                variables.append(v)
+    if not variables:
+        raise ValueError(
+            "The selected feature maps have no trainable weights. "
+            f"Received: layers={names}, feature maps={[type(fm).__name__ for fm in feature_maps]}"
+        )
+    if optimizer is None:
+        optimizer = keras.optimizers.Adam(learning_rate)
+    history = {"loss": [], "kl": [], **{f"kl/{n}": [] for n in names}}
+
+    with _TrainableOnlyFeatureMaps(model, feature_maps):
+        optimizer.build(variables)
+        recorder = _CallRecorder(chosen)
+
+        def train_step(x):
+            with recorder:
+                model(x, training=False)
+            records = recorder.records
+            with tf.GradientTape() as tape:
+                sums = _per_layer_terms(chosen, records, causal)
+                ce = [s[0] / ops.maximum(s[2], 1.0) for s in sums]
+                penalty = sum((ops.sum(ops.stack(fm.losses)) for fm in feature_maps if fm.losses), 0.0)
+                loss = ops.mean(ops.stack(ce)) + penalty
+            grads = tape.gradient(loss, variables)
+            optimizer.apply_gradients(zip(grads, variables))
+            kls = ops.stack([s[1] / ops.maximum(s[2], 1.0) for s in sums])  # [layers]
+            return loss, kls
+
+        step_fn = tf.function(train_step, jit_compile=jit_compile, reduce_retracing=True)
+        iterator = iter(dataset.repeat()) if steps_per_epoch is not None else None
+        for epoch in range(epochs):
+            if verbose == 1:
+                print(f"Distillation epoch {epoch + 1}/{epochs}")
+            bar = keras.utils.Progbar(steps_per_epoch, verbose=1 if verbose == 1 else 0)
+            batches = iterator if iterator is not None else iter(dataset)
+            losses, kls, step = [], [], 0
+            while steps_per_epoch is None or step < steps_per_epoch:
+                try:
+                    batch = next(batches)
+                except StopIteration:
+                    break
+                loss, kl = step_fn(_inputs_of(batch))
+                loss, kl = float(loss), np.asarray(kl)
+                losses.append(loss)
+                kls.append(kl)
+                step += 1
+                bar.update(step, values=[("loss", loss), ("kl", float(kl.mean()))])
+            if not losses:
+                raise ValueError("`data` yielded no batch.")
+            if steps_per_epoch is None:
+                bar.update(step, finalize=True)
+            mean_kl = np.mean(np.stack(kls), axis=0)
+            if verbose == 2:
+                print(
+                    f"Distillation epoch {epoch + 1}/{epochs} - {step} steps - "
+                    f"loss: {np.mean(losses):.4f} - kl: {mean_kl.mean():.4f}"
+                )
+            history["loss"].append(float(np.mean(losses)))
+            history["kl"].append(float(mean_kl.mean()))
+            for name, value in zip(names, mean_kl):
+                history[f"kl/{name}"].append(float(value))
+
+    after = _evaluate(model, chosen, eval_dataset, eval_steps, causal)
+    return DistillationHistory(
+        layers=names,
+        kl_before=dict(zip(names, (float(v) for v in before))),
+        kl_after=dict(zip(names, (float(v) for v in after))),
+        history=history,
+    )
