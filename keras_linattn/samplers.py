@@ -11,6 +11,8 @@ called with the logits::
 Samplers are pure functions of ``(logits, seed)``: a ``seed`` is a ``[2]``
 int32 tensor (a stateless-random seed), so sampling inside an XLA-compiled
 decoding loop is deterministic for a given seed and needs no random state.
+(TensorFlow's stateless generators draw different numbers under XLA and in
+eager mode, so the same seed gives the same tokens within one of the two.)
 Random samplers draw with the Gumbel-max trick:
 ``argmax(logits / temperature + Gumbel noise)`` over the allowed tokens is a
 sample of ``softmax(logits / temperature)`` restricted to them.
