@@ -107,12 +107,13 @@ def test_linear_attention_matches_oracle_outputs_and_map_gradients(rng, name, kw
     flat_fast = np.concatenate([np.ravel(g) for g in g_fast])
     flat_ref = np.concatenate([np.ravel(g) for g in g_ref])
     assert rel_err(flat_fast, flat_ref) <= 1e-5
+    # Per weight too (measured up to 5.1e-6 on these cases). The first units of
+    # a 3-unit stack with sigmoid hidden activations get gradients ~100x
+    # smaller than the last; there float32 cancellation gave up to 8.6e-5 per
+    # weight (7.1e-6 for the whole gradient), so that case is not listed here.
     for var, gf, gr in zip(fm.trainable_weights, g_fast, g_ref):
         assert np.abs(np.asarray(gr)).max() > 0, var.path
-        # Per weight: the first layers of deep stacks get gradients ~10-100x
-        # smaller than the last, sums with float32 cancellation (measured up
-        # to 1.5e-5 here), hence the looser bound.
-        assert rel_err(gf, gr) <= 1e-4, var.path
+        assert rel_err(gf, gr) <= 1e-5, var.path
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])

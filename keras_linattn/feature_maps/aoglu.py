@@ -46,6 +46,7 @@ class AOGLUFeatureMap(OGLUFeatureMap):
 
     Example:
 
+    >>> x = keras.random.normal((2, 100, 64))
     >>> layer = keras_linattn.layers.LinearAttention(
     ...     4, 16, feature_map=AOGLUFeatureMap(feature_dim=32, rank=8))
     >>> layer(x, x).shape

@@ -50,6 +50,7 @@ class FFNFeatureMap(_trainable.TrainableFeatureMap):
 
     Example:
 
+    >>> x = keras.random.normal((2, 100, 64))
     >>> fm = FFNFeatureMap(depth=2, feature_dim=32)
     >>> layer = keras_linattn.layers.LinearAttention(4, 16, feature_map=fm)
     >>> layer(x, x, use_causal_mask=True).shape

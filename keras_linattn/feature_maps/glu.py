@@ -145,6 +145,7 @@ class GLUFeatureMap(GLUStack):
 
     Example:
 
+    >>> x = keras.random.normal((2, 100, 64))
     >>> layer = keras_linattn.layers.LinearAttention(
     ...     4, 16, feature_map=GLUFeatureMap(depth=2, feature_dim=32))
     >>> layer(x, x).shape

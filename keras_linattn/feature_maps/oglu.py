@@ -46,6 +46,7 @@ class OGLUFeatureMap(GLUStack):
 
     Example:
 
+    >>> x = keras.random.normal((2, 100, 64))
     >>> layer = keras_linattn.layers.LinearAttention(
     ...     4, 16, feature_map=OGLUFeatureMap(orthogonal_penalty=0.1))
     >>> layer(x, x, use_causal_mask=True).shape
