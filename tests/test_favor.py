@@ -410,3 +410,18 @@ def test_redraw_before_build_and_bad_seed():
     fm(np.zeros((1, 3, 2, 4), "float32"))
     with pytest.raises(ValueError, match="seed"):
         fm.redraw(seed=-2)
+
+
+def test_onnx_export_uses_the_current_projection(tmp_path, rng):
+    pytest.importorskip("onnxruntime")
+    from keras_linattn.export import OnnxPredictor, export_onnx
+
+    fm = FavorPlusFeatureMap(num_features=12, seed=1)
+    model = _tiny_model(fm)
+    fm.redraw()
+    x = rng.normal(size=(2, 16, 8)).astype("float32")
+    expected = model.predict(x, verbose=0)
+    path = str(tmp_path / "m.onnx")
+    export_onnx(model, path)
+    got = list(OnnxPredictor(path, device="cpu")(x).values())[0]
+    assert rel_err(got, expected) < 1e-5
