@@ -204,7 +204,9 @@ NON_DEFAULT = {
         orthogonal_penalty=0.1,
         seed=7,
     ),
-    "glu": dict(depth=3, feature_dim=5, hidden_activation="gelu", share_qk=False, kernel_initializer="he_normal", seed=2),
+    "glu": dict(
+        depth=3, feature_dim=5, hidden_activation="gelu", share_qk=False, kernel_initializer="he_normal", seed=2
+    ),
     "oglu": dict(depth=2, feature_dim=10, hidden_activation="relu", share_qk=False, orthogonal_penalty=0.5,
                  gate_initializer="lecun_normal", seed=4),
     "aoglu": dict(depth=2, feature_dim=12, hidden_activation="gelu", share_qk=False, rank=5, orthogonal_penalty=0.2,
