@@ -171,7 +171,8 @@ class LinearAttention(keras.layers.Layer):
         self.value_dense.build(value_shape)
         self.output_dense = self._dense("bthk,hkd->btd", (None, out_dim), "d", "attention_output")
         self.output_dense.build((query_shape[0], query_shape[1], h, m))
-        self.feature_map.build((None, None, h, d))
+        if not self.feature_map.built:
+            self.feature_map.build((None, None, h, d))
         self.built = True
 
     # ------------------------------------------------------------------- call
