@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Export a trained .keras model into ./exported (SavedModel version + ONNX) and verify it.
+#   ./export_model.sh path/to/model.keras encoder
+# The SavedModel lands in ./exported/<name>/<version>, the base_path that
+# models.config gives TF Serving (mounted at /models/<name>).
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+if [ $# -lt 2 ]; then
+  echo "usage: $0 MODEL.keras NAME [keras-linattn export options]" >&2
+  exit 2
+fi
+model="$1"; name="$2"; shift 2
+keras-linattn export "$model" --out "$here/exported" --name "$name" "$@"
+keras-linattn verify "$here/exported" --name "$name"

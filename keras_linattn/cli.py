@@ -1,0 +1,236 @@
+"""Command line: ``keras-linattn export`` and ``keras-linattn verify``.
+
+    keras-linattn export model.keras --out exported --name encoder
+    keras-linattn verify exported
+
+`export` writes into one directory that can hold several models (it is the
+directory TF Serving mounts):
+
+    exported/
+      manifest.json              what was exported, per model name
+      keras/<name>.keras         copy of the source model (used by `verify`)
+      <name>/<version>/          SavedModel, TF Serving layout (base_path: exported/<name>)
+      onnx/<name>.onnx           ONNX graph of the model's call
+      onnx/<name>_step.onnx      ONNX decode step (causal LMs)
+
+Exporting a name again adds the next SavedModel version and replaces its
+ONNX files.
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import time
+
+MANIFEST = "manifest.json"
+FORMATS = ("saved_model", "onnx")
+
+
+def _log(message, stream=None):
+    print(message, file=stream or sys.stdout, flush=True)
+
+
+def _parse_formats(text):
+    formats = [f.strip() for f in text.split(",") if f.strip()]
+    unknown = [f for f in formats if f not in FORMATS]
+    if not formats or unknown:
+        raise argparse.ArgumentTypeError(
+            f"--format must be a comma-separated subset of {','.join(FORMATS)}. Received: {text!r}"
+        )
+    return formats
+
+
+def _parse_shapes(text):
+    shapes = []
+    for item in text.split(","):
+        match = re.fullmatch(r"\s*(\d+)x(\d+)\s*", item)
+        if not match:
+            raise argparse.ArgumentTypeError(
+                f"--shapes must look like 1x7,3x13 (batch x length). Received: {text!r}"
+            )
+        shapes.append((int(match.group(1)), int(match.group(2))))
+    return shapes
+
+
+def _size(path):
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def _human(num_bytes):
+    for unit in ("B", "KB", "MB", "GB"):
+        if num_bytes < 1024 or unit == "GB":
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1024
+
+
+def _table(rows, header):
+    lines = [header] + rows
+    widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
+    out = []
+    for k, line in enumerate(lines):
+        out.append("  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip())
+        if k == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def _load_model(path):
+    import keras
+
+    import keras_linattn  # noqa: F401 - registers the layers and models
+
+    if not os.path.isfile(path):
+        raise ValueError(f"MODEL must be an existing .keras file. Received: MODEL={path!r}")
+    return keras.saving.load_model(path)
+
+
+def cmd_export(args):
+    from keras_linattn import export
+
+    out = args.out
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out must be a directory. Received: --out={out!r} (a file)")
+    name = args.name or re.sub(r"[^A-Za-z0-9_-]", "_", os.path.splitext(os.path.basename(args.model))[0])
+    steps = 1 + len(args.format)
+    t0 = time.perf_counter()
+    _log(f"[1/{steps}] loading {args.model}")
+    model = _load_model(args.model)
+    os.makedirs(out, exist_ok=True)
+    manifest_path = os.path.join(out, MANIFEST)
+    manifest = {"models": {}}
+    if os.path.exists(manifest_path):
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+    entry = {"source": os.path.abspath(args.model), "keras_model": os.path.join("keras", f"{name}.keras")}
+    rows = []
+    step = 1
+    if "saved_model" in args.format:
+        step += 1
+        t = time.perf_counter()
+        _log(f"[{step}/{steps}] SavedModel -> {os.path.join(out, name)}/<version>")
+        version_dir = export.export_saved_model(
+            model,
+            os.path.join(out, name),
+            version=args.version,
+            warmup=not args.no_warmup,
+            include_generate=not args.no_generate,
+            model_name=name,
+        )
+        description = export.read_description(version_dir)
+        entry["saved_model"] = os.path.relpath(version_dir, out)
+        entry["signatures"] = description["signatures"]
+        rows.append(
+            ("saved_model", version_dir, ",".join(description["signatures"]), _human(_size(version_dir)), f"{time.perf_counter() - t:.1f}")
+        )
+        _log(f"      done in {time.perf_counter() - t:.1f} s")
+    if "onnx" in args.format:
+        step += 1
+        t = time.perf_counter()
+        onnx_path = os.path.join(out, "onnx", f"{name}.onnx")
+        _log(f"[{step}/{steps}] ONNX (opset {args.opset}) -> {onnx_path}")
+        paths = export.export_onnx(model, onnx_path, opset=args.opset, include_step=not args.no_generate)
+        entry["onnx"] = {k: os.path.relpath(v, out) for k, v in paths.items()}
+        entry["opset"] = args.opset
+        for kind, path in paths.items():
+            rows.append((f"onnx:{kind}", path, "", _human(_size(path)), f"{time.perf_counter() - t:.1f}" if kind == "model" else ""))
+        _log(f"      done in {time.perf_counter() - t:.1f} s")
+    os.makedirs(os.path.join(out, "keras"), exist_ok=True)
+    shutil.copyfile(args.model, os.path.join(out, entry["keras_model"]))
+    manifest.setdefault("models", {})[name] = entry
+    with open(manifest_path, "w") as f:
+        json.dump(manifest, f, indent=2)
+    _log("")
+    _log(_table(rows, ("format", "path", "signatures", "size", "seconds")))
+    _log(f"\nexported in {time.perf_counter() - t0:.1f} s; check with: keras-linattn verify {out}")
+    return 0
+
+
+def cmd_verify(args):
+    from keras_linattn import export
+
+    manifest_path = os.path.join(args.dir, MANIFEST)
+    if not os.path.isfile(manifest_path):
+        raise ValueError(
+            f"DIR must be a directory written by `keras-linattn export` (no {MANIFEST}). Received: DIR={args.dir!r}"
+        )
+    with open(manifest_path) as f:
+        models = json.load(f).get("models", {})
+    names = [args.name] if args.name else sorted(models)
+    unknown = [n for n in names if n not in models]
+    if unknown or not names:
+        raise ValueError(f"Unknown model name. Received: --name={args.name!r}. Exported: {sorted(models)}")
+    all_ok = True
+    for name in names:
+        entry = models[name]
+        model = _load_model(os.path.join(args.dir, entry["keras_model"]))
+        saved_model_dir = os.path.join(args.dir, entry["saved_model"]) if "saved_model" in entry else None
+        onnx = entry.get("onnx", {})
+        onnx_path = os.path.join(args.dir, onnx["model"]) if "model" in onnx else None
+        step_path = os.path.join(args.dir, onnx["step"]) if "step" in onnx else None
+        _log(f"verifying {name!r}: saved_model={saved_model_dir}, onnx={onnx_path}, step={step_path}")
+        report = export.verify(
+            model,
+            saved_model_dir=saved_model_dir,
+            onnx_path=onnx_path,
+            onnx_step_path=step_path,
+            shapes=args.shapes,
+            saved_model_tolerance=args.saved_model_tolerance,
+            onnx_tolerance=args.onnx_tolerance,
+            raise_on_failure=False,
+            onnx_device=args.device,
+            progress=lambda line: _log("  " + line),
+        )
+        _log("")
+        _log(report.table())
+        failed = sum(not r.ok for r in report.rows)
+        _log(f"\n{name}: {len(report.rows) - failed}/{len(report.rows)} checks passed\n")
+        all_ok = all_ok and report.ok
+    return 0 if all_ok else 1
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="keras-linattn", description="Export and verify keras_linattn models."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("export", help="export a .keras model to SavedModel (TF Serving) and/or ONNX")
+    p.add_argument("model", metavar="MODEL.keras", help="a model saved with model.save('....keras')")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--format", type=_parse_formats, default=list(FORMATS), help="saved_model,onnx (default both)")
+    p.add_argument("--name", default=None, help="model name (TF Serving); default: the file's stem")
+    p.add_argument("--version", type=int, default=None, help="SavedModel version; default: next free")
+    p.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
+    p.add_argument("--no-warmup", action="store_true", help="do not write TF Serving warmup requests")
+    p.add_argument("--no-generate", action="store_true", help="causal LMs: skip generate signatures and the ONNX step graph")
+    p.set_defaults(func=cmd_export)
+
+    v = sub.add_parser("verify", help="compare an export directory's artifacts with its Keras model")
+    v.add_argument("dir", metavar="DIR", help="directory written by `keras-linattn export`")
+    v.add_argument("--name", default=None, help="verify only this model (default: every model in DIR)")
+    v.add_argument("--shapes", type=_parse_shapes, default=[(1, 7), (3, 13), (2, 70)], help="batch x length list (default 1x7,3x13,2x70)")
+    v.add_argument("--saved-model-tolerance", type=float, default=1e-5)
+    v.add_argument("--onnx-tolerance", type=float, default=1e-4)
+    v.add_argument("--device", default="cpu", choices=("cpu", "auto", "gpu"), help="onnxruntime device (default cpu)")
+    v.set_defaults(func=cmd_verify)
+    return parser
+
+
+def main(argv=None):
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        _log(f"error: {e}", stream=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
