@@ -341,7 +341,7 @@ class LinearCausalLM(keras.Model):
         fn = self._generation.functions.get("prefill")
         if fn is None:
 
-            @tf.function(jit_compile=True, reduce_retracing=True)
+            @tf.function(jit_compile=True, reduce_retracing=True, autograph=False)
             def fn(token_ids, padding_mask, state):
                 logits, new_state = self._forward(token_ids, padding_mask, state, False, return_state=True)
                 return logits[:, -1], new_state  # [B, V]
@@ -356,7 +356,7 @@ class LinearCausalLM(keras.Model):
             return fn
         stop = None if not stop_token_ids else ops.convert_to_tensor(list(stop_token_ids), "int32")
 
-        @tf.function(jit_compile=True)
+        @tf.function(jit_compile=True, autograph=False)
         def fn(tokens, logits, state, finished, index, end, seed):
             def cond(tokens, logits, state, finished, index):
                 return ops.logical_and(index < end, ops.logical_not(ops.all(finished)))
