@@ -155,6 +155,20 @@ def test_favor_features_non_negative_and_finite_for_large_inputs(dtype, is_query
         np.testing.assert_allclose(f.max(axis=-1), 1 / 8, rtol=1e-6)
 
 
+def test_causal_key_cap_prevents_overflow_for_large_key_dims():
+    # A key on a random direction's tip maximizes w.x' - |x'|^2/2 = |w|^2/2,
+    # about D/2 = 128 here: exp would overflow float32 without the cap.
+    dim = 256
+    fm = FavorPlusFeatureMap(num_features=8, seed=0)
+    fm.build((None, None, 1, dim))
+    w = fm.projection.numpy()[0]  # [m, D]
+    assert 0.5 * np.max(np.sum(w.astype("float64") ** 2, axis=1)) > 88.8  # log(float32 max)
+    keys = (w[None, :, None, :] * dim**0.25).astype("float32")  # [1, m, 1, D]
+    f = np.asarray(fm(keys, is_query=False, causal=True))
+    assert np.isfinite(f).all()
+    np.testing.assert_allclose(f.max(), np.exp(50.0) / np.sqrt(8), rtol=1e-5)
+
+
 def test_favor_attention_finite_in_a_bf16_model():
     keras.config.set_dtype_policy("mixed_bfloat16")
     rng = np.random.default_rng(5)
