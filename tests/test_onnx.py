@@ -1,0 +1,204 @@
+"""ONNX export (tf2onnx from_function) and onnxruntime inference vs Keras.
+
+One small model per (feature map, causal) is exported once and checked on
+several shapes not seen at export, including lengths that are not a multiple
+of the chunk size. tf2onnx conversions take seconds each: elu, favor+
+(random features) and ffn (trainable kernel) run by default, the other maps
+with ``--runslow``.
+"""
+
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import onnx
+import pytest
+
+from keras_linattn import export
+from keras_linattn.export import _providers
+from tests.conftest import rel_err
+from tests.test_export import DIM, SHAPES, encoder, map_params, tiny_lm
+
+
+@pytest.mark.parametrize("feature_map,causal", map_params())
+def test_onnx_matches_keras(tmp_path, rng, feature_map, causal):
+    model = encoder(feature_map, causal)
+    paths = export.export_onnx(model, tmp_path / "encoder.onnx")
+    assert paths == {"model": str(tmp_path / "encoder.onnx")}
+    proto = onnx.load(paths["model"])
+    assert proto.opset_import[0].version == 17
+    (inp,) = proto.graph.input
+    assert inp.name == "features"
+    dims = inp.type.tensor_type.shape.dim
+    assert [d.dim_value if d.HasField("dim_value") else None for d in dims] == [None, None, DIM]
+    assert [o.name for o in proto.graph.output] == ["head"]
+    predictor = export.OnnxPredictor(paths["model"], device="cpu")
+    for batch, length in SHAPES:
+        x = rng.standard_normal((batch, length, DIM)).astype("float32")
+        got = predictor({"features": x})["head"]
+        assert got.shape == (batch, length, 5)
+        assert rel_err(got, model(x, training=False).numpy()) <= 1e-4, (batch, length)
+
+
+def test_onnx_export_is_deterministic(tmp_path):
+    model = encoder("favor+", causal=True)  # random features are frozen weights
+    export.export_onnx(model, tmp_path / "a.onnx")
+    export.export_onnx(model, tmp_path / "b.onnx")
+    a, b = onnx.load(tmp_path / "a.onnx"), onnx.load(tmp_path / "b.onnx")
+
+    def weights(proto):  # node names carry a global counter: compare the values
+        arrays = [onnx.numpy_helper.to_array(t) for t in proto.graph.initializer]
+        return sorted((str(w.dtype), w.shape, w.tobytes()) for w in arrays)
+
+    assert weights(a) == weights(b)
+    x = np.random.default_rng(0).standard_normal((2, 9, DIM)).astype("float32")
+    out_a = export.OnnxPredictor(tmp_path / "a.onnx", device="cpu")(x)["head"]
+    out_b = export.OnnxPredictor(tmp_path / "b.onnx", device="cpu")(x)["head"]
+    np.testing.assert_array_equal(out_a, out_b)
+    assert rel_err(out_a, model(x).numpy()) <= 1e-4
+
+
+def test_causal_onnx_never_sees_the_future(tmp_path, rng):
+    model = encoder("elu", causal=True)
+    predictor = export.OnnxPredictor(export.export_onnx(model, tmp_path / "m.onnx")["model"], device="cpu")
+    x = rng.standard_normal((2, 11, DIM)).astype("float32")
+    y = x.copy()
+    y[:, 6:] += 1.0
+    a, b = predictor(x)["head"], predictor(y)["head"]
+    np.testing.assert_array_equal(a[:, :6], b[:, :6])
+    assert np.abs(a[:, 6:] - b[:, 6:]).max() > 1e-3
+
+
+# ------------------------------------------------------------- causal LM
+@pytest.fixture(scope="module")
+def lm_onnx(tmp_path_factory):
+    keras.config.set_dtype_policy("float32")
+    model = tiny_lm()
+    paths = export.export_onnx(model, tmp_path_factory.mktemp("lm") / "lm.onnx")
+    return model, paths
+
+
+def test_lm_onnx_graphs(lm_onnx, rng):
+    model, paths = lm_onnx
+    assert sorted(paths) == ["model", "step"] and paths["step"].endswith("lm_step.onnx")
+    predictor = export.OnnxPredictor(paths["model"], device="cpu")
+    for batch, length in SHAPES:
+        ids = rng.integers(0, 40, size=(batch, length)).astype("int32")
+        assert rel_err(predictor({"token_ids": ids})["logits"], model(ids).numpy()) <= 1e-4
+    step = export.OnnxPredictor(paths["step"], device="cpu")
+    assert step.input_names == ["token_t"] + [f"state_{i}" for i in range(5)]
+    assert step.output_names[0] == "logits"
+    assert sorted(step.output_names[1:]) == [f"new_state_{i}" for i in range(5)]
+
+
+@pytest.mark.parametrize("io_binding", [False, True], ids=["numpy", "io_binding"])
+def test_lm_onnx_greedy_generation_matches_keras(lm_onnx, rng, io_binding):
+    model, paths = lm_onnx
+    prompt = rng.integers(0, 40, size=(3, 5)).astype("int32")
+    expected = np.asarray(model.generate(prompt, max_length=12))
+    generator = export.OnnxGenerator(paths["step"], device="cpu", use_io_binding=io_binding)
+    assert generator.provider == "CPUExecutionProvider"
+    assert generator.predictor.use_io_binding is io_binding
+    np.testing.assert_array_equal(generator.generate(prompt, max_length=12), expected)
+
+
+def test_lm_onnx_step_matches_parallel_logits(lm_onnx, rng):
+    model, paths = lm_onnx
+    ids = rng.integers(0, 40, size=(2, 9)).astype("int32")
+    expected = model(ids).numpy()
+    generator = export.OnnxGenerator(paths["step"], device="cpu", use_io_binding=True)
+    state = generator.initial_state(2)
+    for t in range(9):
+        logits, state = generator.step(ids[:, t], state)
+        assert rel_err(logits, expected[:, t]) <= 1e-4
+    np.testing.assert_array_equal(state[-1].numpy(), [9, 9])  # position, still an OrtValue
+
+
+def test_lm_onnx_sampling_is_seeded(lm_onnx):
+    _, paths = lm_onnx
+    generator = export.OnnxGenerator(paths["step"], device="cpu")
+    prompt = np.array([[1, 2], [3, 4]], "int32")
+    a = generator.generate(prompt, 9, temperature=1.0, seed=3)
+    b = generator.generate(prompt, 9, temperature=1.0, seed=3)
+    np.testing.assert_array_equal(a, b)
+    assert a.shape == (2, 9) and a.min() >= 0 and a.max() < 40
+
+
+# ------------------------------------------------------- predictor checks
+@pytest.fixture(scope="module")
+def encoder_onnx(tmp_path_factory):
+    keras.config.set_dtype_policy("float32")
+    model = encoder("elu", causal=False)
+    return model, export.export_onnx(model, tmp_path_factory.mktemp("enc") / "enc.onnx")["model"]
+
+
+def test_predictor_rejects_bad_inputs(encoder_onnx):
+    _, path = encoder_onnx
+    predictor = export.OnnxPredictor(path, device="cpu")
+    with pytest.raises(ValueError, match=r"must have rank 3 .*Received: features.shape=\(4, 16\)"):
+        predictor(np.zeros((4, DIM), "float32"))
+    with pytest.raises(ValueError, match=r"axis 2 must be 16. Received: features.shape=\(1, 4, 8\)"):
+        predictor(np.zeros((1, 4, 8), "float32"))
+    with pytest.raises(ValueError, match=r"must be floating \(float32\). Received: features.dtype=int64"):
+        predictor(np.zeros((1, 4, DIM), "int64"))
+    with pytest.raises(ValueError, match=r"missing=\['features'\], unexpected=\['x'\]"):
+        predictor({"x": np.zeros((1, 4, DIM), "float32")})
+    with pytest.raises(ValueError, match="existing .onnx file"):
+        export.OnnxPredictor(os.path.dirname(path))
+    with pytest.raises(ValueError, match="`device` must be"):
+        export.OnnxPredictor(path, device="tpu")
+
+
+def test_predictor_casts_within_kind(encoder_onnx, rng):
+    model, path = encoder_onnx
+    predictor = export.OnnxPredictor(path, device="cpu")
+    x = rng.standard_normal((2, 5, DIM))  # float64
+    assert rel_err(predictor(x)["head"], model(x.astype("float32")).numpy()) <= 1e-4
+
+
+def test_generator_rejects_bad_prompts(lm_onnx):
+    _, paths = lm_onnx
+    generator = export.OnnxGenerator(paths["step"], device="cpu")
+    with pytest.raises(ValueError, match="rank-2 integer"):
+        generator.generate(np.zeros((2, 3), "float32"), 5)
+    with pytest.raises(ValueError, match="rank-2 integer"):
+        generator.generate(np.zeros((3,), "int32"), 5)
+    with pytest.raises(ValueError, match="max_length"):
+        generator.generate(np.zeros((1, 3), "int32"), 0)
+    with pytest.raises(ValueError, match="Not a step graph"):
+        export.OnnxGenerator(paths["model"], device="cpu")
+
+
+def test_onnx_path_errors_leave_nothing(tmp_path):
+    model = encoder("elu", causal=False)
+    with pytest.raises(ValueError, match="not a directory"):
+        export.export_onnx(model, tmp_path)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="parent of `path` is a file"):
+        export.export_onnx(model, tmp_path / "file" / "m.onnx")
+    assert sorted(os.listdir(tmp_path)) == ["file"]
+
+
+def test_auto_device_on_cpu_machine_logs_no_error(encoder_onnx):
+    """On a CPU-only machine `auto` picks the CPU provider without ERROR logs."""
+    if _providers.gpu_present():
+        pytest.skip("a GPU is visible: the CPU-only path is not what runs here")
+    _, path = encoder_onnx
+    code = (
+        "import numpy as np\n"
+        "from keras_linattn.export.onnx_predictor import OnnxPredictor\n"
+        f"p = OnnxPredictor({path!r})\n"
+        "p(np.zeros((1, 3, 16), 'float32'))\n"
+        "print('PROVIDER', p.provider, p.use_io_binding)\n"
+    )
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "PROVIDER CPUExecutionProvider False" in result.stdout
+    assert "[E:onnxruntime" not in result.stderr
+    assert "CUDAExecutionProvider" not in result.stderr
+    assert _providers.select_providers("auto") == ["CPUExecutionProvider"]
+    with pytest.raises(ValueError, match="no usable GPU provider"):
+        _providers.select_providers("gpu")
