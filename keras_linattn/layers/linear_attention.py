@@ -190,9 +190,20 @@ class LinearAttention(keras.layers.Layer):
         v = self.value_dense(value)  # [B, S, H, M]
         return q, k, v
 
-    def _features(self, query, value, key, causal, training):
+    def _features(self, query, value, key, causal, training, key_mask=None):
         """Projects and feature-maps: ([B,T,H,C], [B,S,H,C], [B,S,H,M])."""
         q, k, v = self.project(query, value, key)
+        if key_mask is not None:
+            la_ops._check_rank("key_mask", key_mask, 2)
+            if key_mask.shape[1] is not None and k.shape[1] is not None and key_mask.shape[1] != k.shape[1]:
+                raise ValueError(
+                    "`key_mask` must have shape [B, S] matching the keys. "
+                    f"Received: key_mask.shape={tuple(key_mask.shape)}, key length S={k.shape[1]}"
+                )
+            # Padded keys enter the map as zeros, so maps with statistics over
+            # keys (the non-causal stabilizers of favor+/favor_trig) never see
+            # padded junk; their features are still masked after the map.
+            k = k * ops.cast(key_mask, k.dtype)[:, :, None, None]  # [B, S, H, D]
         qf = self.feature_map(q, is_query=True, causal=causal, training=training)  # [B, T, H, C]
         kf = self.feature_map(k, is_query=False, causal=causal, training=training)  # [B, S, H, C]
         return qf, kf, v
@@ -241,7 +252,7 @@ class LinearAttention(keras.layers.Layer):
             la_ops.check_state(
                 initial_state, self.num_heads, self.feature_dim, self.value_dim, name="initial_state"
             )
-        qf, kf, v = self._features(query, value, key, use_causal_mask, training)
+        qf, kf, v = self._features(query, value, key, use_causal_mask, training, key_mask)
         result = la_ops.linear_attention(
             qf,
             kf,
