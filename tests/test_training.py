@@ -1,0 +1,305 @@
+"""Training at scale: XLA for every layer and feature map, tracing, mixed precision, MirroredStrategy."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+
+from keras_linattn import feature_maps
+from keras_linattn.layers import (
+    EfficientAttention,
+    LinearAttention,
+    LinearAttentionCell,
+    LinearTransformerDecoder,
+    LinearTransformerEncoder,
+)
+from keras_linattn.models import LinearCausalLM
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _toy_regression(seed=0, batch=8, length=10, dim=8):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(batch, length, dim)).astype("float32")
+    # Target: a causal running mean of a projection of the inputs.
+    w = rng.normal(size=(dim, 2)).astype("float32")
+    y = np.cumsum(x @ w, axis=1) / np.arange(1, length + 1, dtype="float32")[None, :, None]
+    return x, y.astype("float32")
+
+
+def _attention_model(feature_map, length=10, dim=8, causal=True):
+    inp = keras.Input((length, dim))
+    h = LinearAttention(2, 4, feature_map=feature_map, chunk_size=4)(inp, inp, use_causal_mask=causal)
+    out = keras.layers.Dense(2)(h)
+    return keras.Model(inp, out)
+
+
+def _overfit_and_check(model, x, y, steps=30):
+    """Fits on one batch with XLA; checks XLA stayed on, the loss fell, and XLA evaluation equals eager."""
+    assert model.jit_compile is True  # No layer switched XLA off.
+    before = model.evaluate(x, y, verbose=0)
+    history = model.fit(x, y, batch_size=len(x), epochs=steps, verbose=0, shuffle=False)
+    losses = history.history["loss"]
+    assert np.all(np.isfinite(losses))
+    assert losses[-1] < 0.7 * before, (before, losses[-1])
+    # The XLA-compiled evaluation of the trained weights equals the eager one.
+    xla_loss = model.evaluate(x, y, verbose=0)
+    eager = keras.Model(model.inputs, model.outputs)
+    eager.compile(loss=model.loss, jit_compile=False, run_eagerly=True)
+    eager_loss = eager.evaluate(x, y, verbose=0)
+    assert abs(xla_loss - eager_loss) <= 1e-4 * max(1.0, abs(eager_loss)), (xla_loss, eager_loss)
+
+
+# ---------------------------------------------------------------------------
+# XLA fit for every registered feature map (maps added later are picked up).
+
+
+@pytest.mark.parametrize("name", feature_maps.available())
+def test_fit_jit_compile_each_feature_map(name):
+    keras.utils.set_random_seed(0)
+    x, y = _toy_regression()
+    model = _attention_model(name)
+    model.compile(keras.optimizers.Adam(1e-2), "mse", jit_compile=True)
+    _overfit_and_check(model, x, y)
+
+
+def test_expected_feature_maps_are_registered():
+    # The examples, docs and the tests below rely on these; fail loudly, never skip.
+    for name in ("elu", "relu", "taylor", "favor+", "favor_trig", "ffn", "glu", "oglu", "aoglu", "hedgehog"):
+        assert name in feature_maps.available(), (name, feature_maps.available())
+
+
+# ---------------------------------------------------------------------------
+# XLA fit for every layer and the causal LM.
+
+
+def _encoder_model():
+    inp = keras.Input((10, 8))
+    h = LinearTransformerEncoder(2, 16, feature_map="elu", chunk_size=4)(inp)
+    return keras.Model(inp, keras.layers.Dense(2)(h))
+
+
+def _decoder_model():
+    inp = keras.Input((10, 8))
+    h = LinearTransformerDecoder(2, 16, feature_map="elu", chunk_size=4)(inp)
+    return keras.Model(inp, keras.layers.Dense(2)(h))
+
+
+def _efficient_attention_model():
+    inp = keras.Input((10, 8))
+    h = EfficientAttention(2, 4)(inp, inp)
+    return keras.Model(inp, keras.layers.Dense(2)(h))
+
+
+def _rnn_cell_model():
+    inp = keras.Input((10, 8))
+    cell = LinearAttentionCell(LinearAttention(2, 4, feature_map="elu"))
+    h = keras.layers.RNN(cell, return_sequences=True)(inp)
+    return keras.Model(inp, keras.layers.Dense(2)(h))
+
+
+@pytest.mark.parametrize(
+    "build",
+    [_encoder_model, _decoder_model, _efficient_attention_model, _rnn_cell_model],
+    ids=["encoder", "decoder", "efficient_attention", "rnn_cell"],
+)
+def test_fit_jit_compile_each_layer(build):
+    keras.utils.set_random_seed(0)
+    x, y = _toy_regression()
+    model = build()
+    model.compile(keras.optimizers.Adam(1e-2), "mse", jit_compile=True)
+    _overfit_and_check(model, x, y)
+
+
+def test_fit_jit_compile_causal_lm():
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 12, size=(4, 17)).astype("int32")
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    lm = LinearCausalLM(vocabulary_size=12, num_layers=1, hidden_dim=16, num_heads=2, intermediate_dim=32, chunk_size=4)
+    lm.compile(
+        keras.optimizers.Adam(1e-2), keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=True
+    )
+    assert lm.jit_compile is True
+    history = lm.fit(x, y, batch_size=4, epochs=40, verbose=0)
+    losses = history.history["loss"]
+    assert np.all(np.isfinite(losses))
+    assert losses[-1] < 0.5 * losses[0], (losses[0], losses[-1])
+
+
+# ---------------------------------------------------------------------------
+# One trace for a fixed padded length.
+
+
+class _TraceCounter(keras.layers.Layer):
+    """Identity layer counting how often its Python `call` runs (= traces once compiled)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.count = 0
+
+    def call(self, x):
+        self.count += 1
+        return x
+
+
+def test_fixed_padded_length_traces_once():
+    keras.utils.set_random_seed(0)
+    counter = _TraceCounter()
+    inp = keras.Input((None,), dtype="int32")
+    mask = keras.layers.Lambda(lambda t: keras.ops.not_equal(t, 0))(inp)
+    h = keras.layers.Embedding(20, 8)(inp)
+    h = counter(h)
+    h = LinearAttention(2, 4, chunk_size=4)(h, h, key_mask=mask)
+    out = keras.layers.Dense(2)(keras.layers.GlobalAveragePooling1D()(h, mask=mask))
+    model = keras.Model(inp, out)
+    built = counter.count  # the symbolic call of the functional model
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=True)
+
+    rng = np.random.default_rng(0)
+
+    def padded_batches(num, length=12):
+        # Sequences of random lengths, all padded to the same `length`.
+        x = np.zeros((num, length), "int32")
+        for i in range(num):
+            n = rng.integers(3, length + 1)
+            x[i, :n] = rng.integers(1, 20, size=n)
+        return x, rng.integers(0, 2, size=num)
+
+    x, y = padded_batches(40)
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)  # 5 batches
+    traces = counter.count
+    # At most two traces of the train step, whatever the number of batches: a
+    # tf.function whose first trace creates variables (the optimizer's) is
+    # traced once more without creating them.
+    assert 1 <= traces - built <= 2
+    x2, y2 = padded_batches(48)
+    model.fit(x2, y2, batch_size=8, epochs=3, verbose=0)  # 18 more batches of the same shape
+    assert counter.count == traces
+
+
+# ---------------------------------------------------------------------------
+# Mixed precision.
+
+
+def _mixed_model(feature_map):
+    inp = keras.Input((16, 8))
+    h = keras.layers.Dense(16)(inp)
+    h = LinearAttention(2, 8, feature_map=feature_map, chunk_size=8)(h, h, use_causal_mask=True)
+    h = keras.layers.LayerNormalization()(h)
+    out = keras.layers.Dense(2, dtype="float32")(h)
+    return keras.Model(inp, out)
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+@pytest.mark.parametrize("name", ["elu", "favor+", "oglu"])
+def test_mixed_precision_200_steps_stable(policy, name):
+    keras.config.set_dtype_policy(policy)
+    keras.utils.set_random_seed(0)
+    x, y = _toy_regression(batch=32, length=16)
+    model = _mixed_model(feature_maps.get(name))
+    compute = "bfloat16" if policy == "mixed_bfloat16" else "float16"
+    assert model.layers[1].compute_dtype == compute
+    model.compile(keras.optimizers.Adam(3e-3), "mse", jit_compile=True)
+    if policy == "mixed_float16":
+        # Keras 3 wraps the optimizer in a LossScaleOptimizer under mixed_float16.
+        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    else:
+        assert not isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    first = model.evaluate(x, y, verbose=0)
+
+    batch_losses = []
+    record = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: batch_losses.append(logs["loss"]))
+    model.fit(x, y, batch_size=8, epochs=50, verbose=0, shuffle=True, callbacks=[record])  # 200 steps
+    assert len(batch_losses) == 200
+    assert np.all(np.isfinite(batch_losses))
+    for w in model.weights:
+        assert np.all(np.isfinite(keras.ops.convert_to_numpy(keras.ops.cast(w, "float32")))), w.path
+    last = model.evaluate(x, y, verbose=0)
+    assert np.isfinite(last) and last < 0.6 * first, (first, last)
+    if policy == "mixed_float16":
+        scale = float(keras.ops.convert_to_numpy(model.optimizer.dynamic_scale))
+        assert np.isfinite(scale) and scale >= 1.0
+
+
+# ---------------------------------------------------------------------------
+# tf.distribute.MirroredStrategy over 2 logical CPU devices (a subprocess: the
+# logical devices must be configured before TensorFlow initializes devices).
+
+_MIRRORED_SCRIPT = textwrap.dedent(
+    """
+    import json, os
+    os.environ["KERAS_BACKEND"] = "tensorflow"
+    import tensorflow as tf
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()]
+    )
+    import keras
+    import numpy as np
+    from keras_linattn.layers import LinearAttention
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 12, 8)).astype("float32")
+    y = rng.normal(size=(16, 12, 2)).astype("float32")
+
+    def build(feature_map):
+        keras.utils.set_random_seed(0)
+        inp = keras.Input((12, 8))
+        h = LinearAttention(2, 4, feature_map=feature_map, chunk_size=4)(inp, inp, use_causal_mask=True)
+        return keras.Model(inp, keras.layers.Dense(2)(h))
+
+    def first_step(model):
+        losses = []
+        cb = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: losses.append(float(logs["loss"])))
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
+        return losses[0], [np.asarray(w) for w in model.get_weights()]
+
+    out = {}
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    out["replicas"] = strategy.num_replicas_in_sync
+    for name in ("elu", "oglu"):
+        single = build(name)
+        single.compile(keras.optimizers.SGD(0.1), "mse", jit_compile=False)
+        init = single.get_weights()
+        loss1, w1 = first_step(single)
+        with strategy.scope():
+            dist = build(name)
+            dist.set_weights(init)
+            dist.compile(keras.optimizers.SGD(0.1), "mse", jit_compile=False)
+        loss2, w2 = first_step(dist)
+        out[name] = {
+            "loss_single": loss1,
+            "loss_mirrored": loss2,
+            "max_weight_diff": max(float(np.abs(a - b).max()) for a, b in zip(w1, w2)),
+            "max_update": max(float(np.abs(a - b).max()) for a, b in zip(w1, init)),
+            "num_losses": len(single.losses),
+        }
+    print("RESULT " + json.dumps(out))
+    """
+)
+
+
+def test_mirrored_strategy_two_logical_cpus_matches_one_device():
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-c", _MIRRORED_SCRIPT], capture_output=True, text=True, env=env, timeout=600
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert out["replicas"] == 2
+    for name in ("elu", "oglu"):
+        r = out[name]
+        assert abs(r["loss_single"] - r["loss_mirrored"]) <= 1e-5, (name, r)
+        # The step did something, and the all-reduced gradients equal one device's.
+        assert r["max_update"] > 1e-4, (name, r)
+        assert r["max_weight_diff"] <= 1e-5, (name, r)
+    # oglu carries its orthogonal penalty: the regularization loss is in play.
+    assert out["oglu"]["num_losses"] >= 1
