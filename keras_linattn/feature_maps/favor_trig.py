@@ -59,6 +59,11 @@ class FavorTrigFeatureMap(RandomFeatureMap):
     (1, 4, 2, 64)
     """
 
+    # Signed features: the output ratio is unbounded near phi(q).z = 0 and
+    # overflows float16 at unit-scale inputs (inf, then NaN). `LinearAttention`
+    # refuses this map under a float16 compute dtype.
+    float16_safe = False
+
     def feature_dim(self, input_dim):
         return 2 * self.num_features
 

@@ -127,6 +127,13 @@ class LinearAttention(keras.layers.Layer):
         self.bias_constraint = keras.constraints.get(bias_constraint)
         self.seed = seed
         self.feature_dim = self.feature_map.feature_dim(key_dim)
+        if self.compute_dtype == "float16" and not getattr(self.feature_map, "float16_safe", True):
+            raise ValueError(
+                f"Feature map {type(self.feature_map).__name__} gives outputs beyond the float16 "
+                "range (inf/NaN) at ordinary input scales; use a float32 or bfloat16 policy. "
+                f"Received: feature_map={getattr(self.feature_map, 'registry_name', self.feature_map.name)!r}, "
+                f"dtype={self.dtype_policy.name!r}"
+            )
         self._dropout_layer = keras.layers.Dropout(dropout, seed=seed)
 
     # ------------------------------------------------------------------ build
