@@ -6,12 +6,16 @@
 Encoder: a functional model of 2 `LinearTransformerEncoder` blocks (width
 256, 4 heads, feed-forward 512, elu features) on float32 inputs
 ``[B, N, 256]``; latency of one forward pass at (B=1, N=1024) and (B=8,
-N=4096), median of `--repeats` timed runs after one warm-up run.
+N=4096), median of `--repeats` timed runs after one warm-up run; the
+backends' runs are interleaved so that they share the machine's load.
 
 - SavedModel: `SavedModelRunner`, the TF1 loader + Session path that
   `tensorflow_model_server` executes (feed/fetch of the `serving_default`
   signature tensors), without the network.
-- onnxruntime: `OnnxPredictor` on the CPU provider (CUDA when present).
+- onnxruntime: `OnnxPredictor` on the CPU provider (CUDA when present),
+  with its default of no spin-waiting worker threads; also reported with
+  ``allow_spinning=True`` (onnxruntime's own default), which is much slower
+  when the cores are shared with other processes.
 
 Decoding: a 2-layer `LinearCausalLM` (width 256, 4 heads, vocabulary 1000),
 batch 1: tokens/s of the SavedModel `step` signature vs the ONNX step graph,
@@ -56,14 +60,21 @@ def build_lm(width, heads, vocab, layers=2):
     )
 
 
-def timed(fn, repeats):
-    fn()  # warm-up (graph/session initialization)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def timed(fns, repeats):
+    """Median seconds of each named callable, runs interleaved.
+
+    One warm-up call each, then `repeats` rounds that call every function
+    once in turn, so that all of them see the same (shared, noisy) machine.
+    """
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)), [round(t, 5) for t in times]
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: (float(np.median(t)), [round(v, 5) for v in t]) for name, t in times.items()}
 
 
 def bench_encoder(workdir, shapes, repeats, width, heads, ffn):
@@ -76,6 +87,7 @@ def bench_encoder(workdir, shapes, repeats, width, heads, ffn):
     onnx_export_s = time.perf_counter() - t
     runner = export.SavedModelRunner(version_dir)
     predictor = export.OnnxPredictor(onnx_path)
+    spinning = export.OnnxPredictor(onnx_path, allow_spinning=True)
     rows = []
     rng = np.random.default_rng(0)
     for batch, length in shapes:
@@ -84,8 +96,17 @@ def bench_encoder(workdir, shapes, repeats, width, heads, ffn):
         sm_out = runner.run("serving_default", {"features": x})
         onnx_out = predictor({"features": x})
         (sm_name,) = sm_out
-        sm_med, sm_all = timed(lambda: runner.run("serving_default", {"features": x}), repeats)
-        ort_med, ort_all = timed(lambda: predictor({"features": x}), repeats)
+        timings = timed(
+            {
+                "saved_model": lambda: runner.run("serving_default", {"features": x}),
+                "onnxruntime": lambda: predictor({"features": x}),
+                "spinning": lambda: spinning({"features": x}),
+            },
+            repeats,
+        )
+        (sm_med, sm_all), (ort_med, ort_all), (spin_med, spin_all) = (
+            timings["saved_model"], timings["onnxruntime"], timings["spinning"]
+        )
         rows.append(
             {
                 "batch": batch,
@@ -95,13 +116,15 @@ def bench_encoder(workdir, shapes, repeats, width, heads, ffn):
                 "speedup": sm_med / ort_med,
                 "saved_model_runs": sm_all,
                 "onnxruntime_runs": ort_all,
+                "onnxruntime_spinning_s": spin_med,
+                "onnxruntime_spinning_runs": spin_all,
                 "saved_model_max_rel_err": differences(sm_out[sm_name], ref)[1],
                 "onnx_max_rel_err": differences(onnx_out[sm_name], ref)[1],
             }
         )
         print(
-            f"encoder B={batch} N={length}: SavedModel {sm_med * 1e3:.1f} ms, onnxruntime {ort_med * 1e3:.1f} ms "
-            f"({predictor.provider})",
+            f"encoder B={batch} N={length}: SavedModel {sm_med * 1e3:.1f} ms, onnxruntime {ort_med * 1e3:.1f} ms, "
+            f"onnxruntime with spinning threads {spin_med * 1e3:.1f} ms ({predictor.provider})",
             flush=True,
         )
     runner.close()
@@ -138,8 +161,8 @@ def bench_decode(workdir, steps, repeats, width, heads, vocab):
         return logits
 
     diff = differences(onnx_decode(), saved_model_decode())[1]
-    sm_med, sm_all = timed(saved_model_decode, repeats)
-    ort_med, ort_all = timed(onnx_decode, repeats)
+    timings = timed({"saved_model": saved_model_decode, "onnxruntime": onnx_decode}, repeats)
+    (sm_med, sm_all), (ort_med, ort_all) = timings["saved_model"], timings["onnxruntime"]
     runner.close()
     result = {
         "provider": generator.provider,
@@ -161,16 +184,16 @@ def to_markdown(result):
     enc = result["encoder"]
     lines = [
         f"Encoder: 2 x LinearTransformerEncoder (width {result['config']['width']}, {result['config']['heads']} heads, "
-        f"ffn {result['config']['ffn']}, elu), float32; median of {result['config']['repeats']} runs; "
+        f"ffn {result['config']['ffn']}, elu), float32; median of {result['config']['repeats']} interleaved runs; "
         f"onnxruntime provider: {enc['provider']}.",
         "",
-        "| batch | N | SavedModel (Session) | onnxruntime | SavedModel / onnxruntime |",
-        "|---|---|---|---|---|",
+        "| batch | N | SavedModel (Session) | onnxruntime | SavedModel / onnxruntime | onnxruntime, spinning threads |",
+        "|---|---|---|---|---|---|",
     ]
     for r in enc["rows"]:
         lines.append(
             f"| {r['batch']} | {r['length']} | {r['saved_model_s'] * 1e3:.1f} ms | {r['onnxruntime_s'] * 1e3:.1f} ms "
-            f"| {r['speedup']:.2f}x |"
+            f"| {r['speedup']:.2f}x | {r['onnxruntime_spinning_s'] * 1e3:.1f} ms |"
         )
     dec = result["decode"]
     lines += [

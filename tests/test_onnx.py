@@ -149,6 +149,17 @@ def test_predictor_rejects_bad_inputs(encoder_onnx):
         export.OnnxPredictor(os.path.dirname(path))
     with pytest.raises(ValueError, match="`device` must be"):
         export.OnnxPredictor(path, device="tpu")
+    with pytest.raises(ValueError, match="intra_op_num_threads"):
+        export.OnnxPredictor(path, intra_op_num_threads=-1)
+
+
+def test_predictor_thread_options_do_not_change_results(encoder_onnx, rng):
+    model, path = encoder_onnx
+    x = rng.standard_normal((2, 6, DIM)).astype("float32")
+    expected = model(x).numpy()
+    for kwargs in ({}, {"allow_spinning": True}, {"intra_op_num_threads": 1}):
+        predictor = export.OnnxPredictor(path, device="cpu", **kwargs)
+        assert rel_err(predictor(x)["head"], expected) <= 1e-4, kwargs
 
 
 def test_predictor_casts_within_kind(encoder_onnx, rng):

@@ -19,8 +19,8 @@ class OnnxGenerator:
 
     Args:
         step_path: the step ``.onnx`` file (``<model>_step.onnx``).
-        device, use_tensorrt, use_io_binding, session_options: as in
-            `OnnxPredictor`.
+        device, use_tensorrt, use_io_binding, intra_op_num_threads,
+        allow_spinning, session_options: as in `OnnxPredictor`.
 
     Call arguments (`generate`):
         prompt_ids: ``[B, P]`` integer token ids, ``P >= 1``.
@@ -41,12 +41,23 @@ class OnnxGenerator:
     (1, 16)
     """
 
-    def __init__(self, step_path, device="auto", use_tensorrt=False, use_io_binding=None, session_options=None):
+    def __init__(
+        self,
+        step_path,
+        device="auto",
+        use_tensorrt=False,
+        use_io_binding=None,
+        intra_op_num_threads=None,
+        allow_spinning=False,
+        session_options=None,
+    ):
         self.predictor = OnnxPredictor(
             step_path,
             device=device,
             use_tensorrt=use_tensorrt,
             use_io_binding=use_io_binding,
+            intra_op_num_threads=intra_op_num_threads,
+            allow_spinning=allow_spinning,
             session_options=session_options,
         )
         names = self.predictor.input_names
