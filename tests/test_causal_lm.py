@@ -89,8 +89,10 @@ def test_recurrent_gradients_match_parallel(rng):
             outs.append(logits)
         return tf.stack(outs, axis=1)
 
+    # Some gradients (e.g. of the query biases) are sums that nearly cancel
+    # (|g| ~ 1e-5 from terms ~ 1e-2): float32 rounding alone gives ~1e-5 there.
     for a, b in zip(grads(lambda: lm(ids)), grads(stepped)):
-        assert rel_err(a, b) <= 1e-5
+        assert rel_err(a, b) <= 1e-4
 
 
 @pytest.mark.parametrize("feature_map", ["elu", "taylor"])
