@@ -1,0 +1,1 @@
+"""Attention distillation: softmax Transformer -> linear attention."""
