@@ -60,7 +60,11 @@ class RedrawRandomFeatures(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         if self._steps > 0 and self._steps % self.every_n_steps == 0:
             for layer in self._layers:
-                layer.redraw()
+                # Unbuilt maps are templates (e.g. the `feature_map` attribute
+                # of LinearCausalLM and of the transformer blocks, which copy
+                # it): they hold no projection in use.
+                if layer.built:
+                    layer.redraw()
             self.redraw_count += 1
         self._steps += 1
 
