@@ -174,3 +174,19 @@ def test_cell_config_round_trip(rng):
     clone = LinearAttentionCell.from_config(config)
     assert clone.get_config() == config
     assert clone.state_size == cell.state_size == [2 * 21 * 4, 2 * 21]
+
+
+def test_cell_keeps_float32_state_under_mixed_precision(rng):
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    x = _inputs(rng)
+    layer = _layer("elu")
+    cell = LinearAttentionCell(layer)
+    assert cell.compute_dtype == "float32" and layer.compute_dtype == "bfloat16"
+    # keras.layers.RNN casts the states it returns to its own compute dtype:
+    # a float32 RNN hands them back as accumulated (float32 inside the loop).
+    rnn = keras.layers.RNN(cell, return_sequences=True, return_state=True, dtype="float32")
+    outputs, s_flat, z_flat = rnn(x)
+    assert keras.backend.standardize_dtype(s_flat.dtype) == "float32"
+    parallel, (s, _) = layer(x, x, use_causal_mask=True, return_state=True)
+    assert rel_err(np.reshape(s_flat, s.shape), s) <= 1e-5
+    assert rel_err(outputs, parallel) <= 5e-2

@@ -25,6 +25,9 @@ class LinearAttentionCell(keras.layers.Layer):
     computes in float32 by default (``dtype="float32"``) because the RNN
     layer casts the states to the cell's compute dtype between steps and the
     state must accumulate in float32; the wrapped layer keeps its own policy.
+    The RNN layer also casts the states it *returns* to its own compute
+    dtype: under a mixed policy, build it with
+    ``keras.layers.RNN(cell, ..., dtype="float32")`` to get float32 states back.
 
     Args:
         attention: a `LinearAttention` layer (shared, not copied) or its
