@@ -235,6 +235,12 @@ def build_classifier(
     Returns:
         An uncompiled `keras.Model` mapping ``[B, T]`` int32 ids to ``[B, num_classes]`` logits.
     """
+    if isinstance(feature_map, feature_maps.FeatureMap) and num_layers > 1:
+        raise ValueError(
+            "A FeatureMap instance would be shared by every layer; pass a name or a factory "
+            f"(`feature_map_factory`) with num_layers > 1. Received: feature_map={feature_map!r}, "
+            f"num_layers={num_layers}"
+        )
     token_ids = keras.Input((sequence_length,), dtype="int32", name="token_ids")
     padding_mask = keras.layers.Lambda(lambda t: ops.not_equal(t, 0), name="padding_mask")(token_ids)  # [B, T]
     x = TokenAndPositionEmbedding(vocabulary_size, sequence_length, hidden_dim, name="embedding")(token_ids)
