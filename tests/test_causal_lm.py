@@ -220,3 +220,18 @@ def test_mixed_precision_keeps_float32_state(rng):
     assert all(keras.backend.standardize_dtype(x.dtype) == "float32" for x in state[:-1])
     assert parallel.dtype == np.float32
     assert rel_err(stepped, parallel) <= 5e-2
+
+
+@pytest.mark.parametrize("feature_map", FEATURE_MAPS)
+def test_save_and_load_every_feature_map(rng, tmp_path, feature_map):
+    lm = _lm(feature_map, num_layers=1)
+    ids = _ids(rng)
+    # Move every weight off its initial value so a reload that re-initialized
+    # anything (e.g. a feature map's kernel or random projection) would show.
+    for w in lm.weights:
+        w.assign(w + rng.normal(scale=0.05, size=w.shape).astype(w.dtype))
+    expected = np.asarray(lm(ids))
+    path = os.path.join(tmp_path, "lm.keras")
+    lm.save(path)
+    restored = keras.models.load_model(path)
+    np.testing.assert_allclose(restored(ids), expected, rtol=0, atol=1e-6)

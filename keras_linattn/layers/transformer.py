@@ -56,7 +56,9 @@ class _LinearTransformerBlock(keras.layers.Layer):
         self.intermediate_dim = intermediate_dim
         self.key_dim = key_dim
         self.value_dim = value_dim
-        self.feature_map = feature_maps_lib.get(feature_map)
+        # A template (each attention layer owns a copy with the weights): kept
+        # out of Keras' layer tracking so it is not listed as an unbuilt sublayer.
+        object.__setattr__(self, "feature_map", feature_maps_lib.get(feature_map))
         self.chunk_size = chunk_size
         self.dropout = float(dropout)
         self.activation = keras.activations.get(activation)

@@ -118,7 +118,9 @@ class LinearCausalLM(keras.Model):
         self.hidden_dim = hidden_dim
         self.num_heads = num_heads
         self.intermediate_dim = intermediate_dim
-        self.feature_map = feature_maps_lib.get(feature_map)
+        # A template (each attention layer owns a copy with the weights): kept
+        # out of Keras' layer tracking so it is not listed as an unbuilt sublayer.
+        object.__setattr__(self, "feature_map", feature_maps_lib.get(feature_map))
         self.key_dim = key_dim
         self.chunk_size = chunk_size
         self.dropout = dropout
