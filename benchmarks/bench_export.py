@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import tempfile
 import time
 
@@ -234,7 +235,7 @@ def main(argv=None):
         "encoder": encoder,
         "decode": decode,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end",
-        "command": "python -m benchmarks.bench_export" + (" --quick" if args.quick else ""),
+        "command": " ".join(["python -m benchmarks.bench_export"] + list(sys.argv[1:] if argv is None else argv)),
         "time_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
     }
     markdown = to_markdown(result)

@@ -296,3 +296,12 @@ def test_lm_description_file(lm_export):
     assert desc["inputs"] == [{"name": "token_ids", "dtype": "int32", "shape": [None, None]}]
     assert [s["name"] for s in desc["state"]] == [f"state_{i}" for i in range(5)]
     assert desc["state"][-1]["dtype"] == "int32"
+
+
+def test_lm_generate_without_new_tokens(lm_export):
+    model, version_dir = lm_export
+    prompt = np.array([[3, 1, 4, 1]], "int32")
+    with export.SavedModelRunner(version_dir) as runner:
+        got = runner.run("generate", {"prompt_ids": prompt, "max_length": np.int32(4)})["output_ids"]
+    np.testing.assert_array_equal(got, model.generate(prompt, max_length=4))
+    np.testing.assert_array_equal(got, prompt)
