@@ -229,3 +229,35 @@ def test_hedgehog_distillation_lowers_kl():
     )
     assert history.layers == ["attention_1"]
     assert history.kl_after["attention_1"] < 0.8 * history.kl_before["attention_1"], history
+
+
+def test_multi_head_attention_weights_transfer_to_linear_attention(rng):
+    """The copy used by examples/distillation: same kernel layouts, same attention."""
+    from keras_linattn.ops import softmax_attention
+
+    x = rng.normal(size=(2, 6, DIM)).astype("float32")
+    mha = keras.layers.MultiHeadAttention(HEADS, KEY_DIM, bias_initializer="glorot_uniform")
+    expected = mha(x, x)
+    linear = LinearAttention(HEADS, KEY_DIM, feature_map="elu")
+    linear(x, x)
+    for part in ("query_dense", "key_dense", "value_dense", "output_dense"):
+        src, dst = getattr(mha, part), getattr(linear, part)
+        assert [tuple(w.shape) for w in src.weights] == [tuple(w.shape) for w in dst.weights]
+        for w_src, w_dst in zip(src.weights, dst.weights):
+            w_dst.assign(w_src)
+    q, k, v = linear.project(x, x)  # [B, T, H, D], [B, S, H, D], [B, S, H, M]
+    got = linear.output_dense(softmax_attention(q, k, v))  # [B, T, dim]
+    assert float(np.abs(np.asarray(got) - np.asarray(expected)).max()) < 1e-5
+
+
+@pytest.mark.slow
+def test_distillation_example_runs(tmp_path):
+    from examples.distillation import run
+
+    results = run.main(
+        [
+            "--train-size", "512", "--test-size", "128", "--epochs", "2", "--layers", "1",
+            "--distill-epochs", "1", "--distill-steps", "20", "--finetune-epochs", "0", "--no-jit",
+        ]
+    )
+    assert results["kl_after"]["attention_0"] < results["kl_before"]["attention_0"]
