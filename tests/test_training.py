@@ -303,3 +303,103 @@ def test_mirrored_strategy_two_logical_cpus_matches_one_device():
         assert r["max_weight_diff"] <= 1e-5, (name, r)
     # oglu carries its orthogonal penalty: the regularization loss is in play.
     assert out["oglu"]["num_losses"] >= 1
+
+
+# ---------------------------------------------------------------------------
+# tf.distribute.MultiWorkerMirroredStrategy: two worker processes on localhost.
+# Keras 3's `fit` fails under this strategy (keras-team/keras#20585), so the
+# documented path is a custom training loop; this is that loop.
+
+_MULTI_WORKER_SCRIPT = textwrap.dedent(
+    """
+    import json, os
+    os.environ["KERAS_BACKEND"] = "tensorflow"
+    import tensorflow as tf
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    import keras
+    import numpy as np
+    from keras_linattn.layers import LinearAttention
+
+    GLOBAL_BATCH = 16
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 12, 8)).astype("float32")
+    y = rng.normal(size=(32, 12, 2)).astype("float32")
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        inp = keras.Input((12, 8))
+        h = LinearAttention(2, 4, feature_map="oglu", chunk_size=4)(inp, inp, use_causal_mask=True)
+        model = keras.Model(inp, keras.layers.Dense(2)(h))
+        optimizer = keras.optimizers.SGD(0.1)
+        optimizer.build(model.trainable_variables)
+
+    # The same loss on one device, before any update.
+    pred = model(x[:GLOBAL_BATCH])
+    reference = float(np.mean((np.asarray(pred) - y[:GLOBAL_BATCH]) ** 2))
+    reference += float(sum(np.asarray(l) for l in model.losses))
+
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    dist_ds = strategy.experimental_distribute_dataset(ds)
+
+    @tf.function
+    def train_step(batch):
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                pred = model(xb, training=True)
+                per_example = tf.reduce_mean(tf.square(pred - yb), axis=[1, 2])
+                loss = tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+                loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+        return strategy.reduce("SUM", strategy.run(step, args=batch), axis=None)
+
+    losses = [float(train_step(b)) for b in dist_ds]
+    weights = float(sum(np.abs(np.asarray(v)).sum() for v in model.trainable_variables))
+    print("RESULT " + json.dumps({"replicas": strategy.num_replicas_in_sync, "losses": losses,
+                                  "reference": reference, "weights": weights}))
+    """
+)
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_multi_worker_mirrored_strategy_two_local_workers():
+    workers = [f"localhost:{_free_port()}", f"localhost:{_free_port()}"]
+    procs = []
+    for index in range(2):
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
+        env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        env["TF_CONFIG"] = json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", _MULTI_WORKER_SCRIPT],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+        )
+    results = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=600)
+            lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+            assert proc.returncode == 0 and lines, stdout[-3000:] + stderr[-3000:]
+            results.append(json.loads(lines[-1][len("RESULT "):]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for r in results:
+        assert r["replicas"] == 2
+        assert len(r["losses"]) == 2 and all(np.isfinite(r["losses"]))
+        # First step: the all-reduced loss equals the one-device loss of the global batch.
+        assert abs(r["losses"][0] - r["reference"]) <= 1e-5, r
+    # Both workers end with the same weights.
+    assert abs(results[0]["weights"] - results[1]["weights"]) <= 1e-5 * max(1.0, abs(results[0]["weights"]))
