@@ -239,7 +239,11 @@ class ModelSpecs:
                 body,
                 (tf.constant(0), next_logits, tokens, *flat_state),
             )
-            generated = tf.transpose(loop[2].stack(), [1, 0])  # [B, num_new]
+            # An empty TensorArray with a dynamic element shape cannot be stacked.
+            stacked = tf.cond(
+                num_new > 0, loop[2].stack, lambda: tf.zeros((0, batch), tf.int32)
+            )  # [num_new, B]
+            generated = tf.transpose(stacked, [1, 0])  # [B, num_new]
             generated = tf.reshape(generated, (batch, num_new))  # [B, num_new] (also when empty)
             out = tf.concat([tf.cast(prompt_ids, tf.int32), generated], axis=1)  # [B, P + num_new]
             return {OUTPUT_IDS: out[:, :max_length]}
