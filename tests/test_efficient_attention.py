@@ -267,3 +267,24 @@ def test_mixed_precision_matches_float32(rng):
     out16 = layer16(query, value, key=key, key_mask=mask)
     assert out16.dtype == "bfloat16"
     assert rel_err(out16, out32) < 3e-2
+
+
+@pytest.mark.parametrize("projection", [None, "random"])
+def test_saved_model_and_onnx_export_with_dynamic_length(projection, tmp_path, rng):
+    kwargs = {} if projection is None else dict(projection=projection, projection_dim=4, max_length=32)
+    inp = keras.Input((None, 16))
+    out = EfficientAttention(2, 4, seed=0, **kwargs)(inp, inp)
+    model = keras.Model(inp, out)
+    inputs = [rng.normal(size=(2, 20, 16)).astype("float32"), rng.normal(size=(1, 9, 16)).astype("float32")]
+    path = os.path.join(tmp_path, "saved_model")
+    model.export(path, format="tf_saved_model", verbose=False)
+    restored = tf.saved_model.load(path)
+    for x in inputs:
+        assert rel_err(restored.serve(x), model(x)) < 1e-6
+    ort = pytest.importorskip("onnxruntime")
+    onnx_path = os.path.join(tmp_path, "model.onnx")
+    model.export(onnx_path, format="onnx", verbose=False, opset_version=17)
+    session = ort.InferenceSession(onnx_path, providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    for x in inputs:
+        assert rel_err(session.run(None, {name: x})[0], model(x)) < 1e-5
