@@ -112,6 +112,11 @@ def check_state(state, num_heads, feature_dim, value_dim, batch_size=None, name=
         )
 
 
+def _check_eps(eps):
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"`eps` must be a non-negative number. Received: eps={eps!r}")
+
+
 def _fmt(shape):
     return "[" + ", ".join("B" if d is None else str(d) for d in shape) + "]"
 
@@ -171,6 +176,7 @@ def linear_attention(
     """
     _validate(q_features, k_features, v, key_mask, initial_state)
     _check_positive_int("chunk_size", chunk_size)
+    _check_eps(eps)
     out_dtype = v.dtype
     q = _heads_first(ops.cast(q_features, "float32"))  # [B, H, T, C]
     k = _heads_first(_mask_keys(ops.cast(k_features, "float32"), key_mask))  # [B, H, S, C]
@@ -271,6 +277,7 @@ def linear_attention_step(q_t, k_t, v_t, state, key_mask_t=None, eps=DEFAULT_EPS
     _check_rank("k_t", k_t, 3)
     _check_rank("v_t", v_t, 3)
     check_state(state, q_t.shape[1], q_t.shape[2], v_t.shape[2])
+    _check_eps(eps)
     out_dtype = v_t.dtype
     q = ops.cast(q_t, "float32")  # [B, H, C]
     k = ops.cast(k_t, "float32")  # [B, H, C]
@@ -288,6 +295,10 @@ def linear_attention_step(q_t, k_t, v_t, state, key_mask_t=None, eps=DEFAULT_EPS
 
 def zero_state(batch_size, num_heads, feature_dim, value_dim):
     """An empty state ``(S, z)``: zeros of ``[B, H, C, M]`` and ``[B, H, C]``."""
+    if isinstance(batch_size, int) and (isinstance(batch_size, bool) or batch_size < 0):
+        raise ValueError(f"`batch_size` must be a non-negative integer. Received: batch_size={batch_size!r}")
+    for name, value in (("num_heads", num_heads), ("feature_dim", feature_dim), ("value_dim", value_dim)):
+        _check_positive_int(name, value)
     return (
         ops.zeros((batch_size, num_heads, feature_dim, value_dim), dtype="float32"),
         ops.zeros((batch_size, num_heads, feature_dim), dtype="float32"),
