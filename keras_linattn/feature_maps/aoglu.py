@@ -75,7 +75,7 @@ class AOGLUFeatureMap(OGLUFeatureMap):
             seed=seed,
             **kwargs,
         )
-        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
             raise ValueError(f"`rank` must be a positive integer or None. Received: rank={rank!r}")
         self.rank = rank
         if feature_dim is not None:
