@@ -203,7 +203,13 @@ def read_metadata(path):
     """The keras_linattn description stored in an exported ONNX file (or {})."""
     import onnx
 
-    proto = onnx.load(os.fspath(path), load_external_data=False)
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ValueError(f"`path` must be an existing .onnx file. Received: path={path!r}")
+    try:
+        proto = onnx.load(path, load_external_data=False)
+    except Exception as e:  # protobuf DecodeError and friends
+        raise ValueError(f"`path` is not a valid ONNX file ({type(e).__name__}: {e}). Received: path={path!r}") from e
     for entry in proto.metadata_props:
         if entry.key == METADATA_KEY:
             return json.loads(entry.value)

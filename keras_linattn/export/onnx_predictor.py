@@ -106,7 +106,13 @@ class OnnxPredictor:
             spin = "1" if allow_spinning else "0"
             options.add_session_config_entry("session.intra_op.allow_spinning", spin)
             options.add_session_config_entry("session.inter_op.allow_spinning", spin)
-        self.session = ort.InferenceSession(path, sess_options=options, providers=self.requested_providers)
+        try:
+            self.session = ort.InferenceSession(path, sess_options=options, providers=self.requested_providers)
+        except Exception as e:  # onnxruntime raises its own classes (InvalidProtobuf, Fail, ...)
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(
+                f"`path` is not a loadable ONNX model ({type(e).__name__}: {reason}). Received: path={path!r}"
+            ) from e
         self.providers = self.session.get_providers()
         self.on_gpu = self.providers[0] in (_providers.CUDA, _providers.TENSORRT)
         self.use_io_binding = self.on_gpu if use_io_binding is None else bool(use_io_binding)

@@ -188,8 +188,14 @@ def signature_names(specs, include_generate=True):
 def read_description(export_dir):
     """The JSON description written by `export_saved_model`."""
     path = os.path.join(export_dir, "assets.extra", DESCRIPTION_FILE)
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(
+            f"`export_dir` has no readable assets.extra/{DESCRIPTION_FILE} (not written by "
+            f"`export_saved_model`?): {e}. Received: export_dir={export_dir!r}"
+        ) from e
 
 
 def latest_version_dir(base_dir):

@@ -36,8 +36,17 @@ class SavedModelRunner:
         self.tags = list(tags or [tf.saved_model.SERVING])
         self._graph = tf.Graph()
         self._session = tf.compat.v1.Session(graph=self._graph)
-        with self._graph.as_default():
-            meta = tf.compat.v1.saved_model.loader.load(self._session, self.tags, export_dir)
+        try:
+            with self._graph.as_default():
+                meta = tf.compat.v1.saved_model.loader.load(self._session, self.tags, export_dir)
+        except (OSError, RuntimeError, ValueError, tf.errors.OpError) as e:
+            # Missing dir / saved_model.pb, corrupt protobuf, unknown tags.
+            self._session.close()
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(
+                "`export_dir` is not a loadable SavedModel version directory "
+                f"({reason}). Received: export_dir={export_dir!r}, tags={self.tags}"
+            ) from e
         self.signature_defs = {
             k: v for k, v in meta.signature_def.items() if not k.startswith("__")
         }
