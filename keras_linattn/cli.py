@@ -86,7 +86,11 @@ def _load_model(path):
 
     if not os.path.isfile(path):
         raise ValueError(f"MODEL must be an existing .keras file. Received: MODEL={path!r}")
-    return keras.saving.load_model(path)
+    try:
+        return keras.saving.load_model(path)
+    except Exception as e:  # a corrupt zip, an unknown class, a refused lambda, ...
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"MODEL could not be loaded as a Keras model ({reason}). Received: MODEL={path!r}") from e
 
 
 def cmd_export(args):
