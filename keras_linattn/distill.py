@@ -254,6 +254,8 @@ def _select_layers(model, layers):
 
 
 def _evaluate(model, layers, dataset, steps, causal):
+    if steps is None and dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
+        raise ValueError("The evaluation data is infinite: pass a number of steps. Received: steps=None")
     recorder = _CallRecorder(layers)
 
     @tf.function(reduce_retracing=True)
@@ -443,7 +445,10 @@ def distill_attention(
         for epoch in range(epochs):
             if verbose == 1:
                 print(f"Distillation epoch {epoch + 1}/{epochs}")
-            bar = keras.utils.Progbar(steps_per_epoch, verbose=1 if verbose == 1 else 0)
+            target = steps_per_epoch
+            if target is None and int(dataset.cardinality()) > 0:
+                target = int(dataset.cardinality())
+            bar = keras.utils.Progbar(target, verbose=1 if verbose == 1 else 0)
             batches = iterator if iterator is not None else iter(dataset)
             losses, kls, step = [], [], 0
             while steps_per_epoch is None or step < steps_per_epoch:
@@ -459,7 +464,7 @@ def distill_attention(
                 bar.update(step, values=[("loss", loss), ("kl", float(kl.mean()))])
             if not losses:
                 raise ValueError("`data` yielded no batch.")
-            if steps_per_epoch is None:
+            if target is None:
                 bar.update(step, finalize=True)
             mean_kl = np.mean(np.stack(kls), axis=0)
             if verbose == 2:

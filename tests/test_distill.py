@@ -215,6 +215,8 @@ def test_bad_arguments():
         distill.distill_attention(model, tf.data.Dataset.from_tensors(x).repeat())
     with pytest.raises(ValueError, match="layers"):
         distill.attention_kl(model, x, layers=["no_such_layer"])
+    with pytest.raises(ValueError, match="steps"):
+        distill.attention_kl(model, tf.data.Dataset.from_tensors(x).repeat())
     with pytest.raises(ValueError, match="batch_size"):
         distill.attention_kl(model, x, batch_size=0)
 
