@@ -100,6 +100,11 @@ def test_benchmark_machinery_at_n64(tmp_path):
         assert len(pt["times_s"]) == 2
         assert float(cell) == pytest.approx(np.median(pt["times_s"]), abs=5e-5)
         assert float(cell) > 0
+    cpu_rows = tables["Process CPU time (s), median forward + backward (all threads)"][1:]
+    for impl, cell in zip(bench.IMPLS, cpu_rows[0][1:]):
+        if "skipped" in by_impl[impl]:
+            continue
+        assert float(cell) == pytest.approx(np.median(by_impl[impl]["cpu_times_s"]), abs=5e-5)
     mem_rows = tables["Peak memory increase (MB), fresh child process per point"][1:]
     mem_cells = dict(zip(bench.IMPLS, mem_rows[0][1:]))
     mem = by_impl["linear_causal"]["memory"]
