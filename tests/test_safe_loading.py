@@ -1,0 +1,237 @@
+"""`.keras` files load with ``safe_mode=True``; tampered configs fail cleanly and run nothing.
+
+Every layer, feature map and model of the package is saved in a `.keras`
+zip and loaded back with ``keras.saving.load_model(path, safe_mode=True)``
+(which refuses lambdas and unregistered classes), and must give the same
+outputs. Then the ``config.json`` inside a saved zip is edited the way an
+attacker would — an unknown feature-map class, a ``module`` pointing to
+``os`` / ``subprocess`` with a shell command as config — and loading must
+raise a clear error without executing anything: a marker file the command
+would create must not appear.
+"""
+
+import json
+import os
+import zipfile
+
+import keras
+import numpy as np
+import pytest
+
+from keras_linattn import feature_maps
+from keras_linattn.layers import (
+    EfficientAttention,
+    LinearAttention,
+    LinearAttentionCell,
+    LinearTransformerDecoder,
+    LinearTransformerEncoder,
+)
+from keras_linattn.models import LinearCausalLM
+
+DIM = 8
+
+
+def _map(name):
+    if name in ("favor+", "favor_trig"):
+        return feature_maps.get(name, num_features=8, seed=3)
+    return feature_maps.get(name)
+
+
+def _all_layers_model():
+    """One functional model holding every feature map and every layer."""
+    inp = keras.Input((None, DIM), name="x")
+    h = inp
+    for i, name in enumerate(feature_maps.available()):
+        att = LinearAttention(2, 4, feature_map=_map(name), chunk_size=4, name=f"att_{i}")
+        h = h + att(h, h, use_causal_mask=bool(i % 2))
+    h = h + EfficientAttention(2, 4, projection="random", projection_dim=4, max_length=16, seed=0)(h, h)
+    h = LinearTransformerEncoder(2, 16, feature_map="oglu")(h)
+    h = LinearTransformerDecoder(2, 16, feature_map="hedgehog")(h)
+    cell = LinearAttentionCell(LinearAttention(2, 4, feature_map="favor+"))
+    h = keras.layers.RNN(cell, return_sequences=True)(h)
+    return keras.Model(inp, h)
+
+
+def _config_text(path):
+    with zipfile.ZipFile(path) as zf:
+        return zf.read("config.json").decode()
+
+
+def _rewrite_config(src, dst, edit):
+    """Copies the .keras zip `src` to `dst` with ``config.json`` replaced by ``edit(config)``."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        for item in zin.infolist():
+            data = zin.read(item.filename)
+            if item.filename == "config.json":
+                data = json.dumps(edit(json.loads(data))).encode()
+            zout.writestr(item, data)
+
+
+def _walk(obj, fn):
+    """Applies fn to every dict in a nested config (depth-first), in place."""
+    if isinstance(obj, dict):
+        fn(obj)
+        for value in list(obj.values()):
+            _walk(value, fn)
+    elif isinstance(obj, list):
+        for value in obj:
+            _walk(value, fn)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """(path, model, inputs, outputs) of the all-layers model saved once."""
+    keras.utils.set_random_seed(0)
+    model = _all_layers_model()
+    x = np.random.default_rng(0).normal(size=(2, 9, DIM)).astype("float32")
+    y = np.asarray(model(x))
+    path = str(tmp_path_factory.mktemp("safe") / "all_layers.keras")
+    model.save(path)
+    return path, x, y
+
+
+def test_every_layer_and_feature_map_loads_in_safe_mode(saved):
+    path, x, y = saved
+    config = _config_text(path)
+    # No Python code inside: no Lambda layers, no serialized functions.
+    assert "__lambda__" not in config and '"Lambda"' not in config
+    for name in feature_maps.available():
+        cls = type(feature_maps.get(name))
+        assert f'"{cls.__name__}"' in config, name
+    loaded = keras.saving.load_model(path, safe_mode=True)
+    np.testing.assert_allclose(np.asarray(loaded(x)), y, rtol=1e-5, atol=1e-6)
+
+
+def test_causal_lm_loads_in_safe_mode(tmp_path):
+    keras.utils.set_random_seed(1)
+    lm = LinearCausalLM(
+        vocabulary_size=20, num_layers=2, hidden_dim=8, num_heads=2, intermediate_dim=16,
+        feature_map=_map("favor+"), max_sequence_length=12,
+    )
+    ids = np.random.default_rng(1).integers(0, 20, (2, 7)).astype("int32")
+    logits = np.asarray(lm(ids))
+    path = str(tmp_path / "lm.keras")
+    lm.save(path)
+    loaded = keras.saving.load_model(path, safe_mode=True)
+    np.testing.assert_allclose(np.asarray(loaded(ids)), logits, rtol=1e-5, atol=1e-6)
+    # The recurrent path of the reloaded model matches too.
+    a, _ = loaded.step(ids[:, 0], loaded.get_initial_state(2))
+    b, _ = lm.step(ids[:, 0], lm.get_initial_state(2))
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def _set_feature_map_class(config, class_name, module=None):
+    """Renames the class of every serialized feature map in a model config."""
+    known = {type(feature_maps.get(n)).__name__ for n in feature_maps.available()}
+
+    def fn(d):
+        if d.get("class_name") in known:
+            d["class_name"] = class_name
+            d["registered_name"] = class_name if module is None else None
+            if module is not None:
+                d["module"] = module
+
+    _walk(config, fn)
+    return config
+
+
+def test_unknown_feature_map_class_gives_a_clear_error(saved, tmp_path):
+    path, _, _ = saved
+    bad = str(tmp_path / "unknown_map.keras")
+    _rewrite_config(path, bad, lambda c: _set_feature_map_class(c, "SuperFastFeatureMap"))
+    with pytest.raises((ValueError, TypeError)) as info:
+        keras.saving.load_model(bad, safe_mode=True)
+    message = str(info.value)
+    assert "Unknown feature map in config. Received: class_name='SuperFastFeatureMap'" in message
+    assert "EluFeatureMap" in message  # lists what is known
+
+
+@pytest.mark.parametrize(
+    "module, class_name",
+    [("os", "system"), ("subprocess", "getoutput"), ("builtins", "exec")],
+)
+def test_feature_map_config_pointing_at_a_shell_function_executes_nothing(saved, tmp_path, module, class_name):
+    path, _, _ = saved
+    marker = tmp_path / f"pwned_{class_name}"
+    command = f"touch {marker}"
+    code = f"open({str(marker)!r}, 'w').close()"
+
+    def edit(config):
+        known = {type(feature_maps.get(n)).__name__ for n in feature_maps.available()}
+
+        def fn(d):
+            if d.get("class_name") in known:
+                d.clear()
+                d.update(
+                    {
+                        "module": module,
+                        "class_name": class_name,
+                        "config": {"command": command, "source": code},
+                        "registered_name": None,
+                    }
+                )
+
+        _walk(config, fn)
+        return config
+
+    # Control: the payload is live (run directly, it creates a marker).
+    control = tmp_path / "control"
+    os.system(f"touch {control}")
+    assert control.exists()
+    bad = str(tmp_path / f"{class_name}.keras")
+    _rewrite_config(path, bad, edit)
+    with pytest.raises((ValueError, TypeError)) as info:
+        keras.saving.load_model(bad, safe_mode=True)
+    assert f"Unknown feature map in config. Received: class_name={class_name!r}" in str(info.value)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("safe_mode", [True, False])
+def test_function_config_in_place_of_a_feature_map_is_refused_even_outside_safe_mode(saved, tmp_path, safe_mode):
+    """Keras' own function form ``{"class_name": "function", "module": "os", "config": "system"}``."""
+    path, _, _ = saved
+    marker = tmp_path / "pwned_function"
+
+    def edit(config):
+        known = {type(feature_maps.get(n)).__name__ for n in feature_maps.available()}
+
+        def fn(d):
+            if d.get("class_name") in known:
+                d.clear()
+                d.update({"module": "os", "class_name": "function", "config": "system", "registered_name": "function"})
+
+        _walk(config, fn)
+        return config
+
+    bad = str(tmp_path / f"function_{safe_mode}.keras")
+    _rewrite_config(path, bad, edit)
+    # The feature-map registry accepts registered FeatureMap classes only, so
+    # even safe_mode=False does not hand `os.system` to the layer.
+    with pytest.raises((ValueError, TypeError)) as info:
+        keras.saving.load_model(bad, safe_mode=safe_mode)
+    assert "function" in str(info.value)
+    assert not marker.exists()
+
+
+def test_layer_config_pointing_at_os_system_executes_nothing(saved, tmp_path):
+    """The attention layer itself (not its map) replaced by ``os.system``."""
+    path, _, _ = saved
+    marker = tmp_path / "pwned_layer"
+
+    def edit(config):
+        def fn(d):
+            if d.get("class_name") == "LinearAttention":
+                d["module"] = "os"
+                d["class_name"] = "system"
+                d["registered_name"] = None
+                d["config"] = {"command": f"touch {marker}"}
+
+        _walk(config, fn)
+        return config
+
+    bad = str(tmp_path / "layer_os.keras")
+    _rewrite_config(path, bad, edit)
+    with pytest.raises((ValueError, TypeError)) as info:
+        keras.saving.load_model(bad, safe_mode=True)
+    assert "Could not locate class 'system'" in str(info.value)
+    assert not marker.exists()
