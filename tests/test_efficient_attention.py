@@ -205,6 +205,8 @@ def test_bad_call_arguments():
     layer(x, x)  # builds
     with pytest.raises(ValueError, match="query"):
         layer(np.zeros((2, 8), "float32"), x)
+    with pytest.raises(ValueError, match="key"):
+        layer(x, x, key=np.zeros((2, 5), "float32"))
     with pytest.raises(ValueError, match="max_length"):
         layer(x, np.zeros((2, 7, 8), "float32"))
 

@@ -281,10 +281,11 @@ class EfficientAttention(keras.layers.Layer):
             key = value
         if key_mask is None:
             key_mask = value_mask
-        if len(query.shape) != 3:
-            raise ValueError(
-                f"`query` must have rank 3 [batch, length, dim]. Received: query.shape={tuple(query.shape)}"
-            )
+        for name, x in (("query", query), ("value", value), ("key", key)):
+            if len(x.shape) != 3:
+                raise ValueError(
+                    f"`{name}` must have rank 3 [batch, length, dim]. Received: {name}.shape={tuple(x.shape)}"
+                )
         self._check_length(key.shape[1])
         if key_mask is not None and len(key_mask.shape) != 2:
             raise ValueError(
