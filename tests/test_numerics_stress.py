@@ -226,3 +226,34 @@ def _table():
 
 if __name__ == "__main__":
     _table()
+
+
+# ------------------------------------------------------------------ soak
+def test_redraw_callback_trains_a_causal_lm_with_favor_plus():
+    """What the soak's favor+ run needs: redraws hit the blocks' built maps
+    and skip the LM's unbuilt template map (which used to raise)."""
+    from keras_linattn.callbacks import RedrawRandomFeatures
+    from keras_linattn.models import LinearCausalLM
+
+    lm = LinearCausalLM(16, 1, 8, 2, 16, feature_map=feature_maps.get("favor+", num_features=4, seed=0))
+    lm.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    ids = np.random.default_rng(0).integers(0, 16, (4, 9)).astype("int32")
+    block_map = lm.decoder_blocks[0].attention.feature_map
+    before = np.asarray(block_map.projection)
+    redraw = RedrawRandomFeatures(every_n_steps=1)
+    lm.fit(ids[:, :-1], ids[:, 1:], batch_size=2, epochs=1, callbacks=[redraw], verbose=0)
+    assert redraw.redraw_count == 1
+    assert not lm.feature_map.built
+    assert not np.array_equal(np.asarray(block_map.projection), before)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("feature_map", ["elu", "favor+", "oglu", "hedgehog"])
+def test_mixed_precision_training_soak(feature_map):
+    """2,000 bf16 steps of a tiny LM (tests/soak.py): no NaN, the loss falls."""
+    from tests.soak import soak
+
+    result = soak(feature_map, steps=2000, policy="mixed_bfloat16")
+    assert result["non_finite_steps"] == 0 and result["weights_finite"]
+    # From log 32 = 3.47 towards log 4 = 1.39 (measured: 1.84 ... 1.92 after 2,000 steps).
+    assert result["loss_after"] < result["loss_before"] - 1.0
