@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 import pytest
 
+import keras_linattn as kla
 from keras_linattn import export
 from keras_linattn.export import _providers
 from tests.conftest import rel_err
@@ -213,3 +214,23 @@ def test_auto_device_on_cpu_machine_logs_no_error(encoder_onnx):
     assert _providers.select_providers("auto") == ["CPUExecutionProvider"]
     with pytest.raises(ValueError, match="no usable GPU provider"):
         _providers.select_providers("gpu")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("feature_map", [m for m in kla.feature_maps.available() if m != "elu"])
+def test_lm_step_exports_every_feature_map(tmp_path, rng, feature_map):
+    """SavedModel `step` and the ONNX step graph follow Keras' parallel logits."""
+    model = tiny_lm(feature_map)
+    ids = rng.integers(0, 40, size=(2, 7)).astype("int32")
+    expected = model(ids).numpy()  # [B, T, V], chunked parallel path
+    version_dir = export.export_saved_model(model, tmp_path / "lm", warmup=False, include_generate=False)
+    generator = export.OnnxGenerator(export.export_onnx(model, tmp_path / "lm.onnx")["step"], device="cpu")
+    onnx_state = generator.initial_state(2)
+    with export.SavedModelRunner(version_dir) as runner:
+        sm_state = [np.asarray(s) for s in model.get_initial_state(2)]
+        for t in range(ids.shape[1]):
+            out = runner.run("step", dict({"token_t": ids[:, t]}, **{f"state_{i}": s for i, s in enumerate(sm_state)}))
+            sm_state = [out[f"new_state_{i}"] for i in range(len(sm_state))]
+            logits, onnx_state = generator.step(ids[:, t], onnx_state)
+            assert rel_err(out["logits"], expected[:, t]) <= 1e-5, t
+            assert rel_err(logits, expected[:, t]) <= 1e-4, t
