@@ -5,10 +5,10 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 mode="${1:-cpu}"
-image="tensorflow/serving:2.19.1"
+image="tensorflow/serving:latest"
 gpu_args=()
 if [ "$mode" = "gpu" ]; then
-  image="tensorflow/serving:2.19.1-gpu"
+  image="tensorflow/serving:latest-gpu"
   gpu_args=(--gpus all)
 elif [ "$mode" != "cpu" ]; then
   echo "usage: $0 [cpu|gpu]" >&2
