@@ -222,7 +222,9 @@ def _causal_chunked(q, k, v, chunk_size, s0, z0, eps):
     if t_static is not None:
         # Never use chunks longer than the (static) sequence.
         chunk = max(1, min(chunk_size, t_static))
-    pad = (-length) % chunk
+    # Both operands non-negative: floor and truncated modulo agree (some
+    # converters, e.g. tf2onnx for integer FloorMod, emit the truncated one).
+    pad = (chunk - length % chunk) % chunk
     paddings = [[0, 0], [0, 0], [0, pad], [0, 0]]
     qc = ops.reshape(ops.pad(q, paddings), (batch, h, -1, chunk, c))  # [B, H, N, L, C]
     kc = ops.reshape(ops.pad(k, paddings), (batch, h, -1, chunk, c))  # [B, H, N, L, C]
