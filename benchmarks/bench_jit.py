@@ -67,23 +67,41 @@ def build_encoder(args, feature_map):
 MODELS = {"causal_lm": build_causal_lm, "encoder": build_encoder}
 
 
-def time_training(build, args, feature_map, jit_compile):
-    """Returns (first-steps seconds, list of timed step seconds)."""
-    keras.utils.clear_session()
+def _compiled(build, args, feature_map, jit_compile):
     keras.utils.set_random_seed(0)
     model, loss, x, y = build(args, feature_map)
     model.compile(optimizer=keras.optimizers.Adam(1e-4), loss=loss, jit_compile=jit_compile)
-    start = time.perf_counter()
-    for _ in range(args.warmup):
-        model.train_on_batch(x, y)
-    warmup_seconds = time.perf_counter() - start
-    times = []
-    for _ in range(args.steps):
+    return model, x, y
+
+
+def time_training(build, args, feature_map):
+    """Times jit_compile=False and True on the same model, steps interleaved.
+
+    Both variants are compiled and warmed up first (that time is reported
+    separately); then the timed steps alternate False, True, False, True, ...
+    so that both see the same background load on a shared machine.
+
+    Returns:
+        ``{jit_compile: (warm-up seconds, [step seconds])}``.
+    """
+    keras.utils.clear_session()
+    models, warm = {}, {}
+    for jit in (False, True):
+        model, x, y = _compiled(build, args, feature_map, jit)
         start = time.perf_counter()
-        out = model.train_on_batch(x, y)
-        float(np.asarray(out))  # the step has finished
-        times.append(time.perf_counter() - start)
-    return warmup_seconds, times
+        for _ in range(args.warmup):
+            model.train_on_batch(x, y)
+        warm[jit] = time.perf_counter() - start
+        models[jit] = (model, x, y)
+    times = {False: [], True: []}
+    for _ in range(args.steps):
+        for jit in (False, True):
+            model, x, y = models[jit]
+            start = time.perf_counter()
+            out = model.train_on_batch(x, y)
+            float(np.asarray(out))  # the step has finished
+            times[jit].append(time.perf_counter() - start)
+    return {jit: (warm[jit], times[jit]) for jit in (False, True)}
 
 
 def main(argv=None):
@@ -101,7 +119,7 @@ def main(argv=None):
     parser.add_argument("--chunk-size", type=int, default=64)
     parser.add_argument("--vocabulary-size", type=int, default=256)
     parser.add_argument("--warmup", type=int, default=2, help="untimed first steps (tracing, compilation)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps (median reported; >= 3)")
+    parser.add_argument("--steps", type=int, default=9, help="timed steps (median reported; >= 3)")
     parser.add_argument("--output-dir", default=RESULTS_DIR)
     args = parser.parse_args(argv)
     if args.steps < 3:
@@ -111,10 +129,9 @@ def main(argv=None):
     for model_name in args.models.split(","):
         build = MODELS[model_name]
         for fm in args.feature_maps.split(","):
-            result = {}
+            result = time_training(build, args, fm)
             for jit in (False, True):
-                warm, times = time_training(build, args, fm, jit)
-                result[jit] = (warm, times)
+                warm, times = result[jit]
                 records.append(
                     {
                         "model": model_name,
@@ -160,7 +177,8 @@ def main(argv=None):
     )
     setup = (
         f"2 layers, N={args.length}, batch {args.batch_size}, width {args.hidden_dim}, {args.num_heads} heads, "
-        f"chunk {args.chunk_size}; median of {args.steps} timed steps after {args.warmup} untimed; "
+        f"chunk {args.chunk_size}; median of {args.steps} timed steps after {args.warmup} untimed, "
+        "jit/no-jit steps interleaved; "
         f"TF {tf.__version__}, Keras {keras.__version__}, {platform.machine()}, {os.cpu_count()} CPUs"
     )
     print("\n" + setup + "\n" + table)
