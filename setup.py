@@ -32,6 +32,9 @@ setup(
         # install it next to the plain `onnxruntime` package.
         "onnxruntime-gpu>=1.31",
         "numpy",
+        # TFDS imports it for builders that live in a package (examples.listops)
+        # but declares it only for Python < 3.9.
+        "importlib_resources",
     ],
     extras_require={
         # CUDA 12 libraries for TensorFlow on an NVIDIA GPU.

@@ -168,6 +168,10 @@ class LinearCausalLM(keras.Model):
         self.build(None)
 
     def build(self, input_shape=None):
+        # Built in __init__ (the input shape never changes the weights); a
+        # second build, e.g. `model.build((None, None))`, is a no-op.
+        if self.built:
+            return
         seq_shape = (None, None, self.hidden_dim)
         self.token_embedding.build((None, None))
         if self.position_embedding is not None:
