@@ -139,9 +139,9 @@ def test_loglog_slope_and_figures():
     results = {
         "config": {"ns": ns},
         "points": [
-            {"impl": "linear", "n": 8192, "median_s": 0.5},
+            {"impl": "linear", "n": 8192, "median_s": 0.5, "cpu_median_s": 0.25},
             {"impl": "linear_causal", "n": 8192, "median_s": 0.9, "memory": {"increase": 100}},
-            {"impl": "kernel_attention", "n": 8192, "median_s": 1.0},
+            {"impl": "kernel_attention", "n": 8192, "median_s": 1.0, "cpu_median_s": 1.0},
             {"impl": "mha", "n": 8192, "median_s": 10.0},
             {"impl": "naive_causal", "n": 8192, "median_s": 30.0, "memory": {"increase": 1000}},
         ],
@@ -154,6 +154,9 @@ def test_loglog_slope_and_figures():
     assert figs["causal_over_noncausal_time"]["value"] == pytest.approx(1.8)
     assert figs["causal_over_naive_memory"]["value"] == pytest.approx(0.1)
     assert figs["slope_time_linear"]["value"] is None  # one point only
+    assert figs["cpu_speedup_vs_kernel_attention"]["value"] == pytest.approx(4.0)
+    assert figs["cpu_speedup_vs_kernel_attention"]["met"] is True
+    assert figs["cpu_speedup_vs_mha"]["value"] is None  # no CPU time for mha
 
 
 def test_kernel_attention_unavailable_without_cache(tmp_path):
