@@ -157,6 +157,50 @@ def test_outputs_never_depend_on_padded_keys(p, causal, junk_seed):
     np.testing.assert_array_equal(np.asarray(z2), np.asarray(z1))
 
 
+# Feature maps whose kernel phi(q).phi(k) is positive (taylor's is >= 1/2 even
+# though single features are signed). favor_trig's estimates can be negative,
+# so its denominators come arbitrarily close to 0 and a relative comparison of
+# two summation orders means nothing there.
+_POSITIVE_KERNEL_MAPS = [m for m in feature_maps.available() if m != "favor_trig"]
+_MAPS = {}
+
+
+def _built_map(name, heads, dim):
+    key = (name, heads, dim)
+    if key not in _MAPS:
+        kwargs = {"num_features": 8, "seed": 0} if name == "favor+" else {}
+        fm = feature_maps.get(name, **kwargs)
+        fm.build((None, None, heads, dim))
+        _MAPS[key] = fm
+    return _MAPS[key]
+
+
+@settings(max_examples=25, **SETTINGS)
+@given(p=problems(causal=True), name=st.sampled_from(_POSITIVE_KERNEL_MAPS), causal=st.booleans())
+def test_real_feature_maps_chunked_equals_oracle_and_steps(p, name, causal):
+    b, t, h, m = p["b"], p["t"], p["h"], p["m"]
+    d = 3  # key dim D (taylor: C = 1 + D + D^2 = 13)
+    fm = _built_map(name, h, d)
+    rng = np.random.default_rng(p["seed"])
+    q = rng.normal(size=(b, t, h, d)).astype("float32")  # [B, T, H, D]
+    k = rng.normal(size=(b, t, h, d)).astype("float32")  # [B, T, H, D]
+    v = rng.normal(size=(b, t, h, m)).astype("float32")  # [B, T, H, M]
+    mask = None if p["mask"] is None else np.asarray(p["mask"], dtype=bool)
+    qf = fm(q, is_query=True, causal=causal)  # [B, T, H, C]
+    kf = fm(k, is_query=False, causal=causal)  # [B, T, H, C]
+    out = linear_attention(qf, kf, v, causal=causal, key_mask=mask, chunk_size=p["chunk"])
+    assert rel_err(out, kernel_attention_reference(qf, kf, v, causal=causal, key_mask=mask)) < 1e-4
+    if causal:
+        state = zero_state(b, h, fm.feature_dim(d), m)
+        steps = []
+        for i in range(t):
+            o, state = linear_attention_step(
+                qf[:, i], kf[:, i], v[:, i], state, key_mask_t=None if mask is None else mask[:, i]
+            )
+            steps.append(np.asarray(o))
+        assert rel_err(out, np.stack(steps, axis=1)) < 1e-4
+
+
 # ----------------------------------------------------------------- layers
 # One small layer per registered feature map, built once: building dominates
 # the cost of an example.
