@@ -224,3 +224,16 @@ def test_causal_requires_equal_lengths():
     v = np.ones((1, 6, 2, 2), "float32")
     with pytest.raises(ValueError, match="S == T"):
         lops.linear_attention(q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_nan_at_padded_positions_does_not_leak(rng, causal):
+    q, k, v = _inputs(rng, 20)
+    mask = np.ones((B, 20), dtype=bool)
+    mask[:, 12:] = False
+    clean = np.asarray(lops.linear_attention(q, k, v, causal=causal, key_mask=mask, chunk_size=8))
+    k2, v2 = k.copy(), v.copy()
+    k2[:, 12:], v2[:, 12:] = np.nan, np.inf
+    dirty = np.asarray(lops.linear_attention(q, k2, v2, causal=causal, key_mask=mask, chunk_size=8))
+    rows = slice(None) if not causal else slice(0, 12)
+    np.testing.assert_array_equal(dirty[:, rows], clean[:, rows])

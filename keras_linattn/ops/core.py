@@ -121,12 +121,16 @@ def _fmt(shape):
     return "[" + ", ".join("B" if d is None else str(d) for d in shape) + "]"
 
 
-def _mask_keys(k_features, key_mask):
-    """Zeroes the features of padded keys (after the feature map)."""
+def _mask_keys(x, key_mask):
+    """Zeroes padded keys' features (after the feature map) or values.
+
+    `where`, not a product: a NaN or Inf at a padded position must not
+    reach the real outputs (0 * NaN is NaN).
+    """
     if key_mask is None:
-        return k_features
-    m = ops.cast(key_mask, "float32")[:, :, None, None]  # [B, S, 1, 1]
-    return k_features * m
+        return x
+    m = ops.cast(key_mask, "bool")[:, :, None, None]  # [B, S, 1, 1]
+    return ops.where(m, x, ops.zeros_like(x))
 
 
 def _heads_first(x):
@@ -180,7 +184,7 @@ def linear_attention(
     out_dtype = v.dtype
     q = _heads_first(ops.cast(q_features, "float32"))  # [B, H, T, C]
     k = _heads_first(_mask_keys(ops.cast(k_features, "float32"), key_mask))  # [B, H, S, C]
-    v = _heads_first(ops.cast(v, "float32"))  # [B, H, S, M]
+    v = _heads_first(_mask_keys(ops.cast(v, "float32"), key_mask))  # [B, H, S, M]
     if initial_state is not None:
         s0, z0 = (ops.cast(x, "float32") for x in initial_state)
     else:
