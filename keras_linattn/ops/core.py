@@ -216,8 +216,9 @@ def _causal_chunked(q, k, v, chunk_size, s0, z0, eps):
     t_static = q.shape[2]
     if k.shape[2] is not None and t_static is not None and k.shape[2] != t_static:
         raise ValueError(
-            "Causal attention needs as many keys as queries (S == T). "
-            f"Received: {t_static} queries and {k.shape[2]} keys"
+            "`causal=True` needs as many keys as queries (S == T). "
+            f"Received: {t_static} queries and {k.shape[2]} keys "
+            f"(q_features.shape[1]={t_static}, k_features.shape[1]={k.shape[2]})"
         )
     h, c, m = q.shape[1], q.shape[3], v.shape[3]
     batch = ops.shape(q)[0]
