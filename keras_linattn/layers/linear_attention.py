@@ -5,6 +5,7 @@ from keras import ops
 from keras.src.backend.common.masking import set_keras_mask
 
 from keras_linattn import feature_maps as feature_maps_lib
+from keras_linattn.layers._projections import build_projections
 from keras_linattn.ops import core as la_ops
 
 
@@ -137,47 +138,10 @@ class LinearAttention(keras.layers.Layer):
         self._dropout_layer = keras.layers.Dropout(dropout, seed=seed)
 
     # ------------------------------------------------------------------ build
-    def _dense(self, equation, output_shape, bias_axes, name):
-        # A fresh initializer per weight: an initializer instance reuses its seed.
-        kernel_init = self.kernel_initializer.__class__.from_config(self.kernel_initializer.get_config())
-        bias_init = self.bias_initializer.__class__.from_config(self.bias_initializer.get_config())
-        return keras.layers.EinsumDense(
-            equation,
-            output_shape=output_shape,
-            bias_axes=bias_axes if self.use_bias else None,
-            kernel_initializer=kernel_init,
-            bias_initializer=bias_init,
-            kernel_regularizer=self.kernel_regularizer,
-            bias_regularizer=self.bias_regularizer,
-            kernel_constraint=self.kernel_constraint,
-            bias_constraint=self.bias_constraint,
-            dtype=self.dtype_policy,
-            name=name,
-        )
-
     def build(self, query_shape, value_shape, key_shape=None):
         key_shape = value_shape if key_shape is None else key_shape
-        for name, shape in (("query", query_shape), ("value", value_shape), ("key", key_shape)):
-            if len(shape) != 3:
-                raise ValueError(
-                    f"`{name}` must have rank 3 [batch, length, dim]. "
-                    f"Received: {name}.shape={tuple(shape)}"
-                )
-        if value_shape[1] is not None and key_shape[1] is not None and value_shape[1] != key_shape[1]:
-            raise ValueError(
-                "`key` and `value` must have the same length. "
-                f"Received: key.shape={tuple(key_shape)}, value.shape={tuple(value_shape)}"
-            )
-        h, d, m = self.num_heads, self.key_dim, self.value_dim
-        out_dim = self.output_shape_ or query_shape[-1]
-        self.query_dense = self._dense("btd,dhk->bthk", (None, h, d), "hk", "query")
-        self.query_dense.build(query_shape)
-        self.key_dense = self._dense("btd,dhk->bthk", (None, h, d), "hk", "key")
-        self.key_dense.build(key_shape)
-        self.value_dense = self._dense("btd,dhk->bthk", (None, h, m), "hk", "value")
-        self.value_dense.build(value_shape)
-        self.output_dense = self._dense("bthk,hkd->btd", (None, out_dim), "d", "attention_output")
-        self.output_dense.build((query_shape[0], query_shape[1], h, m))
+        build_projections(self, query_shape, value_shape, key_shape)
+        h, d = self.num_heads, self.key_dim
         if not self.feature_map.built:
             self.feature_map.build((None, None, h, d))
         self.built = True
