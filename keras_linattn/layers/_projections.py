@@ -8,6 +8,37 @@ Both `LinearAttention` and `EfficientAttention` project like
 import keras
 
 
+def set_projection_arguments(
+    layer,
+    kernel_initializer,
+    bias_initializer,
+    kernel_regularizer,
+    bias_regularizer,
+    kernel_constraint,
+    bias_constraint,
+):
+    """Resolves and stores the projection arguments on `layer` (as MultiHeadAttention does)."""
+    layer.kernel_initializer = keras.initializers.get(kernel_initializer)
+    layer.bias_initializer = keras.initializers.get(bias_initializer)
+    layer.kernel_regularizer = keras.regularizers.get(kernel_regularizer)
+    layer.bias_regularizer = keras.regularizers.get(bias_regularizer)
+    layer.kernel_constraint = keras.constraints.get(kernel_constraint)
+    layer.bias_constraint = keras.constraints.get(bias_constraint)
+
+
+def projection_config(layer):
+    """The `get_config` entries of the arguments stored by `set_projection_arguments`."""
+    return {
+        "kernel_initializer": keras.initializers.serialize(layer.kernel_initializer),
+        "bias_initializer": keras.initializers.serialize(layer.bias_initializer),
+        "kernel_regularizer": keras.regularizers.serialize(layer.kernel_regularizer),
+        "bias_regularizer": keras.regularizers.serialize(layer.bias_regularizer),
+        "activity_regularizer": keras.regularizers.serialize(layer.activity_regularizer),
+        "kernel_constraint": keras.constraints.serialize(layer.kernel_constraint),
+        "bias_constraint": keras.constraints.serialize(layer.bias_constraint),
+    }
+
+
 def _einsum_dense(layer, equation, output_shape, bias_axes, name):
     # A fresh initializer per weight: an initializer instance reuses its seed.
     kernel_init = layer.kernel_initializer.__class__.from_config(layer.kernel_initializer.get_config())

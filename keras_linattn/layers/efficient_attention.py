@@ -4,7 +4,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_linattn.layers._projections import build_projections
+from keras_linattn.layers._projections import build_projections, projection_config, set_projection_arguments
 from keras_linattn.ops import core as la_ops
 
 # Finite stand-in for -inf before the softmax over the sequence: an all-padded
@@ -165,12 +165,10 @@ class EfficientAttention(keras.layers.Layer):
         self.dropout = dropout
         self.use_bias = use_bias
         self.output_shape_ = output_shape
-        self.kernel_initializer = keras.initializers.get(kernel_initializer)
-        self.bias_initializer = keras.initializers.get(bias_initializer)
-        self.kernel_regularizer = keras.regularizers.get(kernel_regularizer)
-        self.bias_regularizer = keras.regularizers.get(bias_regularizer)
-        self.kernel_constraint = keras.constraints.get(kernel_constraint)
-        self.bias_constraint = keras.constraints.get(bias_constraint)
+        set_projection_arguments(
+            self, kernel_initializer, bias_initializer, kernel_regularizer,
+            bias_regularizer, kernel_constraint, bias_constraint,
+        )
         self.seed = seed
         self._dropout_layer = keras.layers.Dropout(dropout, seed=seed)
 
@@ -303,13 +301,7 @@ class EfficientAttention(keras.layers.Layer):
                 "dropout": self.dropout,
                 "use_bias": self.use_bias,
                 "output_shape": self.output_shape_,
-                "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
-                "bias_initializer": keras.initializers.serialize(self.bias_initializer),
-                "kernel_regularizer": keras.regularizers.serialize(self.kernel_regularizer),
-                "bias_regularizer": keras.regularizers.serialize(self.bias_regularizer),
-                "activity_regularizer": keras.regularizers.serialize(self.activity_regularizer),
-                "kernel_constraint": keras.constraints.serialize(self.kernel_constraint),
-                "bias_constraint": keras.constraints.serialize(self.bias_constraint),
+                **projection_config(self),
                 "seed": self.seed,
             }
         )

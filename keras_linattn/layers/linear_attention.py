@@ -5,7 +5,7 @@ from keras import ops
 from keras.src.backend.common.masking import set_keras_mask
 
 from keras_linattn import feature_maps as feature_maps_lib
-from keras_linattn.layers._projections import build_projections
+from keras_linattn.layers._projections import build_projections, projection_config, set_projection_arguments
 from keras_linattn.ops import core as la_ops
 
 
@@ -120,12 +120,10 @@ class LinearAttention(keras.layers.Layer):
         self.use_bias = use_bias
         self.output_shape_ = output_shape
         self.epsilon = float(epsilon)
-        self.kernel_initializer = keras.initializers.get(kernel_initializer)
-        self.bias_initializer = keras.initializers.get(bias_initializer)
-        self.kernel_regularizer = keras.regularizers.get(kernel_regularizer)
-        self.bias_regularizer = keras.regularizers.get(bias_regularizer)
-        self.kernel_constraint = keras.constraints.get(kernel_constraint)
-        self.bias_constraint = keras.constraints.get(bias_constraint)
+        set_projection_arguments(
+            self, kernel_initializer, bias_initializer, kernel_regularizer,
+            bias_regularizer, kernel_constraint, bias_constraint,
+        )
         self.seed = seed
         self.feature_dim = self.feature_map.feature_dim(key_dim)
         if self.compute_dtype == "float16" and not getattr(self.feature_map, "float16_safe", True):
@@ -294,13 +292,7 @@ class LinearAttention(keras.layers.Layer):
                 "use_bias": self.use_bias,
                 "output_shape": self.output_shape_,
                 "epsilon": self.epsilon,
-                "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
-                "bias_initializer": keras.initializers.serialize(self.bias_initializer),
-                "kernel_regularizer": keras.regularizers.serialize(self.kernel_regularizer),
-                "bias_regularizer": keras.regularizers.serialize(self.bias_regularizer),
-                "activity_regularizer": keras.regularizers.serialize(self.activity_regularizer),
-                "kernel_constraint": keras.constraints.serialize(self.kernel_constraint),
-                "bias_constraint": keras.constraints.serialize(self.bias_constraint),
+                **projection_config(self),
                 "seed": self.seed,
             }
         )
