@@ -8,8 +8,40 @@ import math
 
 from keras import ops
 
-from keras_linattn.feature_maps.base import FeatureMap
+from keras_linattn.feature_maps.base import FeatureMap, check_bool, check_seed
 from keras_linattn.regularizers import OrthogonalRegularizer
+
+# The arguments and call contract every trainable map shares, documented once:
+# `document` puts them where a class docstring says {shared_args} / {call}.
+SHARED_ARGS_DOC = """\
+        depth: number of layers (GLU units for the GLU maps) ``k``, 1 to 3.
+            Default 1.
+        feature_dim: output feature dim ``C``, also the width of every
+            hidden layer or unit. Default None: ``C = D``.
+        hidden_activation: activation of the layers or units before the
+            last: ``"sigmoid"`` (default, as in the paper), ``"gelu"``,
+            ``"relu"``, ``"tanh"``.
+        share_qk: True (default): queries and keys share one kernel. False:
+            separate kernels for queries and keys.
+        seed: optional integer base seed of the initializers (head ``h`` of
+            weight ``i`` uses ``seed + i * H + h``).
+        **kwargs: `FeatureMap` / `keras.layers.Layer` arguments."""
+
+CALL_DOC = """\
+    Call arguments:
+        inputs: ``[B, T, H, D]`` projected queries or keys.
+        is_query: selects the query or key kernel when ``share_qk=False``.
+        causal: unused (the map is token-wise).
+
+    Returns:
+        ``[B, T, H, C]`` positive float32 features."""
+
+
+def document(cls):
+    """Class decorator: fills ``{shared_args}`` and ``{call}`` in the docstring."""
+    cls.__doc__ = cls.__doc__.replace("{shared_args}", SHARED_ARGS_DOC).replace("{call}", CALL_DOC)
+    return cls
+
 
 HIDDEN_ACTIVATIONS = {
     "gelu": ops.gelu,
@@ -50,11 +82,6 @@ def check_penalty(name, value):
     ):
         raise ValueError(f"`{name}` must be a non-negative finite number. Received: {name}={value!r}")
     return float(value)
-
-
-def check_seed(value):
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise ValueError(f"`seed` must be a non-negative integer or None. Received: seed={value!r}")
 
 
 def headwise_matmul(x, w):
@@ -105,21 +132,34 @@ class TrainableFeatureMap(FeatureMap):
 
     With ``share_qk=True`` queries and keys go through the same weights
     (branch ``"qk"``); otherwise queries use branch ``"query"`` and keys
-    branch ``"key"``. Subclasses implement `build_branch(prefix, num_heads,
+    branch ``"key"``. The shared arguments (`depth`, `feature_dim`,
+    `hidden_activation`, `share_qk`, `seed`) are keyword-only and checked
+    here. Subclasses implement `build_branch(prefix, num_heads,
     input_dim)` returning the branch's weights, and
     `apply_branch(inputs, weights)`.
     """
 
-    def __init__(self, feature_dim=None, share_qk=True, seed=None, **kwargs):
+    def __init__(
+        self,
+        *,
+        depth=1,
+        feature_dim=None,
+        hidden_activation="sigmoid",
+        share_qk=True,
+        seed=None,
+        **kwargs,
+    ):
         super().__init__(**kwargs)
+        check_int_range("depth", depth, 1, 3)
         check_optional_positive_int("feature_dim", feature_dim)
-        if not isinstance(share_qk, bool):
-            raise ValueError(f"`share_qk` must be a bool. Received: share_qk={share_qk!r}")
-        check_seed(seed)
+        check_activation("hidden_activation", hidden_activation)
+        check_bool("share_qk", share_qk)
+        self.depth = depth
         # `feature_dim` is the FeatureMap method giving C; the argument lives here.
         self.feature_dim_ = feature_dim
+        self.hidden_activation = hidden_activation
         self.share_qk = share_qk
-        self.seed = seed
+        self.seed = check_seed(seed)
 
     def feature_dim(self, input_dim):
         return self.feature_dim_ if self.feature_dim_ is not None else input_dim
@@ -142,23 +182,10 @@ class TrainableFeatureMap(FeatureMap):
         return OrthogonalRegularizer(factor) if factor > 0 else None
 
     def build(self, input_shape):
-        if self.built:
-            # Deserialization builds the map from its build config before the
-            # owning layer builds it again: keep the weights, check the shape.
-            if tuple(input_shape[-2:]) != self._built_heads_dim:
-                raise ValueError(
-                    f"{type(self).__name__} was built for [H, D] = {list(self._built_heads_dim)}. "
-                    f"Received: input_shape={tuple(input_shape)}"
-                )
+        heads_dim = self.build_heads(input_shape)
+        if heads_dim is None:
             return
-        super().build(input_shape)
-        num_heads, input_dim = input_shape[-2], input_shape[-1]
-        if num_heads is None or input_dim is None:
-            raise ValueError(
-                f"{type(self).__name__} needs static head and input dims [B, T, H, D]. "
-                f"Received: input_shape={tuple(input_shape)}"
-            )
-        self._built_heads_dim = (num_heads, input_dim)
+        num_heads, input_dim = heads_dim
         self._num_headwise_weights = 0
         names = ("qk",) if self.share_qk else ("query", "key")
         self._branches = {name: self.build_branch(name, num_heads, input_dim) for name in names}
@@ -174,7 +201,9 @@ class TrainableFeatureMap(FeatureMap):
     def get_config(self):
         return {
             **super().get_config(),
+            "depth": self.depth,
             "feature_dim": self.feature_dim_,
+            "hidden_activation": self.hidden_activation,
             "share_qk": self.share_qk,
             "seed": self.seed,
         }

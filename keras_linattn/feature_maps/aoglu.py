@@ -1,10 +1,12 @@
 """AOGLU trainable kernel: OGLU with low-rank gates (Yorsh & Kovalenko 2022)."""
 
+from keras_linattn.feature_maps import _trainable
 from keras_linattn.feature_maps.oglu import OGLUFeatureMap
 from keras_linattn.feature_maps.registry import register
 
 
 @register("aoglu")
+@_trainable.document
 class AOGLUFeatureMap(OGLUFeatureMap):
     """AOGLU: OGLU whose gates are low-rank, ``W_g ~ A B``.
 
@@ -19,13 +21,6 @@ class AOGLUFeatureMap(OGLUFeatureMap):
     factorization saves parameters.
 
     Args:
-        depth: number of GLU units ``k``, 1 to 3. Default 1.
-        feature_dim: width ``n = C`` of every unit (the output feature dim).
-            Default None: ``C = D``.
-        hidden_activation: filter activation of the units before the last:
-            ``"sigmoid"`` (default), ``"gelu"``, ``"relu"``, ``"tanh"``.
-        share_qk: True (default): one kernel for queries and keys. False:
-            separate kernels.
         rank: rank ``r`` of the gates, ``1 <= r < n/2``. Default None:
             ``max(1, n // 4)``. Checked when the width is known (here if
             `feature_dim` is given, else when the layer is built).
@@ -33,16 +28,9 @@ class AOGLUFeatureMap(OGLUFeatureMap):
             filters, >= 0. Default 0.01.
         gate_initializer: initializer of ``A`` and ``B``, applied head by
             head. Default ``"glorot_uniform"``.
-        seed: optional integer base seed of the initializers.
-        **kwargs: `FeatureMap` / `keras.layers.Layer` arguments.
+{shared_args}
 
-    Call arguments:
-        inputs: ``[B, T, H, D]`` projected queries or keys.
-        is_query: selects the query or key kernel when ``share_qk=False``.
-        causal: unused (the map is token-wise).
-
-    Returns:
-        ``[B, T, H, C]`` positive float32 features.
+{call}
 
     Example:
 
@@ -53,33 +41,12 @@ class AOGLUFeatureMap(OGLUFeatureMap):
     (2, 100, 64)
     """
 
-    def __init__(
-        self,
-        depth=1,
-        feature_dim=None,
-        hidden_activation="sigmoid",
-        share_qk=True,
-        rank=None,
-        orthogonal_penalty=0.01,
-        gate_initializer="glorot_uniform",
-        seed=None,
-        **kwargs,
-    ):
-        super().__init__(
-            depth=depth,
-            feature_dim=feature_dim,
-            hidden_activation=hidden_activation,
-            share_qk=share_qk,
-            orthogonal_penalty=orthogonal_penalty,
-            gate_initializer=gate_initializer,
-            seed=seed,
-            **kwargs,
-        )
-        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
-            raise ValueError(f"`rank` must be a positive integer or None. Received: rank={rank!r}")
+    def __init__(self, *, rank=None, **kwargs):
+        super().__init__(**kwargs)
+        _trainable.check_optional_positive_int("rank", rank)
         self.rank = rank
-        if feature_dim is not None:
-            self.gate_rank(feature_dim)
+        if self.feature_dim_ is not None:
+            self.gate_rank(self.feature_dim_)
 
     def gate_rank(self, width):
         rank = self.rank if self.rank is not None else max(1, width // 4)

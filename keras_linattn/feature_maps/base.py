@@ -1,6 +1,20 @@
 """Base class of feature maps ``phi: [B, T, H, D] -> [B, T, H, C]``."""
 
 import keras
+import numpy as np
+
+
+def check_seed(seed):
+    """Checks a map's integer base seed; returns it as a Python int (or None)."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
+        raise ValueError(f"`seed` must be None or a non-negative int. Received: seed={seed!r}")
+    return None if seed is None else int(seed)
+
+
+def check_bool(name, value):
+    """Raises a ValueError naming `name` unless `value` is a bool."""
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be a bool. Received: {name}={value!r}")
 
 
 class FeatureMap(keras.layers.Layer):
@@ -43,6 +57,46 @@ class FeatureMap(keras.layers.Layer):
                 f"Received: input_shape={tuple(input_shape)}"
             )
         self.built = True
+
+    def build_heads(self, input_shape):
+        """Starts the build of a map with per-head weights.
+
+        Checks ``[B, T, H, D]`` with static ``H`` and ``D`` and returns
+        ``(H, D)``, to be built for. If the map is already built (deserializing
+        builds it from its build config before the owning layer builds it
+        again), checks that ``(H, D)`` is the one it was built for and returns
+        None: the weights are kept.
+        """
+        if self.built:
+            if tuple(input_shape[-2:]) != self.heads_dim:
+                raise ValueError(
+                    f"{type(self).__name__} was built for [H, D] = {list(self.heads_dim)}. "
+                    f"Received: input_shape={tuple(input_shape)}"
+                )
+            return None
+        FeatureMap.build(self, input_shape)
+        num_heads, dim = input_shape[-2], input_shape[-1]
+        if num_heads is None or dim is None:
+            raise ValueError(
+                f"{type(self).__name__} needs known head and key dims [B, T, H, D]. "
+                f"Received: input_shape={tuple(input_shape)}"
+            )
+        self.heads_dim = (int(num_heads), int(dim))
+        return self.heads_dim
+
+    def check_heads(self, inputs):
+        """Checks that call inputs are ``[B, T, H, D]`` with the built ``H, D``."""
+        if len(inputs.shape) != 4:
+            raise ValueError(
+                f"{type(self).__name__} expects inputs of rank 4 [B, T, H, D]. "
+                f"Received: inputs.shape={tuple(inputs.shape)}"
+            )
+        if tuple(inputs.shape[-2:]) != self.heads_dim:
+            num_heads, dim = self.heads_dim
+            raise ValueError(
+                f"{type(self).__name__} was built for H={num_heads}, D={dim}. "
+                f"Received: inputs.shape={tuple(inputs.shape)}"
+            )
 
     def compute_output_shape(self, input_shape):
         return tuple(input_shape[:-1]) + (self.feature_dim(input_shape[-1]),)

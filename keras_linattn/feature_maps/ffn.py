@@ -8,6 +8,7 @@ from keras_linattn.feature_maps.registry import register
 
 
 @register("ffn")
+@_trainable.document
 class FFNFeatureMap(_trainable.TrainableFeatureMap):
     """Trainable feedforward kernel ``phi(x) = softplus(h_{k-1} W_k)``.
 
@@ -20,14 +21,6 @@ class FFNFeatureMap(_trainable.TrainableFeatureMap):
     ``share_qk=False``.
 
     Args:
-        depth: number of layers ``k``, 1 to 3. Default 1 (``softplus(x W)``).
-        feature_dim: output feature dim ``C`` (and width of the hidden
-            layers). Default None: ``C = D``.
-        hidden_activation: activation of the hidden layers, one of
-            ``"sigmoid"`` (as in the paper, the default), ``"gelu"``,
-            ``"relu"``, ``"tanh"``.
-        share_qk: True (default): queries and keys share one kernel. False:
-            separate kernels for queries and keys.
         kernel_initializer: initializer of every ``W_i``, applied head by
             head (each head a ``[in, out]`` matrix, a fresh initializer
             instance per head and weight). Default ``"orthogonal"``: each
@@ -36,17 +29,9 @@ class FFNFeatureMap(_trainable.TrainableFeatureMap):
             `keras_linattn.regularizers.OrthogonalRegularizer` on every
             ``W_i`` (``factor * sum_h ||W_h W_h^T - I||_F^2``); 0 (default)
             disables it.
-        seed: optional integer base seed of the initializers (head ``h`` of
-            weight ``i`` uses ``seed + i * H + h``).
-        **kwargs: `FeatureMap` / `keras.layers.Layer` arguments.
+{shared_args}
 
-    Call arguments:
-        inputs: ``[B, T, H, D]`` projected queries or keys.
-        is_query: selects the query or key kernel when ``share_qk=False``.
-        causal: unused (the map is token-wise).
-
-    Returns:
-        ``[B, T, H, C]`` positive float32 features.
+{call}
 
     Example:
 
@@ -57,22 +42,8 @@ class FFNFeatureMap(_trainable.TrainableFeatureMap):
     (2, 100, 64)
     """
 
-    def __init__(
-        self,
-        depth=1,
-        feature_dim=None,
-        hidden_activation="sigmoid",
-        share_qk=True,
-        kernel_initializer="orthogonal",
-        orthogonal_penalty=0.0,
-        seed=None,
-        **kwargs,
-    ):
-        super().__init__(feature_dim=feature_dim, share_qk=share_qk, seed=seed, **kwargs)
-        _trainable.check_int_range("depth", depth, 1, 3)
-        _trainable.check_activation("hidden_activation", hidden_activation)
-        self.depth = depth
-        self.hidden_activation = hidden_activation
+    def __init__(self, *, kernel_initializer="orthogonal", orthogonal_penalty=0.0, **kwargs):
+        super().__init__(**kwargs)
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.orthogonal_penalty = _trainable.check_penalty("orthogonal_penalty", orthogonal_penalty)
 
@@ -98,8 +69,6 @@ class FFNFeatureMap(_trainable.TrainableFeatureMap):
     def get_config(self):
         return {
             **super().get_config(),
-            "depth": self.depth,
-            "hidden_activation": self.hidden_activation,
             "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
             "orthogonal_penalty": self.orthogonal_penalty,
         }

@@ -23,32 +23,15 @@ class GLUStack(_trainable.TrainableFeatureMap):
     arguments and serialize their own.
 
     Args:
-        depth: number of GLU units, 1 to 3.
-        feature_dim: unit width ``C``; None means ``C = D``.
-        hidden_activation: filter activation of all units but the last.
-        share_qk: one kernel for queries and keys (True) or one each.
         filter_initializer, gate_initializer: initializers, applied head by head.
         filter_penalty: `OrthogonalRegularizer` factor on the filters (0: none).
-        seed: optional integer base seed of the initializers.
+        **kwargs: the shared arguments of `TrainableFeatureMap` (`depth`,
+            `feature_dim`, `hidden_activation`, `share_qk`, `seed`) and
+            `FeatureMap` arguments.
     """
 
-    def __init__(
-        self,
-        depth,
-        feature_dim,
-        hidden_activation,
-        share_qk,
-        filter_initializer,
-        gate_initializer,
-        filter_penalty=0.0,
-        seed=None,
-        **kwargs,
-    ):
-        super().__init__(feature_dim=feature_dim, share_qk=share_qk, seed=seed, **kwargs)
-        _trainable.check_int_range("depth", depth, 1, 3)
-        _trainable.check_activation("hidden_activation", hidden_activation)
-        self.depth = depth
-        self.hidden_activation = hidden_activation
+    def __init__(self, *, filter_initializer, gate_initializer, filter_penalty=0.0, **kwargs):
+        super().__init__(**kwargs)
         self._filter_initializer = keras.initializers.get(filter_initializer)
         self._gate_initializer = keras.initializers.get(gate_initializer)
         self._filter_penalty = _trainable.check_penalty("orthogonal_penalty", filter_penalty)
@@ -99,15 +82,9 @@ class GLUStack(_trainable.TrainableFeatureMap):
             x = filt * ops.sigmoid(self._gate_logits(x, unit))  # [B, T, H, C]
         return x
 
-    def get_config(self):
-        return {
-            **super().get_config(),
-            "depth": self.depth,
-            "hidden_activation": self.hidden_activation,
-        }
-
 
 @register("glu")
+@_trainable.document
 class GLUFeatureMap(GLUStack):
     """GLU trainable kernel: a stack of gated linear units with a positive output.
 
@@ -121,27 +98,12 @@ class GLUFeatureMap(GLUStack):
     ``share_qk=False``.
 
     Args:
-        depth: number of GLU units ``k``, 1 to 3. Default 1.
-        feature_dim: width ``C`` of every unit (the output feature dim).
-            Default None: ``C = D``.
-        hidden_activation: filter activation of the units before the last:
-            ``"sigmoid"`` (default, as in the paper), ``"gelu"``,
-            ``"relu"``, ``"tanh"``.
-        share_qk: True (default): one kernel for queries and keys. False:
-            separate kernels.
         kernel_initializer: initializer of filters and gates, applied head by
             head with a fresh instance per head and weight. Default
             ``"glorot_uniform"``.
-        seed: optional integer base seed of the initializers.
-        **kwargs: `FeatureMap` / `keras.layers.Layer` arguments.
+{shared_args}
 
-    Call arguments:
-        inputs: ``[B, T, H, D]`` projected queries or keys.
-        is_query: selects the query or key kernel when ``share_qk=False``.
-        causal: unused (the map is token-wise).
-
-    Returns:
-        ``[B, T, H, C]`` positive float32 features.
+{call}
 
     Example:
 
@@ -152,25 +114,9 @@ class GLUFeatureMap(GLUStack):
     (2, 100, 64)
     """
 
-    def __init__(
-        self,
-        depth=1,
-        feature_dim=None,
-        hidden_activation="sigmoid",
-        share_qk=True,
-        kernel_initializer="glorot_uniform",
-        seed=None,
-        **kwargs,
-    ):
+    def __init__(self, *, kernel_initializer="glorot_uniform", **kwargs):
         super().__init__(
-            depth=depth,
-            feature_dim=feature_dim,
-            hidden_activation=hidden_activation,
-            share_qk=share_qk,
-            filter_initializer=kernel_initializer,
-            gate_initializer=kernel_initializer,
-            seed=seed,
-            **kwargs,
+            filter_initializer=kernel_initializer, gate_initializer=kernel_initializer, **kwargs
         )
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
 

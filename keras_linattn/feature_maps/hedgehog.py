@@ -3,7 +3,7 @@
 import numpy as np
 from keras import ops
 
-from keras_linattn.feature_maps.base import FeatureMap
+from keras_linattn.feature_maps.base import FeatureMap, check_bool
 from keras_linattn.feature_maps.registry import register
 from keras_linattn.ops.core import _check_positive_int
 
@@ -65,10 +65,8 @@ class HedgehogFeatureMap(FeatureMap):
         super().__init__(**kwargs)
         if feature_size is not None:
             _check_positive_int("feature_size", feature_size)
-        if not isinstance(share_qk, bool):
-            raise ValueError(f"`share_qk` must be a bool. Received: share_qk={share_qk!r}")
-        if not isinstance(use_bias, bool):
-            raise ValueError(f"`use_bias` must be a bool. Received: use_bias={use_bias!r}")
+        check_bool("share_qk", share_qk)
+        check_bool("use_bias", use_bias)
         self.feature_size = feature_size
         self.share_qk = share_qk
         self.use_bias = use_bias
@@ -77,23 +75,10 @@ class HedgehogFeatureMap(FeatureMap):
         return 2 * (self.feature_size or input_dim)
 
     def build(self, input_shape):
-        if self.built:
-            # Deserialization builds the map from its build config before the
-            # owning layer builds it again: keep the weights, check the shape.
-            if tuple(input_shape[-2:]) != (self._num_heads, self._dim):
-                raise ValueError(
-                    f"HedgehogFeatureMap was built for [H, D] = {[self._num_heads, self._dim]}. "
-                    f"Received: input_shape={tuple(input_shape)}"
-                )
+        heads_dim = self.build_heads(input_shape)
+        if heads_dim is None:
             return
-        super().build(input_shape)
-        num_heads, dim = input_shape[-2], input_shape[-1]
-        if num_heads is None or dim is None:
-            raise ValueError(
-                "HedgehogFeatureMap needs known head and key dims [B, T, H, D]. "
-                f"Received: input_shape={tuple(input_shape)}"
-            )
-        self._num_heads, self._dim = int(num_heads), int(dim)
+        self._num_heads, self._dim = heads_dim
         size = self.feature_size or self._dim
         names = ("kernel",) if self.share_qk else ("query_kernel", "key_kernel")
         self._kernels, self._biases = {}, {}
@@ -113,16 +98,7 @@ class HedgehogFeatureMap(FeatureMap):
                 )
 
     def call(self, inputs, is_query=True, causal=False):
-        if len(inputs.shape) != 4:
-            raise ValueError(
-                "HedgehogFeatureMap expects inputs of rank 4 [B, T, H, D]. "
-                f"Received: inputs.shape={tuple(inputs.shape)}"
-            )
-        if inputs.shape[-2] != self._num_heads or inputs.shape[-1] != self._dim:
-            raise ValueError(
-                f"HedgehogFeatureMap was built for H={self._num_heads}, D={self._dim}. "
-                f"Received: inputs.shape={tuple(inputs.shape)}"
-            )
+        self.check_heads(inputs)
         name = "kernel" if self.share_qk else ("query_kernel" if is_query else "key_kernel")
         x = ops.cast(inputs, self.compute_dtype)  # [B, T, H, D]
         kernel = ops.cast(self._kernels[name], self.compute_dtype)  # [H, D, F]

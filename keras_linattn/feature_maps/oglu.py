@@ -2,11 +2,13 @@
 
 import keras
 
+from keras_linattn.feature_maps import _trainable
 from keras_linattn.feature_maps.glu import GLUStack
 from keras_linattn.feature_maps.registry import register
 
 
 @register("oglu")
+@_trainable.document
 class OGLUFeatureMap(GLUStack):
     """OGLU: a GLU kernel whose filters are kept orthogonal.
 
@@ -21,28 +23,14 @@ class OGLUFeatureMap(GLUStack):
     (first unit ``2*D*C``), twice that with ``share_qk=False``.
 
     Args:
-        depth: number of GLU units ``k``, 1 to 3. Default 1.
-        feature_dim: width ``C`` of every unit (the output feature dim).
-            Default None: ``C = D``.
-        hidden_activation: filter activation of the units before the last:
-            ``"sigmoid"`` (default), ``"gelu"``, ``"relu"``, ``"tanh"``.
-        share_qk: True (default): one kernel for queries and keys. False:
-            separate kernels.
         orthogonal_penalty: factor of the orthogonal regularizer on the
             filters, >= 0 (0 keeps only the orthogonal initialization).
             Default 0.01.
         gate_initializer: initializer of the gates, applied head by head.
             Default ``"glorot_uniform"``.
-        seed: optional integer base seed of the initializers.
-        **kwargs: `FeatureMap` / `keras.layers.Layer` arguments.
+{shared_args}
 
-    Call arguments:
-        inputs: ``[B, T, H, D]`` projected queries or keys.
-        is_query: selects the query or key kernel when ``share_qk=False``.
-        causal: unused (the map is token-wise).
-
-    Returns:
-        ``[B, T, H, C]`` positive float32 features.
+{call}
 
     Example:
 
@@ -53,26 +41,11 @@ class OGLUFeatureMap(GLUStack):
     (2, 100, 64)
     """
 
-    def __init__(
-        self,
-        depth=1,
-        feature_dim=None,
-        hidden_activation="sigmoid",
-        share_qk=True,
-        orthogonal_penalty=0.01,
-        gate_initializer="glorot_uniform",
-        seed=None,
-        **kwargs,
-    ):
+    def __init__(self, *, orthogonal_penalty=0.01, gate_initializer="glorot_uniform", **kwargs):
         super().__init__(
-            depth=depth,
-            feature_dim=feature_dim,
-            hidden_activation=hidden_activation,
-            share_qk=share_qk,
             filter_initializer=keras.initializers.Orthogonal(),
             gate_initializer=gate_initializer,
             filter_penalty=orthogonal_penalty,
-            seed=seed,
             **kwargs,
         )
         self.orthogonal_penalty = self._filter_penalty

@@ -11,7 +11,7 @@ Shape legend: H heads, m random features, D key dim.
 import numpy as np
 from keras import ops
 
-from keras_linattn.feature_maps.base import FeatureMap
+from keras_linattn.feature_maps.base import FeatureMap, check_seed
 from keras_linattn.ops.core import _check_positive_int
 
 KINDS = ("orthogonal", "iid")
@@ -26,11 +26,6 @@ def check_kind(kind):
 def check_scaling(scaling):
     if scaling not in SCALINGS:
         raise ValueError(f"`scaling` must be one of {SCALINGS}. Received: scaling={scaling!r}")
-
-
-def check_seed(seed):
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
-        raise ValueError(f"`seed` must be None or a non-negative int. Received: seed={seed!r}")
 
 
 def make_rng(seed, draw_index=0):
@@ -136,32 +131,19 @@ class RandomFeatureMap(FeatureMap):
             isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0
         ):
             raise ValueError(f"`scale` must be a positive number or None. Received: scale={scale!r}")
-        check_seed(seed)
+        seed = check_seed(seed)
         self.num_features = num_features
         self.kind = kind
         self.scaling = scaling
         self.scale = None if scale is None else float(scale)
-        self.seed = None if seed is None else int(seed)
+        self.seed = seed
         self._draw_count = 0
 
     def build(self, input_shape):
-        if self.built:
-            # Deserialization builds the map from its build config before the
-            # owning layer builds it again: keep the weights, check the shape.
-            if tuple(input_shape[-2:]) != (self._num_heads, self._dim):
-                raise ValueError(
-                    f"{type(self).__name__} was built for [H, D] = {[self._num_heads, self._dim]}. "
-                    f"Received: input_shape={tuple(input_shape)}"
-                )
+        heads_dim = self.build_heads(input_shape)
+        if heads_dim is None:
             return
-        super().build(input_shape)
-        num_heads, dim = input_shape[-2], input_shape[-1]
-        if num_heads is None or dim is None:
-            raise ValueError(
-                f"{type(self).__name__} needs known head and key dims [B, T, H, D]. "
-                f"Received: input_shape={tuple(input_shape)}"
-            )
-        self._num_heads, self._dim = int(num_heads), int(dim)
+        self._num_heads, self._dim = heads_dim
         initial = headwise_projection(
             make_rng(self.seed, 0), self._num_heads, self.num_features, self._dim, self.kind, self.scaling
         )  # [H, m, D]
@@ -197,21 +179,9 @@ class RandomFeatureMap(FeatureMap):
         new = headwise_projection(rng, self._num_heads, self.num_features, self._dim, self.kind, self.scaling)
         self.projection.assign(new)  # [H, m, D]
 
-    def _check_inputs(self, inputs):
-        if len(inputs.shape) != 4:
-            raise ValueError(
-                f"{type(self).__name__} expects inputs of rank 4 [B, T, H, D]. "
-                f"Received: inputs.shape={tuple(inputs.shape)}"
-            )
-        if inputs.shape[-2] != self._num_heads or inputs.shape[-1] != self._dim:
-            raise ValueError(
-                f"{type(self).__name__} was built for H={self._num_heads}, D={self._dim}. "
-                f"Received: inputs.shape={tuple(inputs.shape)}"
-            )
-
     def _project(self, inputs):
         """Returns ``(x' [B, T, H, D], W x' [B, T, H, m])`` in the compute dtype."""
-        self._check_inputs(inputs)
+        self.check_heads(inputs)
         x = ops.cast(inputs, self.compute_dtype)
         scale = self.scale if self.scale is not None else self._dim ** -0.25
         x = x * scale  # [B, T, H, D]
