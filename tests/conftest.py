@@ -7,6 +7,9 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+# Plain asserts in the shared helpers report their operands like those in tests.
+pytest.register_assert_rewrite("tests._helpers")
+
 
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")

@@ -1,7 +1,5 @@
 """FAVOR+ and FAVOR-trig random-feature maps: the estimator, stabilizers, layer integration, saving."""
 
-import os
-
 import keras
 import numpy as np
 import pytest
@@ -12,6 +10,15 @@ from keras_linattn import ops as lops
 from keras_linattn.feature_maps import FavorPlusFeatureMap, FavorTrigFeatureMap
 from keras_linattn.feature_maps import random_features
 from keras_linattn.layers import LinearAttention
+from tests._helpers import (
+    assert_causal_outputs_never_see_the_future,
+    assert_fits_with_xla,
+    assert_rejects_bad_input_rank_and_shape,
+    assert_self_attention_matches_oracle,
+    causal_attention_model,
+    run_steps,
+    save_and_load,
+)
 from tests.conftest import rel_err
 
 D = 16
@@ -39,14 +46,29 @@ def _favor_output_mse(q, k, v, num_features, kind, scaling, seeds):
     return float(np.mean(errors))
 
 
+def _one_query_and_key(seed):
+    """One query and one key [1, 1, 1, D] (scale 0.5) and the softmax kernel
+    exp(q.k / sqrt(D)) that the random features estimate for them."""
+    rng = np.random.default_rng(seed)
+    q = (rng.normal(size=(1, 1, 1, D)) * 0.5).astype("float32")
+    k = (rng.normal(size=(1, 1, 1, D)) * 0.5).astype("float32")
+    exact = float(np.exp(np.sum(q * k) / np.sqrt(D)))
+    return q, k, exact
+
+
+def _assert_unbiased(estimates, exact):
+    """The mean of the estimates is within 4 standard errors of ``exact``,
+    and the standard error is under 5% of it."""
+    mean, sem = np.mean(estimates), np.std(estimates) / np.sqrt(len(estimates))
+    assert abs(mean - exact) < 4 * sem
+    assert sem < 0.05 * exact  # the check above is not vacuous
+
+
 # ------------------------------------------------------------ the estimator
 def test_kernel_estimate_is_unbiased():
     # With the causal key formula (no shift, cap not reached) for both sides,
     # phi(q).phi(k) is the raw estimator of exp(q.k / sqrt(D)).
-    rng = np.random.default_rng(3)
-    q = (rng.normal(size=(1, 1, 1, D)) * 0.5).astype("float32")
-    k = (rng.normal(size=(1, 1, 1, D)) * 0.5).astype("float32")
-    exact = float(np.exp(np.sum(q * k) / np.sqrt(D)))
+    q, k, exact = _one_query_and_key(seed=3)
     fm = FavorPlusFeatureMap(num_features=64, seed=0)
     fm.build(q.shape)
     estimates = []
@@ -55,9 +77,7 @@ def test_kernel_estimate_is_unbiased():
         fq = np.asarray(fm(q, is_query=False, causal=True))
         fk = np.asarray(fm(k, is_query=False, causal=True))
         estimates.append(float(np.sum(fq * fk)))
-    mean, sem = np.mean(estimates), np.std(estimates) / np.sqrt(len(estimates))
-    assert abs(mean - exact) < 4 * sem
-    assert sem < 0.05 * exact  # the check above is not vacuous
+    _assert_unbiased(estimates, exact)
 
 
 def test_output_error_shrinks_as_num_features_grows():
@@ -217,46 +237,20 @@ def _map(name):
     return feature_maps.get(name, num_features=12, seed=7)
 
 
-def _oracle_forward(layer, x, causal):
-    q, k, v = layer.project(x, x)
-    qf = layer.feature_map(q, is_query=True, causal=causal)
-    kf = layer.feature_map(k, is_query=False, causal=causal)
-    return layer.output_dense(lops.kernel_attention_reference(qf, kf, v, causal=causal))
-
-
 @pytest.mark.parametrize("name", RANDOM_MAPS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_layer_matches_oracle_outputs_and_gradients(rng, name, causal):
     x = tf.constant(rng.normal(size=(2, 21, 8)).astype("float32") * 0.5)
     layer = LinearAttention(num_heads=2, key_dim=4, feature_map=_map(name), chunk_size=8)
     layer(x, x)
-    weights = layer.trainable_variables
-
-    def run(fn):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            out = fn()
-            loss = tf.reduce_sum(out * tf.cos(tf.range(out.shape[-1], dtype="float32")))
-        grads = tape.gradient(loss, [x] + weights)
-        return out.numpy(), np.concatenate([g.numpy().ravel() for g in grads])
-
-    out, grads = run(lambda: layer(x, x, use_causal_mask=causal))
-    ref, ref_grads = run(lambda: _oracle_forward(layer, x, causal))
-    assert rel_err(out, ref) < 1e-4
-    assert rel_err(grads, ref_grads) < 1e-4
+    assert_self_attention_matches_oracle(layer, x, causal, tol=1e-4)
 
 
 @pytest.mark.parametrize("name", RANDOM_MAPS)
 def test_causal_outputs_never_see_the_future(rng, name):
     x = rng.normal(size=(1, 24, 8)).astype("float32")
     layer = LinearAttention(num_heads=2, key_dim=4, feature_map=_map(name), chunk_size=8)
-    base = np.asarray(layer(x, x, use_causal_mask=True))
-    for t in (0, 5, 8, 17):
-        changed = x.copy()
-        changed[:, t + 1 :] = rng.normal(size=changed[:, t + 1 :].shape) * 5.0
-        out = np.asarray(layer(changed, changed, use_causal_mask=True))
-        np.testing.assert_array_equal(out[:, : t + 1], base[:, : t + 1])
-        assert not np.allclose(out[:, t + 1 :], base[:, t + 1 :])
+    assert_causal_outputs_never_see_the_future(layer, x, rng, positions=(0, 5, 8, 17))
 
 
 def test_future_leak_check_catches_a_max_over_time():
@@ -282,32 +276,13 @@ def test_step_decoding_matches_parallel_causal(rng):
     x = rng.normal(size=(2, 11, 8)).astype("float32")
     layer = LinearAttention(num_heads=2, key_dim=4, feature_map=_map("favor+"), chunk_size=4)
     full = np.asarray(layer(x, x, use_causal_mask=True))
-    state = layer.get_initial_state(2)
-    steps = []
-    for t in range(11):
-        out, state = layer.step(x[:, t], x[:, t], state)
-        steps.append(np.asarray(out))
-    assert rel_err(np.stack(steps, axis=1), full) < 1e-5
-
-
-def _tiny_model(feature_map, t=16, dim=8):
-    inputs = keras.Input((t, dim))
-    att = LinearAttention(num_heads=2, key_dim=4, feature_map=feature_map, chunk_size=8)
-    h = att(inputs, inputs, use_causal_mask=True)
-    outputs = keras.layers.Dense(dim)(h)
-    return keras.Model(inputs, outputs)
+    steps, _ = run_steps(layer, x, self_attention=True)
+    assert rel_err(steps, full) < 1e-5
 
 
 @pytest.mark.parametrize("name", RANDOM_MAPS)
 def test_fit_with_xla(rng, name):
-    x = rng.normal(size=(32, 16, 8)).astype("float32")
-    y = np.roll(x, 1, axis=1)
-    model = _tiny_model(_map(name))
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=True)
-    history = model.fit(x, y, batch_size=8, epochs=4, verbose=0)
-    losses = history.history["loss"]
-    assert np.isfinite(losses).all()
-    assert losses[-1] < losses[0]
+    assert_fits_with_xla(causal_attention_model(_map(name)), rng)
 
 
 @pytest.mark.parametrize(
@@ -320,12 +295,10 @@ def test_fit_with_xla(rng, name):
 def test_keras_save_load_keeps_the_projection(tmp_path, rng, cls, kwargs):
     x = rng.normal(size=(2, 16, 8)).astype("float32")
     fm = cls(**kwargs)
-    model = _tiny_model(fm)
+    model = causal_attention_model(fm)
     fm.redraw()  # the saved matrix is not the one the seed gives
     expected = model.predict(x, verbose=0)
-    path = os.path.join(tmp_path, "model.keras")
-    model.save(path)
-    loaded = keras.saving.load_model(path)
+    loaded = save_and_load(model, tmp_path)
     loaded_fm = loaded.layers[1].feature_map
     assert isinstance(loaded_fm, cls)
     for key, value in kwargs.items():
@@ -346,7 +319,7 @@ def test_get_config_round_trip(name):
 
 def test_inference_is_deterministic(rng):
     x = rng.normal(size=(2, 16, 8)).astype("float32")
-    model = _tiny_model(_map("favor+"))
+    model = causal_attention_model(_map("favor+"))
     a = model(x, training=True)
     b = model(x, training=False)
     np.testing.assert_array_equal(model.predict(x, verbose=0), model.predict(x, verbose=0))
@@ -355,10 +328,7 @@ def test_inference_is_deterministic(rng):
 
 # ------------------------------------------------------------ favor_trig
 def test_trig_estimate_is_unbiased_but_not_positive():
-    rng = np.random.default_rng(9)
-    q = (rng.normal(size=(1, 1, 1, D)) * 0.5).astype("float32")
-    k = (rng.normal(size=(1, 1, 1, D)) * 0.5).astype("float32")
-    exact = float(np.exp(np.sum(q * k) / np.sqrt(D)))
+    q, k, exact = _one_query_and_key(seed=9)
     fm = FavorTrigFeatureMap(num_features=64, seed=0)
     fm.build(q.shape)
     estimates, negative_features = [], 0
@@ -369,9 +339,7 @@ def test_trig_estimate_is_unbiased_but_not_positive():
         negative_features += int((fq < 0).sum())
         # the query's norm factor is left out (it cancels): put it back
         estimates.append(float(np.sum(fq * fk)) * np.exp(np.sum((q / 2) ** 2) / 2))
-    mean, sem = np.mean(estimates), np.std(estimates) / np.sqrt(len(estimates))
-    assert abs(mean - exact) < 4 * sem
-    assert sem < 0.05 * exact
+    _assert_unbiased(estimates, exact)
     assert negative_features > 0
 
 
@@ -407,14 +375,7 @@ def test_bad_arguments(cls, kwargs, arg):
 
 @pytest.mark.parametrize("cls", [FavorPlusFeatureMap, FavorTrigFeatureMap])
 def test_bad_input_rank_and_shape(cls):
-    fm = cls(num_features=8, seed=0)
-    with pytest.raises(ValueError, match="input_shape"):
-        fm(np.zeros((2, 3, 4), "float32"))
-    fm(np.zeros((1, 3, 2, 4), "float32"))
-    with pytest.raises(ValueError, match="inputs.shape"):
-        fm(np.zeros((3, 2, 4), "float32"))
-    with pytest.raises(ValueError, match="inputs.shape"):
-        fm(np.zeros((1, 3, 2, 5), "float32"))
+    assert_rejects_bad_input_rank_and_shape(cls(num_features=8, seed=0), other_shape=(1, 3, 2, 5))
 
 
 def test_redraw_before_build_and_bad_seed():
@@ -431,7 +392,7 @@ def test_onnx_export_uses_the_current_projection(tmp_path, rng):
     from keras_linattn.export import OnnxPredictor, export_onnx
 
     fm = FavorPlusFeatureMap(num_features=12, seed=1)
-    model = _tiny_model(fm)
+    model = causal_attention_model(fm)
     fm.redraw()
     x = rng.normal(size=(2, 16, 8)).astype("float32")
     expected = model.predict(x, verbose=0)

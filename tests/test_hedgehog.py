@@ -1,17 +1,21 @@
 """Hedgehog trainable feature map: definition, stability, layer integration, training, saving."""
 
-import os
-
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from keras_linattn import feature_maps
-from keras_linattn import ops as lops
 from keras_linattn.feature_maps import HedgehogFeatureMap
 from keras_linattn.layers import LinearAttention
-from tests.conftest import rel_err
+from tests._helpers import (
+    assert_causal_outputs_never_see_the_future,
+    assert_fits_with_xla,
+    assert_rejects_bad_input_rank_and_shape,
+    assert_self_attention_matches_oracle,
+    causal_attention_model,
+    save_and_load,
+)
 
 
 def _np_softmax(x):
@@ -96,13 +100,6 @@ def test_positive_finite_and_normalized_for_large_inputs(rng, dtype):
     np.testing.assert_allclose(f[..., 8:].sum(-1), 1.0, rtol=1e-5)
 
 
-def _oracle_forward(layer, x, causal):
-    q, k, v = layer.project(x, x)
-    qf = layer.feature_map(q, is_query=True, causal=causal)
-    kf = layer.feature_map(k, is_query=False, causal=causal)
-    return layer.output_dense(lops.kernel_attention_reference(qf, kf, v, causal=causal))
-
-
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("share_qk", [False, True])
 def test_layer_matches_oracle_outputs_and_gradients(rng, causal, share_qk):
@@ -112,53 +109,21 @@ def test_layer_matches_oracle_outputs_and_gradients(rng, causal, share_qk):
     layer(x, x)
     for w in fm.trainable_weights:  # move away from the identity
         w.assign(w.numpy() + 0.3 * rng.normal(size=w.shape).astype("float32"))
-    weights = layer.trainable_variables
-    assert len(weights) == 8 + (2 if share_qk else 4)
-
-    def run(fn):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            out = fn()
-            loss = tf.reduce_sum(out * tf.cos(tf.range(out.shape[-1], dtype="float32")))
-        grads = tape.gradient(loss, [x] + weights)
-        return out.numpy(), np.concatenate([g.numpy().ravel() for g in grads])
-
-    out, grads = run(lambda: layer(x, x, use_causal_mask=causal))
-    ref, ref_grads = run(lambda: _oracle_forward(layer, x, causal))
-    assert rel_err(out, ref) < 1e-5
-    assert rel_err(grads, ref_grads) < 1e-5
+    assert len(layer.trainable_variables) == 8 + (2 if share_qk else 4)
+    assert_self_attention_matches_oracle(layer, x, causal, tol=1e-5)
 
 
 def test_causal_outputs_never_see_the_future(rng):
     x = rng.normal(size=(1, 24, 8)).astype("float32")
     layer = LinearAttention(num_heads=2, key_dim=4, feature_map="hedgehog", chunk_size=8)
-    base = np.asarray(layer(x, x, use_causal_mask=True))
-    for t in (0, 7, 8, 17):
-        changed = x.copy()
-        changed[:, t + 1 :] = rng.normal(size=changed[:, t + 1 :].shape) * 5.0
-        out = np.asarray(layer(changed, changed, use_causal_mask=True))
-        np.testing.assert_array_equal(out[:, : t + 1], base[:, : t + 1])
-        assert not np.allclose(out[:, t + 1 :], base[:, t + 1 :])
-
-
-def _tiny_model(feature_map, t=16, dim=8):
-    inputs = keras.Input((t, dim))
-    h = LinearAttention(num_heads=2, key_dim=4, feature_map=feature_map, chunk_size=8)(
-        inputs, inputs, use_causal_mask=True
-    )
-    return keras.Model(inputs, keras.layers.Dense(dim)(h))
+    assert_causal_outputs_never_see_the_future(layer, x, rng, positions=(0, 7, 8, 17))
 
 
 def test_fit_with_xla_trains_the_kernels(rng):
-    x = rng.normal(size=(32, 16, 8)).astype("float32")
-    y = np.roll(x, 1, axis=1)
     fm = HedgehogFeatureMap(feature_size=6)
-    model = _tiny_model(fm)
+    model = causal_attention_model(fm)
     initial = [w.numpy().copy() for w in fm.trainable_weights]
-    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=True)
-    losses = model.fit(x, y, batch_size=8, epochs=4, verbose=0).history["loss"]
-    assert np.isfinite(losses).all()
-    assert losses[-1] < losses[0]
+    assert_fits_with_xla(model, rng)
     for before, w in zip(initial, fm.trainable_weights):
         assert not np.allclose(before, w.numpy())
 
@@ -166,13 +131,11 @@ def test_fit_with_xla_trains_the_kernels(rng):
 def test_keras_save_load_with_non_default_arguments(tmp_path, rng):
     x = rng.normal(size=(2, 16, 8)).astype("float32")
     fm = HedgehogFeatureMap(feature_size=6, share_qk=True, use_bias=False)
-    model = _tiny_model(fm)
+    model = causal_attention_model(fm)
     for w in fm.trainable_weights:
         w.assign(w.numpy() + 0.3 * rng.normal(size=w.shape).astype("float32"))
     expected = model.predict(x, verbose=0)
-    path = os.path.join(tmp_path, "model.keras")
-    model.save(path)
-    loaded = keras.saving.load_model(path)
+    loaded = save_and_load(model, tmp_path)
     loaded_fm = loaded.layers[1].feature_map
     assert isinstance(loaded_fm, HedgehogFeatureMap)
     assert (loaded_fm.feature_size, loaded_fm.share_qk, loaded_fm.use_bias) == (6, True, False)
@@ -203,11 +166,4 @@ def test_bad_arguments(kwargs, arg):
 
 
 def test_bad_input_rank_and_shape():
-    fm = HedgehogFeatureMap()
-    with pytest.raises(ValueError, match="input_shape"):
-        fm(np.zeros((2, 3, 4), "float32"))
-    fm(np.zeros((1, 3, 2, 4), "float32"))
-    with pytest.raises(ValueError, match="inputs.shape"):
-        fm(np.zeros((3, 2, 4), "float32"))
-    with pytest.raises(ValueError, match="inputs.shape"):
-        fm(np.zeros((1, 3, 3, 4), "float32"))
+    assert_rejects_bad_input_rank_and_shape(HedgehogFeatureMap(), other_shape=(1, 3, 3, 4))

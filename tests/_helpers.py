@@ -1,0 +1,121 @@
+"""Helpers shared by several test modules: stepping, oracles and checks on attention layers."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_linattn import ops as lops
+from keras_linattn.layers import LinearAttention
+from tests.conftest import rel_err
+
+
+# ------------------------------------------------------------ recurrent steps
+def run_steps(model, inputs, state=None, self_attention=False):
+    """Feed ``inputs[:, t]`` to ``model.step`` for every ``t`` in order.
+
+    ``state`` defaults to ``model.get_initial_state(batch)``. With
+    ``self_attention=True`` the step takes ``(query_t, value_t, state)`` (as
+    `LinearAttention.step` does) and gets ``inputs[:, t]`` as both; otherwise it
+    takes ``(inputs_t, state)``. Returns the outputs stacked on axis 1 (as
+    NumPy) and the final state.
+    """
+    state = model.get_initial_state(inputs.shape[0]) if state is None else state
+    outs = []
+    for t in range(inputs.shape[1]):
+        x_t = inputs[:, t]
+        if self_attention:
+            y, state = model.step(x_t, x_t, state)
+        else:
+            y, state = model.step(x_t, state)
+        outs.append(np.asarray(y))
+    return np.stack(outs, axis=1), state
+
+
+# ------------------------------------------------------------ LinearAttention
+def oracle_forward(layer, query, value, key=None, causal=False, key_mask=None):
+    """The layer's own projections and feature map, attention by the quadratic oracle."""
+    q, k, v = layer.project(query, value, key)
+    qf = layer.feature_map(q, is_query=True, causal=causal)
+    kf = layer.feature_map(k, is_query=False, causal=causal)
+    att = lops.kernel_attention_reference(qf, kf, v, causal=causal, key_mask=key_mask)
+    return layer.output_dense(att)
+
+
+def _outputs_and_gradients(fn, x, weights):
+    """``fn()`` and the gradients of a fixed cosine-weighted sum of it with respect
+    to ``x`` and ``weights``, flattened into one vector."""
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        out = fn()
+        loss = tf.reduce_sum(out * tf.cos(tf.range(out.shape[-1], dtype="float32")))
+    grads = tape.gradient(loss, [x] + weights)
+    return out.numpy(), np.concatenate([g.numpy().ravel() for g in grads])
+
+
+def assert_self_attention_matches_oracle(layer, x, causal, tol):
+    """The built layer's self-attention on the tensor ``x`` matches `oracle_forward`:
+    outputs, and gradients with respect to ``x`` and every trainable variable,
+    each to a relative error below ``tol``."""
+    weights = layer.trainable_variables
+    out, grads = _outputs_and_gradients(lambda: layer(x, x, use_causal_mask=causal), x, weights)
+    ref, ref_grads = _outputs_and_gradients(lambda: oracle_forward(layer, x, x, causal=causal), x, weights)
+    assert rel_err(out, ref) < tol
+    assert rel_err(grads, ref_grads) < tol
+
+
+def assert_causal_outputs_never_see_the_future(layer, x, rng, positions):
+    """For each ``t`` in ``positions``: replacing the inputs after ``t`` by large
+    noise leaves the causal outputs up to ``t`` bit-identical and changes the later ones."""
+    base = np.asarray(layer(x, x, use_causal_mask=True))
+    for t in positions:
+        changed = x.copy()
+        changed[:, t + 1 :] = rng.normal(size=changed[:, t + 1 :].shape) * 5.0
+        out = np.asarray(layer(changed, changed, use_causal_mask=True))
+        np.testing.assert_array_equal(out[:, : t + 1], base[:, : t + 1])
+        assert not np.allclose(out[:, t + 1 :], base[:, t + 1 :])
+
+
+def causal_attention_model(feature_map, t=16, dim=8):
+    """Input [t, dim] -> causal LinearAttention (2 heads of 4, chunks of 8) -> Dense(dim).
+
+    ``model.layers[1]`` is the attention layer.
+    """
+    inputs = keras.Input((t, dim))
+    att = LinearAttention(num_heads=2, key_dim=4, feature_map=feature_map, chunk_size=8)
+    h = att(inputs, inputs, use_causal_mask=True)
+    outputs = keras.layers.Dense(dim)(h)
+    return keras.Model(inputs, outputs)
+
+
+def assert_fits_with_xla(model, rng):
+    """Fits ``model`` (Adam(0.01), MSE, XLA) for 4 epochs on 32 random sequences
+    [16, 8] shifted by one step; the loss stays finite and falls."""
+    x = rng.normal(size=(32, 16, 8)).astype("float32")
+    y = np.roll(x, 1, axis=1)
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", jit_compile=True)
+    losses = model.fit(x, y, batch_size=8, epochs=4, verbose=0).history["loss"]
+    assert np.isfinite(losses).all()
+    assert losses[-1] < losses[0]
+
+
+def save_and_load(model, tmp_path):
+    """Saves ``model`` as a .keras file under ``tmp_path`` and loads it back."""
+    path = os.path.join(tmp_path, "model.keras")
+    model.save(path)
+    return keras.saving.load_model(path)
+
+
+# ------------------------------------------------------------ feature maps
+def assert_rejects_bad_input_rank_and_shape(fm, other_shape):
+    """An unbuilt feature map rejects a rank-3 input at build; once built on
+    [1, 3, 2, 4] it rejects a rank-3 input and the rank-4 ``other_shape``."""
+    with pytest.raises(ValueError, match="input_shape"):
+        fm(np.zeros((2, 3, 4), "float32"))
+    fm(np.zeros((1, 3, 2, 4), "float32"))
+    with pytest.raises(ValueError, match="inputs.shape"):
+        fm(np.zeros((3, 2, 4), "float32"))
+    with pytest.raises(ValueError, match="inputs.shape"):
+        fm(np.zeros(other_shape, "float32"))
