@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from keras_linattn import feature_maps, samplers
 from keras_linattn.models import LinearCausalLM
+from tests._helpers import run_steps
 from tests.conftest import rel_err
 
 VOCAB = 23
@@ -28,15 +29,6 @@ def _ids(rng, batch=2, length=7):
     return rng.integers(1, VOCAB, size=(batch, length)).astype("int32")
 
 
-def _stepped(lm, ids, state=None):
-    state = lm.get_initial_state(ids.shape[0]) if state is None else state
-    outs = []
-    for t in range(ids.shape[1]):
-        logits, state = lm.step(ids[:, t], state)
-        outs.append(np.asarray(logits))
-    return np.stack(outs, axis=1), state
-
-
 def _parallel_greedy(lm, prompt, max_length):
     """Reference decoding: the parallel model on the growing sequence, argmax each time."""
     seq = prompt
@@ -51,7 +43,7 @@ def test_step_matches_parallel_for_every_feature_map(rng, feature_map):
     ids = _ids(rng)
     lm = _lm(feature_map)
     parallel = np.asarray(lm(ids))
-    stepped, _ = _stepped(lm, ids)
+    stepped, _ = run_steps(lm, ids)
     assert rel_err(stepped, parallel) <= 1e-5
 
 
@@ -63,10 +55,10 @@ def test_prefill_steps_and_resume_match_one_pass(rng, max_sequence_length):
     state = lm.get_initial_state(2)
     head, state = lm.call_with_state(ids[:, :4], state)
     mid, state = lm.call_with_state(ids[:, 4:8], state)
-    tail, state = _stepped(lm, ids[:, 8:], state)
+    tail, state = run_steps(lm, ids[:, 8:], state)
     assert rel_err(np.concatenate([head, mid, tail], axis=1), full) <= 1e-5
     np.testing.assert_array_equal(state[-1], [11, 11])
-    stepped, _ = _stepped(lm, ids)
+    stepped, _ = run_steps(lm, ids)
     assert rel_err(stepped, full) <= 1e-5
 
 
@@ -216,7 +208,7 @@ def test_mixed_precision_keeps_float32_state(rng):
     lm = _lm()
     ids = _ids(rng)
     parallel = np.asarray(lm(ids))
-    stepped, state = _stepped(lm, ids)
+    stepped, state = run_steps(lm, ids)
     assert all(keras.backend.standardize_dtype(x.dtype) == "float32" for x in state[:-1])
     assert parallel.dtype == np.float32
     assert rel_err(stepped, parallel) <= 5e-2

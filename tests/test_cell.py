@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from keras_linattn import feature_maps
 from keras_linattn.layers import LinearAttention, LinearAttentionCell
+from tests._helpers import run_steps
 from tests.conftest import rel_err
 
 DIM = 8
@@ -32,21 +33,12 @@ def _inputs(rng, batch=2, length=T):
     return rng.normal(size=(batch, length, DIM)).astype("float32")
 
 
-def _stepped(layer, x, state=None):
-    state = layer.get_initial_state(x.shape[0]) if state is None else state
-    outs = []
-    for t in range(x.shape[1]):
-        y, state = layer.step(x[:, t], x[:, t], state)
-        outs.append(np.asarray(y))
-    return np.stack(outs, axis=1), state
-
-
 @pytest.mark.parametrize("feature_map", FEATURE_MAPS)
 def test_step_matches_parallel_causal(rng, feature_map):
     x = _inputs(rng)
     layer = _layer(feature_map)
     parallel = np.asarray(layer(x, x, use_causal_mask=True))
-    stepped, (s, z) = _stepped(layer, x)
+    stepped, (s, z) = run_steps(layer, x, self_attention=True)
     assert rel_err(stepped, parallel) <= 1e-5
     # The final recurrent state is the parallel path's returned state.
     _, (s_par, z_par) = layer(x, x, use_causal_mask=True, return_state=True)
@@ -60,7 +52,7 @@ def test_prefill_then_steps_matches_one_pass(rng, feature_map):
     layer = _layer(feature_map)
     full = np.asarray(layer(x, x, use_causal_mask=True))
     head, state = layer(x[:, :5], x[:, :5], use_causal_mask=True, return_state=True)
-    tail, _ = _stepped(layer, x[:, 5:], state)
+    tail, _ = run_steps(layer, x[:, 5:], state, self_attention=True)
     assert rel_err(np.asarray(head), full[:, :5]) <= 1e-5
     assert rel_err(tail, full[:, 5:]) <= 1e-5
 
@@ -141,10 +133,10 @@ def test_rnn_initial_state_resumes_parallel_state(rng):
 def test_step_is_causal_and_state_batch_independent(rng):
     x = _inputs(rng)
     layer = _layer("elu")
-    a, _ = _stepped(layer, x)
+    a, _ = run_steps(layer, x, self_attention=True)
     x2 = x.copy()
     x2[1] = rng.normal(size=x2[1].shape)  # change the other batch row
-    b, _ = _stepped(layer, x2)
+    b, _ = run_steps(layer, x2, self_attention=True)
     np.testing.assert_array_equal(a[0], b[0])
 
 

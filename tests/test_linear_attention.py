@@ -8,8 +8,8 @@ import pytest
 import tensorflow as tf
 
 from keras_linattn import feature_maps
-from keras_linattn import ops as lops
 from keras_linattn.layers import LinearAttention
+from tests._helpers import oracle_forward, run_steps
 from tests.conftest import rel_err
 
 DIM = 16
@@ -19,15 +19,6 @@ def _layer(**kwargs):
     kwargs.setdefault("num_heads", 2)
     kwargs.setdefault("key_dim", 4)
     return LinearAttention(**kwargs)
-
-
-def _oracle_forward(layer, query, value, key=None, causal=False, key_mask=None):
-    """The same layer's weights, attention computed by the quadratic oracle."""
-    q, k, v = layer.project(query, value, key)
-    qf = layer.feature_map(q, is_query=True, causal=causal)
-    kf = layer.feature_map(k, is_query=False, causal=causal)
-    att = lops.kernel_attention_reference(qf, kf, v, causal=causal, key_mask=key_mask)
-    return layer.output_dense(att)
 
 
 @pytest.mark.parametrize("feature_map", ["elu", "relu", "taylor"])
@@ -47,7 +38,7 @@ def test_layer_matches_oracle_outputs_and_weight_gradients(rng, feature_map, cau
         return out, np.concatenate([t.numpy().ravel() for t in g])
 
     out, g = grads(lambda: layer(x, x, key_mask=mask, use_causal_mask=causal))
-    ref, g_ref = grads(lambda: _oracle_forward(layer, x, x, causal=causal, key_mask=mask))
+    ref, g_ref = grads(lambda: oracle_forward(layer, x, x, causal=causal, key_mask=mask))
     assert rel_err(out, ref) <= 1e-5
     assert rel_err(g, g_ref) <= 1e-5
 
@@ -59,7 +50,7 @@ def test_cross_attention_with_separate_key(rng):
     layer = _layer(value_dim=3)
     out = layer(q, v, key=k)
     assert out.shape == (2, 5, DIM)
-    assert rel_err(out, _oracle_forward(layer, q, v, k)) <= 1e-5
+    assert rel_err(out, oracle_forward(layer, q, v, k)) <= 1e-5
 
 
 def test_keras_padding_mask_is_used_for_keys(rng):
@@ -69,7 +60,7 @@ def test_keras_padding_mask_is_used_for_keys(rng):
     x = emb(tokens)
     out = layer(x, x)
     mask = tokens != 0
-    assert rel_err(out, _oracle_forward(layer, x, x, key_mask=mask)) <= 1e-5
+    assert rel_err(out, oracle_forward(layer, x, x, key_mask=mask)) <= 1e-5
     # Changing the embeddings at padded positions does not change real positions.
     x2 = np.array(x)
     x2[tokens == 0] = 100.0
@@ -111,12 +102,8 @@ def test_step_equals_parallel(rng):
     x = rng.normal(size=(2, 9, DIM)).astype("float32")
     layer = _layer(feature_map="taylor")
     full = np.asarray(layer(x, x, use_causal_mask=True))
-    state = layer.get_initial_state(2)
-    outs = []
-    for t in range(9):
-        y, state = layer.step(x[:, t], x[:, t], state)
-        outs.append(np.asarray(y))
-    assert rel_err(np.stack(outs, 1), full) <= 1e-5
+    stepped, _ = run_steps(layer, x, self_attention=True)
+    assert rel_err(stepped, full) <= 1e-5
 
 
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])

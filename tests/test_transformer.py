@@ -10,6 +10,7 @@ import tensorflow as tf
 from keras_linattn import feature_maps
 from keras_linattn import ops as lops
 from keras_linattn.layers import LinearTransformerDecoder, LinearTransformerEncoder
+from tests._helpers import run_steps
 from tests.conftest import rel_err
 
 DIM = 8
@@ -24,15 +25,6 @@ def _block(cls, feature_map="elu", **kwargs):
     block = cls(feature_map=feature_map, **kwargs)
     block.build((None, None, DIM))
     return block
-
-
-def _stepped(block, x, state=None):
-    state = block.get_initial_state(x.shape[0]) if state is None else state
-    outs = []
-    for t in range(x.shape[1]):
-        y, state = block.step(x[:, t], state)
-        outs.append(np.asarray(y))
-    return np.stack(outs, axis=1), state
 
 
 def _reference_block(block, x, causal, key_mask=None):
@@ -74,7 +66,7 @@ def test_decoder_step_matches_parallel(rng, feature_map):
     x = rng.normal(size=(2, T, DIM)).astype("float32")
     block = _block(LinearTransformerDecoder, feature_map)
     parallel, (s, z) = block(x, return_state=True)
-    stepped, (s_step, z_step) = _stepped(block, x)
+    stepped, (s_step, z_step) = run_steps(block, x)
     assert rel_err(stepped, parallel) <= 1e-5
     assert rel_err(s_step, s) <= 1e-5
     assert rel_err(z_step, z) <= 1e-5
@@ -92,7 +84,7 @@ def test_encoder_step_is_streaming_encoding(rng, feature_map):
         # cancels in out = num / den, except where a signed kernel drives den
         # below the epsilon guard; there the two forms legitimately differ.
         pytest.skip(f"{feature_map} has a signed kernel (min {kernel.min():.3g})")
-    stepped, _ = _stepped(block, x)
+    stepped, _ = run_steps(block, x)
     for t in range(x.shape[1]):
         prefix = np.asarray(block(x[:, : t + 1]))
         assert rel_err(stepped[:, t], prefix[:, t]) <= 1e-5
@@ -104,7 +96,7 @@ def test_decoder_prefill_steps_and_resume(rng):
     full = np.asarray(block(x))
     head, state = block(x[:, :4], return_state=True)
     mid, state = block(x[:, 4:7], return_state=True, initial_state=state)
-    tail, _ = _stepped(block, x[:, 7:], state)
+    tail, _ = run_steps(block, x[:, 7:], state)
     assert rel_err(np.concatenate([head, mid, tail], axis=1), full) <= 1e-5
 
 
