@@ -55,6 +55,17 @@ def add_training_args(parser, *, steps, batch_size, learning_rate=1e-3):
     return parser
 
 
+def apply_dtype_policy(args):
+    """Sets the global Keras dtype policy from ``--mixed-precision`` (nothing to do for float32)."""
+    if args.mixed_precision != "float32":
+        keras.config.set_dtype_policy(args.mixed_precision)
+
+
+def xla_message(jit_compile):
+    """The line the examples print about XLA: `XLA_NOTE`, or that ``--no-jit`` turned it off."""
+    return XLA_NOTE if jit_compile else "XLA disabled (--no-jit)."
+
+
 def feature_map_factory(name, **kwargs):
     """A zero-argument callable making a fresh feature map (one per layer).
 
@@ -255,6 +266,27 @@ def build_classifier(
     return keras.Model(token_ids, logits, name=name)
 
 
+def build_classifier_from_args(args, vocabulary_size, sequence_length, num_classes, feature_map, name):
+    """`build_classifier` with the model size read from the parsed command line.
+
+    Uses ``args.num_layers``, ``args.hidden_dim``, ``args.num_heads``,
+    ``args.intermediate_dim`` and ``args.dropout``; the other arguments are
+    those of `build_classifier`.
+    """
+    return build_classifier(
+        vocabulary_size,
+        sequence_length,
+        num_classes,
+        feature_map=feature_map,
+        num_layers=args.num_layers,
+        hidden_dim=args.hidden_dim,
+        num_heads=args.num_heads,
+        intermediate_dim=args.intermediate_dim,
+        dropout=args.dropout,
+        name=name,
+    )
+
+
 class StepTimer(keras.callbacks.Callback):
     """Records the wall time of every training batch (the first one includes compilation)."""
 
@@ -274,6 +306,56 @@ class StepTimer(keras.callbacks.Callback):
         """Median step time excluding the first (compiling) step; NaN with fewer than 2 steps."""
         rest = self.times[1:]
         return statistics.median(rest) if rest else float("nan")
+
+
+def warmup_cosine_schedule(steps, learning_rate):
+    """Linear warm-up over the first tenth of `steps` to `learning_rate`, then cosine decay to 0."""
+    warmup = max(1, steps // 10)
+    return keras.optimizers.schedules.CosineDecay(
+        0.0, max(1, steps - warmup), warmup_target=learning_rate, warmup_steps=warmup
+    )
+
+
+def compile_for_training(model, learning_rate, jit_compile):
+    """Compiles `model` as the training examples do.
+
+    AdamW (weight decay 0.01, gradient clipping by norm 1.0), sparse
+    categorical cross-entropy on logits, accuracy metric.
+
+    Args:
+        model: a `keras.Model` producing logits.
+        learning_rate: a float or a `keras.optimizers.schedules.LearningRateSchedule`.
+        jit_compile: passed to `model.compile` (XLA when True).
+    """
+    model.compile(
+        optimizer=keras.optimizers.AdamW(learning_rate, weight_decay=0.01, clipnorm=1.0),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        jit_compile=jit_compile,
+    )
+
+
+def fit_timed(model, train_ds, steps, eval_every, verbose, validation_data=None):
+    """Trains for about `steps` steps in epochs of `eval_every` steps, timing every step.
+
+    Runs ``max(1, steps // eval_every)`` epochs of `eval_every` steps each
+    (validation, if given, runs after every epoch).
+
+    Returns:
+        ``(history, timer, seconds)``: the `model.fit` history, the
+        `StepTimer` with per-step times, and the wall time of the whole fit.
+    """
+    timer = StepTimer()
+    start = time.perf_counter()
+    history = model.fit(
+        train_ds,
+        epochs=max(1, steps // eval_every),
+        steps_per_epoch=eval_every,
+        validation_data=validation_data,
+        callbacks=[timer],
+        verbose=verbose,
+    )
+    return history, timer, time.perf_counter() - start
 
 
 def format_table(header, rows):

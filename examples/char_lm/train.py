@@ -84,39 +84,27 @@ def build_parser():
 def main(argv=None):
     args = build_parser().parse_args(argv)
     keras.utils.set_random_seed(args.seed)
-    if args.mixed_precision != "float32":
-        keras.config.set_dtype_policy(args.mixed_precision)
+    common.apply_dtype_policy(args)
     text = load_corpus(args)
     vocab = data.CharVocabulary.from_text(text, max_size=args.max_vocabulary)
     train_ids, val_ids = data.split_ids(vocab.encode(text))
     train_ds = data.windows(train_ids, args.sequence_length, args.batch_size, shuffle=True, seed=args.seed).repeat()
     val_ds = data.windows(val_ids, args.sequence_length, args.batch_size)
     print(f"corpus: {args.corpus}, {len(text):,} characters, vocabulary {vocab.size}")
-    print(common.XLA_NOTE if args.jit_compile else "XLA disabled (--no-jit).")
+    print(common.xla_message(args.jit_compile))
 
     model = build_model(args, vocab.size)
-    warmup = max(1, args.steps // 10)
-    schedule = keras.optimizers.schedules.CosineDecay(
-        0.0, max(1, args.steps - warmup), warmup_target=args.learning_rate, warmup_steps=warmup
+    common.compile_for_training(
+        model, common.warmup_cosine_schedule(args.steps, args.learning_rate), args.jit_compile
     )
-    model.compile(
-        optimizer=keras.optimizers.AdamW(schedule, weight_decay=0.01, clipnorm=1.0),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-        jit_compile=args.jit_compile,
-    )
-    timer = common.StepTimer()
-    eval_every = min(args.eval_every, args.steps)
-    start = time.perf_counter()
-    history = model.fit(
+    history, timer, train_seconds = common.fit_timed(
+        model,
         train_ds,
-        epochs=max(1, args.steps // eval_every),
-        steps_per_epoch=eval_every,
+        args.steps,
+        min(args.eval_every, args.steps),
+        args.verbose,
         validation_data=val_ds.take(args.validation_steps),
-        callbacks=[timer],
-        verbose=args.verbose,
     )
-    train_seconds = time.perf_counter() - start
 
     sampler = samplers.get(args.sampler) if args.sampler == "greedy" else samplers.get(
         args.sampler, temperature=args.temperature

@@ -125,17 +125,8 @@ def load_splits(args):
 
 
 def _build(args, label, feature_map, vocabulary_size):
-    return common.build_classifier(
-        vocabulary_size,
-        args.seq_len,
-        10,
-        feature_map=feature_map,
-        num_layers=args.num_layers,
-        hidden_dim=args.hidden_dim,
-        num_heads=args.num_heads,
-        intermediate_dim=args.intermediate_dim,
-        dropout=args.dropout,
-        name=f"listops_{label.replace('+', 'plus')}",
+    return common.build_classifier_from_args(
+        args, vocabulary_size, args.seq_len, 10, feature_map, name=f"listops_{label.replace('+', 'plus')}"
     )
 
 
@@ -150,15 +141,8 @@ def train_variant(args, label, feature_map, seeds, data, vocabulary_size):
     train_ds, val_ds, test_ds = data
     keras.utils.clear_session()
     model = _build(args, label, feature_map, vocabulary_size)
-    warmup = max(1, args.steps // 10)
-    schedule = keras.optimizers.schedules.CosineDecay(
-        0.0, max(1, args.steps - warmup), warmup_target=args.learning_rate, warmup_steps=warmup
-    )
-    model.compile(
-        optimizer=keras.optimizers.AdamW(schedule, weight_decay=0.01, clipnorm=1.0),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-        jit_compile=args.jit_compile,
+    common.compile_for_training(
+        model, common.warmup_cosine_schedule(args.steps, args.learning_rate), args.jit_compile
     )
     model.optimizer.build(model.trainable_variables)
     initial_optimizer_state = [v.numpy() for v in model.optimizer.variables]
@@ -169,17 +153,9 @@ def train_variant(args, label, feature_map, seeds, data, vocabulary_size):
         model.set_weights(fresh.get_weights())
         for var, value in zip(model.optimizer.variables, initial_optimizer_state):
             var.assign(value)
-        timer = common.StepTimer()
-        start = time.perf_counter()
-        history = model.fit(
-            train_ds,
-            epochs=max(1, args.steps // args.eval_every),
-            steps_per_epoch=args.eval_every,
-            validation_data=val_ds,
-            callbacks=[timer],
-            verbose=args.verbose,
+        history, timer, seconds = common.fit_timed(
+            model, train_ds, args.steps, args.eval_every, args.verbose, validation_data=val_ds
         )
-        seconds = time.perf_counter() - start
         _, test_acc = model.evaluate(test_ds, verbose=0)
         result = {
             "variant": label,
@@ -257,14 +233,13 @@ def build_parser():
 def main(argv=None):
     args = build_parser().parse_args(argv)
     args.data_dir = os.path.expanduser(args.data_dir)
-    if args.mixed_precision != "float32":
-        keras.config.set_dtype_policy(args.mixed_precision)
+    common.apply_dtype_policy(args)
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     units = [int(u) for u in args.units.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]
     variants = resolve_variants(names, units)
     builder, tokenizer, train_ds, val_ds, test_ds = load_splits(args)
-    print(common.XLA_NOTE if args.jit_compile else "XLA disabled (--no-jit).")
+    print(common.xla_message(args.jit_compile))
     print(f"data: {builder.info.full_name} in {args.data_dir}, padded to {args.seq_len} tokens")
     results = []
     start = time.perf_counter()

@@ -16,7 +16,6 @@ XLA on CPU).
 
 import argparse
 import os
-import time
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -58,8 +57,7 @@ def build_parser():
 def main(argv=None):
     args = build_parser().parse_args(argv)
     keras.utils.set_random_seed(args.seed)
-    if args.mixed_precision != "float32":
-        keras.config.set_dtype_policy(args.mixed_precision)
+    common.apply_dtype_policy(args)
     try:
         train_ds, test_ds, vocab_size = load_imdb(
             sequence_length=args.sequence_length,
@@ -77,39 +75,17 @@ def main(argv=None):
             f"imdb_reviews could not be loaded from data_dir={args.data_dir!r} ({type(e).__name__}: {e}). "
             "Prepare it with --download on a machine with internet access."
         ) from e
-    print(common.XLA_NOTE if args.jit_compile else "XLA disabled (--no-jit).")
+    print(common.xla_message(args.jit_compile))
     feature_map = (
         common.SOFTMAX if args.feature_map == common.SOFTMAX else common.feature_map_factory(args.feature_map)
     )
-    model = common.build_classifier(
-        vocab_size,
-        args.sequence_length,
-        2,
-        feature_map=feature_map,
-        num_layers=args.num_layers,
-        hidden_dim=args.hidden_dim,
-        num_heads=args.num_heads,
-        intermediate_dim=args.intermediate_dim,
-        dropout=args.dropout,
-        name="imdb_classifier",
+    model = common.build_classifier_from_args(
+        args, vocab_size, args.sequence_length, 2, feature_map, name="imdb_classifier"
     )
-    model.compile(
-        optimizer=keras.optimizers.AdamW(args.learning_rate, weight_decay=0.01, clipnorm=1.0),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-        jit_compile=args.jit_compile,
+    common.compile_for_training(model, args.learning_rate, args.jit_compile)
+    history, timer, seconds = common.fit_timed(
+        model, train_ds, args.steps, min(args.eval_every, args.steps), args.verbose
     )
-    timer = common.StepTimer()
-    eval_every = min(args.eval_every, args.steps)
-    start = time.perf_counter()
-    history = model.fit(
-        train_ds,
-        epochs=max(1, args.steps // eval_every),
-        steps_per_epoch=eval_every,
-        callbacks=[timer],
-        verbose=args.verbose,
-    )
-    seconds = time.perf_counter() - start
     test_loss, test_acc = model.evaluate(test_ds, verbose=args.verbose)
     summary = {
         "train_loss": history.history["loss"][-1],
