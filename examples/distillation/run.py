@@ -212,19 +212,20 @@ def main(argv=None):
     print(f"attention KL after distillation:  {history.kl_after}")
     print(f"linear ({args.feature_map}) test accuracy after distillation: {results['linear_accuracy_distilled']:.4f}")
 
+    def finetune(model):
+        """Trains the whole `model` for --finetune-epochs at a low learning rate; returns its test accuracy."""
+        compile_model(model, 3e-4, jit)
+        model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.finetune_epochs, verbose=2)
+        return accuracy(model, x_test, y_test)
+
     if args.finetune_epochs:
-        compile_model(student, 3e-4, jit)
-        student.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.finetune_epochs, verbose=2)
-        results["linear_accuracy_finetuned"] = accuracy(student, x_test, y_test)
+        results["linear_accuracy_finetuned"] = finetune(student)
         print(
             f"linear ({args.feature_map}) test accuracy after distillation + {args.finetune_epochs} "
             f"fine-tune epoch(s): {results['linear_accuracy_finetuned']:.4f}"
         )
         # Control: the same fine-tune from the copied weights, without distillation.
-        control = linear(args.feature_map)
-        compile_model(control, 3e-4, jit)
-        control.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.finetune_epochs, verbose=2)
-        results["linear_accuracy_finetuned_without_distillation"] = accuracy(control, x_test, y_test)
+        results["linear_accuracy_finetuned_without_distillation"] = finetune(linear(args.feature_map))
         print(
             f"control: linear ({args.feature_map}) test accuracy after {args.finetune_epochs} fine-tune "
             f"epoch(s) without distillation: {results['linear_accuracy_finetuned_without_distillation']:.4f}"
