@@ -46,6 +46,8 @@ import time
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
+from benchmarks._common import proc_status_bytes, reset_peak_rss  # noqa: E402
+
 DEFAULT_NS = (1024, 2048, 4096, 8192, 16384, 32768)
 IMPLS = ("linear", "linear_causal", "mha", "kernel_attention", "kernel_attention_rf", "naive_causal")
 LABELS = {
@@ -234,20 +236,8 @@ class Impl:
         return x, dy
 
 
-def _proc_status_bytes(field):
-    """A ``kB`` field of /proc/self/status (VmRSS, VmHWM) in bytes, or None."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def _rss_bytes():
-    rss = _proc_status_bytes("VmRSS")
+    rss = proc_status_bytes("VmRSS")
     if rss is not None:
         return rss
     import psutil
@@ -255,21 +245,11 @@ def _rss_bytes():
     return psutil.Process().memory_info().rss
 
 
-def _reset_peak_rss():
-    """Resets the kernel's peak-RSS mark (VmHWM) to the current RSS (Linux >= 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _peak_rss_bytes():
     # VmHWM belongs to this process's own address space. ru_maxrss of
     # RUSAGE_SELF / RUSAGE_CHILDREN is not used when VmHWM exists: after
     # fork + exec it still carries the parent's high-water mark.
-    hwm = _proc_status_bytes("VmHWM")
+    hwm = proc_status_bytes("VmHWM")
     if hwm is not None:
         return hwm
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
@@ -285,7 +265,7 @@ def child_memory(args):
         bench.step.get_concrete_function(x, dy)  # trace only, nothing runs
         gc.collect()
         baseline = _rss_bytes()
-        reset = _reset_peak_rss()
+        reset = reset_peak_rss()
         peak_before = _peak_rss_bytes()
         for _ in range(2):
             loss, _ = bench.step(x, dy)

@@ -57,6 +57,8 @@ import time
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
+from benchmarks._common import proc_status_bytes, reset_peak_rss  # noqa: E402
+
 DEFAULT_CONTEXTS = (128, 1024, 4096, 8192, 16384)
 CONFIG = dict(vocabulary_size=256, num_layers=2, hidden_dim=512, num_heads=8, intermediate_dim=2048)
 RESULT_TAG = "BENCH_DECODE_CHILD "
@@ -287,26 +289,13 @@ def measure_times(args):
 
 # ----------------------------------------------------------------- memory
 def _status_mb(field):
-    """A /proc/self/status memory field (VmRSS: current, VmHWM: peak) in MB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024 / MB
-    return float("nan")
+    """A /proc/self/status memory field (VmRSS: current, VmHWM: peak) in MB, NaN where unreadable."""
+    size = proc_status_bytes(field)
+    return float("nan") if size is None else size / MB
 
 
 def _rss_mb():
     return _status_mb("VmRSS")
-
-
-def _reset_peak():
-    """Resets the kernel's peak-RSS mark (VmHWM) to the current RSS (Linux >= 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def memory_child(method, context, args):
@@ -332,7 +321,7 @@ def memory_child(method, context, args):
     # child started by a large parent would report the parent's peak.
     peak_total = _status_mb("VmHWM")
     before = _rss_mb()
-    reset = _reset_peak()
+    reset = reset_peak_rss()
     run()
     result = {
         "peak_rss_mb": peak_total,
