@@ -138,12 +138,3 @@ def test_end_to_end_tiny_run(tmp_path, capsys):
     assert "--- sample 0 ---" in out and "val bits/char" in out
     assert os.path.exists(tmp_path / "lm.keras")
 
-
-def test_help_exits_cleanly(capsys):
-    from examples.char_lm import train
-
-    with pytest.raises(SystemExit) as exc:
-        train.main(["--help"])
-    assert exc.value.code == 0
-    out = capsys.readouterr().out
-    assert "--corpus" in out and "--feature-map" in out and "--no-jit" in out

@@ -223,12 +223,3 @@ def test_unknown_variant_raises():
     with pytest.raises(ValueError, match="variant='nope'"):
         train.resolve_variants(["nope"], [1])
 
-
-def test_help_exits_cleanly(capsys):
-    from examples.listops import train
-
-    with pytest.raises(SystemExit) as exc:
-        train.main(["--help"])
-    assert exc.value.code == 0
-    out = capsys.readouterr().out
-    assert "--variants" in out and "--seq-len" in out and "--no-jit" in out

@@ -81,12 +81,3 @@ def test_missing_dataset_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="imdb_reviews could not be loaded"):
         train.main(["--data-dir", str(tmp_path), "--steps", "1"])
 
-
-def test_help_exits_cleanly(capsys):
-    from examples.text_classification import train
-
-    with pytest.raises(SystemExit) as exc:
-        train.main(["--help"])
-    assert exc.value.code == 0
-    out = capsys.readouterr().out
-    assert "--tokenizer" in out and "--feature-map" in out and "--no-jit" in out
