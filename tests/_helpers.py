@@ -119,3 +119,17 @@ def assert_rejects_bad_input_rank_and_shape(fm, other_shape):
         fm(np.zeros((3, 2, 4), "float32"))
     with pytest.raises(ValueError, match="inputs.shape"):
         fm(np.zeros(other_shape, "float32"))
+
+
+# ------------------------------------------------------------ export
+def export_once(tmp_path_factory, build_model, export_fn, filename):
+    """Builds a model under the float32 policy and exports it into a fresh temporary folder.
+
+    For module-scoped fixtures, which are set up before the per-test Keras reset.
+    ``export_fn(model, path)`` writes to ``<new folder named after filename's stem>/filename``.
+    Returns ``(model, what export_fn returned)``.
+    """
+    keras.config.set_dtype_policy("float32")
+    model = build_model()
+    folder = tmp_path_factory.mktemp(os.path.splitext(filename)[0])
+    return model, export_fn(model, folder / filename)

@@ -18,6 +18,7 @@ import tensorflow as tf
 import keras_linattn as kla
 from keras_linattn import export
 from keras_linattn.models import LinearCausalLM
+from tests._helpers import export_once
 from tests.conftest import rel_err
 
 SAVED_MODEL_CLI = os.path.join(os.path.dirname(sys.executable), "saved_model_cli")
@@ -190,10 +191,7 @@ def test_verify_detects_a_wrong_export(tmp_path):
 # --------------------------------------------------------------- causal LM
 @pytest.fixture(scope="module")
 def lm_export(tmp_path_factory):
-    keras.config.set_dtype_policy("float32")
-    model = tiny_lm()
-    version_dir = export.export_saved_model(model, tmp_path_factory.mktemp("lm") / "lm")
-    return model, version_dir
+    return export_once(tmp_path_factory, tiny_lm, export.export_saved_model, "lm")
 
 
 def test_lm_signatures(lm_export):

@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 
-import keras
 import numpy as np
 import onnx
 import pytest
@@ -19,6 +18,7 @@ import pytest
 import keras_linattn as kla
 from keras_linattn import export
 from keras_linattn.export import _providers
+from tests._helpers import export_once
 from tests.conftest import rel_err
 from tests.test_export import DIM, SHAPES, encoder, map_params, tiny_lm
 
@@ -75,10 +75,7 @@ def test_causal_onnx_never_sees_the_future(tmp_path, rng):
 # ------------------------------------------------------------- causal LM
 @pytest.fixture(scope="module")
 def lm_onnx(tmp_path_factory):
-    keras.config.set_dtype_policy("float32")
-    model = tiny_lm()
-    paths = export.export_onnx(model, tmp_path_factory.mktemp("lm") / "lm.onnx")
-    return model, paths
+    return export_once(tmp_path_factory, tiny_lm, export.export_onnx, "lm.onnx")
 
 
 def test_lm_onnx_graphs(lm_onnx, rng):
@@ -130,9 +127,8 @@ def test_lm_onnx_sampling_is_seeded(lm_onnx):
 # ------------------------------------------------------- predictor checks
 @pytest.fixture(scope="module")
 def encoder_onnx(tmp_path_factory):
-    keras.config.set_dtype_policy("float32")
-    model = encoder("elu", causal=False)
-    return model, export.export_onnx(model, tmp_path_factory.mktemp("enc") / "enc.onnx")["model"]
+    model, paths = export_once(tmp_path_factory, lambda: encoder("elu", causal=False), export.export_onnx, "enc.onnx")
+    return model, paths["model"]
 
 
 def test_predictor_rejects_bad_inputs(encoder_onnx):
