@@ -10,6 +10,7 @@ built once per module by the fixtures below.
 
 import json
 import os
+from functools import cached_property
 
 import keras
 import numpy as np
@@ -52,194 +53,133 @@ def o(*shape):
 
 
 # ------------------------------------------------------------- fixtures
+def _built(layer, *input_shapes):
+    """``layer`` built on ``input_shapes``."""
+    layer.build(*input_shapes)
+    return layer
+
+
 class Env:
-    """Lazily built objects shared by the rows (built once per module)."""
+    """Lazily built objects shared by the rows (built once per module, on first use)."""
 
     def __init__(self, tmp):
         self.tmp = tmp
-        self._cache = {}
-
-    def _get(self, key, make):
-        if key not in self._cache:
-            self._cache[key] = make()
-        return self._cache[key]
-
-    @property
-    def attention(self):
-        def make():
-            layer = LinearAttention(num_heads=2, key_dim=4)
-            layer.build((None, None, 8), (None, None, 8))
-            return layer
-
-        return self._get("attention", make)
-
-    @property
-    def lm(self):
-        return self._get(
-            "lm",
-            lambda: LinearCausalLM(
-                vocabulary_size=16, num_layers=1, hidden_dim=8, num_heads=2, intermediate_dim=16, chunk_size=4
-            ),
-        )
-
-    @property
-    def lm_positions(self):
-        return self._get(
-            "lm_positions",
-            lambda: LinearCausalLM(
-                vocabulary_size=16, num_layers=1, hidden_dim=8, num_heads=2, intermediate_dim=16, max_sequence_length=6
-            ),
-        )
-
-    @property
-    def encoder(self):
-        def make():
-            block = LinearTransformerEncoder(num_heads=2, intermediate_dim=16)
-            block.build((None, None, 8))
-            return block
-
-        return self._get("encoder", make)
-
-    @property
-    def decoder(self):
-        def make():
-            block = LinearTransformerDecoder(num_heads=2, intermediate_dim=16)
-            block.build((None, None, 8))
-            return block
-
-        return self._get("decoder", make)
-
-    @property
-    def functional(self):
-        def make():
-            inp = keras.Input((None, 8), name="features")
-            out = LinearAttention(2, 4)(inp, inp)
-            return keras.Model(inp, out)
-
-        return self._get("functional", make)
-
-    @property
-    def built_favor(self):
-        def make():
-            fm = FavorPlusFeatureMap(num_features=4, seed=0)
-            fm.build((None, None, 2, 4))
-            return fm
-
-        return self._get("built_favor", make)
 
     def path(self, name):
         return os.path.join(self.tmp, name)
 
-    @property
+    def _file(self, name, data):
+        """Writes the bytes ``data`` to ``name`` under the temporary folder (making
+        the folders on the way) and returns its path."""
+        p = self.path(name)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        with open(p, "wb") as f:
+            f.write(data)
+        return p
+
+    def _dir(self, name):
+        """Makes the folder ``name`` under the temporary folder and returns its path."""
+        d = self.path(name)
+        os.makedirs(d, exist_ok=True)
+        return d
+
+    @cached_property
+    def attention(self):
+        return _built(LinearAttention(num_heads=2, key_dim=4), (None, None, 8), (None, None, 8))
+
+    @cached_property
+    def lm(self):
+        return LinearCausalLM(
+            vocabulary_size=16, num_layers=1, hidden_dim=8, num_heads=2, intermediate_dim=16, chunk_size=4
+        )
+
+    @cached_property
+    def lm_positions(self):
+        return LinearCausalLM(
+            vocabulary_size=16, num_layers=1, hidden_dim=8, num_heads=2, intermediate_dim=16, max_sequence_length=6
+        )
+
+    @cached_property
+    def encoder(self):
+        return _built(LinearTransformerEncoder(num_heads=2, intermediate_dim=16), (None, None, 8))
+
+    @cached_property
+    def decoder(self):
+        return _built(LinearTransformerDecoder(num_heads=2, intermediate_dim=16), (None, None, 8))
+
+    @cached_property
+    def functional(self):
+        inp = keras.Input((None, 8), name="features")
+        out = LinearAttention(2, 4)(inp, inp)
+        return keras.Model(inp, out)
+
+    @cached_property
+    def built_favor(self):
+        return _built(FavorPlusFeatureMap(num_features=4, seed=0), (None, None, 2, 4))
+
+    @cached_property
     def corrupt_onnx(self):
-        def make():
-            p = self.path("corrupt.onnx")
-            with open(p, "wb") as f:
-                f.write(b"this is not a protobuf \x00\xff" * 10)
-            return p
+        return self._file("corrupt.onnx", b"this is not a protobuf \x00\xff" * 10)
 
-        return self._get("corrupt_onnx", make)
-
-    @property
+    @cached_property
     def empty_onnx(self):
-        def make():
-            p = self.path("empty.onnx")
-            open(p, "wb").close()
-            return p
+        return self._file("empty.onnx", b"")
 
-        return self._get("empty_onnx", make)
-
-    @property
+    @cached_property
     def identity_onnx(self):
         """A valid ONNX graph of another model: x [B, 3] float -> y."""
+        from onnx import TensorProto, helper, save
 
-        def make():
-            from onnx import TensorProto, helper, save
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 3])
+        y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", 3])
+        graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "identity", [x], [y])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        model.ir_version = 8
+        p = self.path("identity.onnx")
+        save(model, p)
+        return p
 
-            x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["B", 3])
-            y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["B", 3])
-            graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "identity", [x], [y])
-            model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-            model.ir_version = 8
-            p = self.path("identity.onnx")
-            save(model, p)
-            return p
-
-        return self._get("identity_onnx", make)
-
-    @property
+    @cached_property
     def predictor(self):
-        return self._get("predictor", lambda: export.OnnxPredictor(self.identity_onnx, device="cpu"))
+        return export.OnnxPredictor(self.identity_onnx, device="cpu")
 
-    @property
+    @cached_property
     def corrupt_saved_model(self):
-        def make():
-            d = self.path("corrupt_sm")
-            os.makedirs(d, exist_ok=True)
-            with open(os.path.join(d, "saved_model.pb"), "wb") as f:
-                f.write(b"\x00\x01garbage" * 20)
-            return d
+        return os.path.dirname(self._file(os.path.join("corrupt_sm", "saved_model.pb"), b"\x00\x01garbage" * 20))
 
-        return self._get("corrupt_saved_model", make)
-
-    @property
+    @cached_property
     def empty_dir(self):
-        def make():
-            d = self.path("empty_dir")
-            os.makedirs(d, exist_ok=True)
-            return d
+        return self._dir("empty_dir")
 
-        return self._get("empty_dir", make)
-
-    @property
+    @cached_property
     def other_saved_model(self):
         """A valid SavedModel of another model: serving_default(x [None, 3])."""
 
-        def make():
-            class Other(tf.Module):
-                @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float32, name="x")])
-                def serve(self, x):
-                    return {"y": x * 2.0}
+        class Other(tf.Module):
+            @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float32, name="x")])
+            def serve(self, x):
+                return {"y": x * 2.0}
 
-            m = Other()
-            d = self.path("other_sm")
-            tf.saved_model.save(m, d, signatures={"serving_default": m.serve})
-            return d
+        m = Other()
+        d = self.path("other_sm")
+        tf.saved_model.save(m, d, signatures={"serving_default": m.serve})
+        return d
 
-        return self._get("other_saved_model", make)
-
-    @property
+    @cached_property
     def runner(self):
-        return self._get("runner", lambda: export.SavedModelRunner(self.other_saved_model))
+        return export.SavedModelRunner(self.other_saved_model)
 
-    @property
+    @cached_property
     def corrupt_keras(self):
-        def make():
-            p = self.path("corrupt.keras")
-            with open(p, "wb") as f:
-                f.write(b"PK\x03\x04 not really a zip")
-            return p
+        return self._file("corrupt.keras", b"PK\x03\x04 not really a zip")
 
-        return self._get("corrupt_keras", make)
-
-    @property
+    @cached_property
     def existing_version_base(self):
-        def make():
-            d = self.path("versions")
-            os.makedirs(os.path.join(d, "1"), exist_ok=True)
-            return d
+        return os.path.dirname(self._dir(os.path.join("versions", "1")))
 
-        return self._get("existing_version_base", make)
-
-    @property
+    @cached_property
     def a_file(self):
-        def make():
-            p = self.path("a_file.txt")
-            with open(p, "w") as f:
-                f.write("x")
-            return p
-
-        return self._get("a_file", make)
+        return self._file("a_file.txt", b"x")
 
 
 @pytest.fixture(autouse=True)
