@@ -8,11 +8,12 @@ import math
 
 from keras import ops
 
+from keras_linattn._docstrings import fill
 from keras_linattn.feature_maps.base import FeatureMap, check_bool, check_seed
 from keras_linattn.regularizers import OrthogonalRegularizer
 
-# The arguments and call contract every trainable map shares, documented once:
-# `document` puts them where a class docstring says {shared_args} / {call}.
+# The arguments and call contract every trainable map shares, documented once
+# (see `keras_linattn._docstrings.fill` and `document` below).
 SHARED_ARGS_DOC = """\
         depth: number of layers (GLU units for the GLU maps) ``k``, 1 to 3.
             Default 1.
@@ -37,11 +38,7 @@ CALL_DOC = """\
         ``[B, T, H, C]`` positive float32 features."""
 
 
-def document(cls):
-    """Class decorator: fills ``{shared_args}`` and ``{call}`` in the docstring."""
-    cls.__doc__ = cls.__doc__.replace("{shared_args}", SHARED_ARGS_DOC).replace("{call}", CALL_DOC)
-    return cls
-
+document = fill(shared_args=SHARED_ARGS_DOC, call=CALL_DOC)
 
 HIDDEN_ACTIVATIONS = {
     "gelu": ops.gelu,

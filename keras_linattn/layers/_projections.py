@@ -1,92 +1,184 @@
-"""The per-head query/key/value/output projections shared by the attention layers.
+"""The multi-head projections and arguments shared by the attention layers.
 
-Both `LinearAttention` and `EfficientAttention` project like
-`keras.layers.MultiHeadAttention` (same kernel shapes ``[dim, H, D]`` and
-``[H, M, dim]``), so weights can be copied between the three.
+`LinearAttention` and `EfficientAttention` both derive from
+`ProjectedAttention`: they take `keras.layers.MultiHeadAttention`'s
+arguments, check and store them here, and project like it (same kernel
+shapes ``[dim, H, D]`` and ``[H, M, dim]``), so weights can be copied
+between the three. Each subclass adds its own arguments and its attention
+between the projections.
 """
 
 import keras
 
+from keras_linattn._docstrings import fill
+from keras_linattn.ops import core as la_ops
 
-def set_projection_arguments(
-    layer,
-    kernel_initializer,
-    bias_initializer,
-    kernel_regularizer,
-    bias_regularizer,
-    kernel_constraint,
-    bias_constraint,
-):
-    """Resolves and stores the projection arguments on `layer` (as MultiHeadAttention does)."""
-    layer.kernel_initializer = keras.initializers.get(kernel_initializer)
-    layer.bias_initializer = keras.initializers.get(bias_initializer)
-    layer.kernel_regularizer = keras.regularizers.get(kernel_regularizer)
-    layer.bias_regularizer = keras.regularizers.get(bias_regularizer)
-    layer.kernel_constraint = keras.constraints.get(kernel_constraint)
-    layer.bias_constraint = keras.constraints.get(bias_constraint)
-
-
-def projection_config(layer):
-    """The `get_config` entries of the arguments stored by `set_projection_arguments`."""
-    return {
-        "kernel_initializer": keras.initializers.serialize(layer.kernel_initializer),
-        "bias_initializer": keras.initializers.serialize(layer.bias_initializer),
-        "kernel_regularizer": keras.regularizers.serialize(layer.kernel_regularizer),
-        "bias_regularizer": keras.regularizers.serialize(layer.bias_regularizer),
-        "activity_regularizer": keras.regularizers.serialize(layer.activity_regularizer),
-        "kernel_constraint": keras.constraints.serialize(layer.kernel_constraint),
-        "bias_constraint": keras.constraints.serialize(layer.bias_constraint),
-    }
+# The projection arguments every attention layer takes, documented once.
+PROJECTION_ARGS_DOC = """\
+        dropout: dropout rate applied to the per-head attention output before
+            the output projection (there is no attention matrix to drop
+            from). Keyword-only.
+        use_bias: whether the query/key/value/output projections have
+            biases. Keyword-only.
+        output_shape: size of the last output dim; defaults to the query's.
+            Keyword-only.
+        kernel_initializer, bias_initializer, kernel_regularizer,
+        bias_regularizer, activity_regularizer, kernel_constraint,
+        bias_constraint: as in `keras.layers.MultiHeadAttention`.
+            Keyword-only."""
 
 
-def _einsum_dense(layer, equation, output_shape, bias_axes, name):
-    # A fresh initializer per weight: an initializer instance reuses its seed.
-    kernel_init = layer.kernel_initializer.__class__.from_config(layer.kernel_initializer.get_config())
-    bias_init = layer.bias_initializer.__class__.from_config(layer.bias_initializer.get_config())
-    return keras.layers.EinsumDense(
-        equation,
-        output_shape=output_shape,
-        bias_axes=bias_axes if layer.use_bias else None,
-        kernel_initializer=kernel_init,
-        bias_initializer=bias_init,
-        kernel_regularizer=layer.kernel_regularizer,
-        bias_regularizer=layer.bias_regularizer,
-        kernel_constraint=layer.kernel_constraint,
-        bias_constraint=layer.bias_constraint,
-        dtype=layer.dtype_policy,
-        name=name,
-    )
+document = fill(projection_args=PROJECTION_ARGS_DOC)
 
 
-def build_projections(layer, query_shape, value_shape, key_shape):
-    """Validates the input shapes and builds ``layer.{query,key,value,output}_dense``.
-
-    `layer` provides `num_heads`, `key_dim`, `value_dim`, `output_shape_`,
-    `use_bias` and the initializers/regularizers/constraints of its
-    projections.
-
-    Raises:
-        ValueError: for inputs that are not rank 3 or keys and values of
-            different lengths.
-    """
-    for name, shape in (("query", query_shape), ("value", value_shape), ("key", key_shape)):
-        if len(shape) != 3:
+def _check_output_shape(output_shape):
+    if output_shape is None:
+        return None
+    if isinstance(output_shape, (list, tuple)):
+        if len(output_shape) != 1:
             raise ValueError(
-                f"`{name}` must have rank 3 [batch, length, dim]. "
-                f"Received: {name}.shape={tuple(shape)}"
+                f"`output_shape` must be an int or a 1-tuple. Received: output_shape={output_shape!r}"
             )
-    if value_shape[1] is not None and key_shape[1] is not None and value_shape[1] != key_shape[1]:
-        raise ValueError(
-            "`key` and `value` must have the same length. "
-            f"Received: key.shape={tuple(key_shape)}, value.shape={tuple(value_shape)}"
+        output_shape = output_shape[0]
+    la_ops._check_positive_int("output_shape", output_shape)
+    return output_shape
+
+
+class ProjectedAttention(keras.layers.Layer):
+    """Base of the attention layers: MultiHeadAttention's arguments and projections.
+
+    Checks and stores `num_heads`, `key_dim`, `value_dim`, `dropout`,
+    `use_bias`, `output_shape`, the initializers, regularizers and
+    constraints of the projections and `seed`; builds
+    ``{query,key,value,output}_dense`` (`build_projections`); applies
+    dropout and the output projection (`project_output`); and serializes
+    all of these (`get_config`). Not registered and not meant to be used
+    directly.
+    """
+
+    def __init__(
+        self,
+        num_heads,
+        key_dim,
+        value_dim=None,
+        *,
+        dropout=0.0,
+        use_bias=True,
+        output_shape=None,
+        kernel_initializer="glorot_uniform",
+        bias_initializer="zeros",
+        kernel_regularizer=None,
+        bias_regularizer=None,
+        activity_regularizer=None,
+        kernel_constraint=None,
+        bias_constraint=None,
+        seed=None,
+        **kwargs,
+    ):
+        super().__init__(activity_regularizer=activity_regularizer, **kwargs)
+        self.supports_masking = True
+        la_ops._check_positive_int("num_heads", num_heads)
+        la_ops._check_positive_int("key_dim", key_dim)
+        if value_dim is not None:
+            la_ops._check_positive_int("value_dim", value_dim)
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
+        if not isinstance(use_bias, bool):
+            raise ValueError(f"`use_bias` must be a bool. Received: use_bias={use_bias!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise ValueError(f"`seed` must be a non-negative integer or None. Received: seed={seed!r}")
+        self.num_heads = num_heads
+        self.key_dim = key_dim
+        self.value_dim = value_dim if value_dim is not None else key_dim
+        self.dropout = dropout
+        self.use_bias = use_bias
+        self.output_shape_ = _check_output_shape(output_shape)
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.bias_initializer = keras.initializers.get(bias_initializer)
+        self.kernel_regularizer = keras.regularizers.get(kernel_regularizer)
+        self.bias_regularizer = keras.regularizers.get(bias_regularizer)
+        self.kernel_constraint = keras.constraints.get(kernel_constraint)
+        self.bias_constraint = keras.constraints.get(bias_constraint)
+        self.seed = seed
+        self._dropout_layer = keras.layers.Dropout(dropout, seed=seed)
+
+    def reject_attention_mask(self, attention_mask, alternatives):
+        """Raises the ValueError for an `attention_mask`, naming what to use instead."""
+        if attention_mask is not None:
+            raise ValueError(
+                f"{type(self).__name__} does not support an arbitrary `attention_mask`: a "
+                "full [B, T, S] mask cannot be applied without forming the T x S attention "
+                f"matrix, which this layer never does. Use {alternatives}. "
+                f"Received: attention_mask with shape {tuple(attention_mask.shape)}"
+            )
+
+    def _einsum_dense(self, equation, output_shape, bias_axes, name):
+        # A fresh initializer per weight: an initializer instance reuses its seed.
+        kernel_init = self.kernel_initializer.__class__.from_config(self.kernel_initializer.get_config())
+        bias_init = self.bias_initializer.__class__.from_config(self.bias_initializer.get_config())
+        return keras.layers.EinsumDense(
+            equation,
+            output_shape=output_shape,
+            bias_axes=bias_axes if self.use_bias else None,
+            kernel_initializer=kernel_init,
+            bias_initializer=bias_init,
+            kernel_regularizer=self.kernel_regularizer,
+            bias_regularizer=self.bias_regularizer,
+            kernel_constraint=self.kernel_constraint,
+            bias_constraint=self.bias_constraint,
+            dtype=self.dtype_policy,
+            name=name,
         )
-    h, d, m = layer.num_heads, layer.key_dim, layer.value_dim
-    out_dim = layer.output_shape_ or query_shape[-1]
-    layer.query_dense = _einsum_dense(layer, "btd,dhk->bthk", (None, h, d), "hk", "query")
-    layer.query_dense.build(query_shape)
-    layer.key_dense = _einsum_dense(layer, "btd,dhk->bthk", (None, h, d), "hk", "key")
-    layer.key_dense.build(key_shape)
-    layer.value_dense = _einsum_dense(layer, "btd,dhk->bthk", (None, h, m), "hk", "value")
-    layer.value_dense.build(value_shape)
-    layer.output_dense = _einsum_dense(layer, "bthk,hkd->btd", (None, out_dim), "d", "attention_output")
-    layer.output_dense.build((query_shape[0], query_shape[1], h, m))
+
+    def build_projections(self, query_shape, value_shape, key_shape):
+        """Validates the input shapes and builds ``self.{query,key,value,output}_dense``.
+
+        Raises:
+            ValueError: for inputs that are not rank 3 or keys and values of
+                different lengths.
+        """
+        for name, shape in (("query", query_shape), ("value", value_shape), ("key", key_shape)):
+            if len(shape) != 3:
+                raise ValueError(
+                    f"`{name}` must have rank 3 [batch, length, dim]. "
+                    f"Received: {name}.shape={tuple(shape)}"
+                )
+        if value_shape[1] is not None and key_shape[1] is not None and value_shape[1] != key_shape[1]:
+            raise ValueError(
+                "`key` and `value` must have the same length. "
+                f"Received: key.shape={tuple(key_shape)}, value.shape={tuple(value_shape)}"
+            )
+        h, d, m = self.num_heads, self.key_dim, self.value_dim
+        out_dim = self.output_shape_ or query_shape[-1]
+        self.query_dense = self._einsum_dense("btd,dhk->bthk", (None, h, d), "hk", "query")
+        self.query_dense.build(query_shape)
+        self.key_dense = self._einsum_dense("btd,dhk->bthk", (None, h, d), "hk", "key")
+        self.key_dense.build(key_shape)
+        self.value_dense = self._einsum_dense("btd,dhk->bthk", (None, h, m), "hk", "value")
+        self.value_dense.build(value_shape)
+        self.output_dense = self._einsum_dense("bthk,hkd->btd", (None, out_dim), "d", "attention_output")
+        self.output_dense.build((query_shape[0], query_shape[1], h, m))
+
+    def project_output(self, attended, training):
+        """Dropout, then the output projection: ``[B, T, H, M] -> [B, T, out_dim]``."""
+        attended = self._dropout_layer(attended, training=training)  # [B, T, H, M]
+        return self.output_dense(attended)  # [B, T, out_dim]
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "num_heads": self.num_heads,
+            "key_dim": self.key_dim,
+            "value_dim": self.value_dim,
+            "dropout": self.dropout,
+            "use_bias": self.use_bias,
+            "output_shape": self.output_shape_,
+            "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
+            "bias_initializer": keras.initializers.serialize(self.bias_initializer),
+            "kernel_regularizer": keras.regularizers.serialize(self.kernel_regularizer),
+            "bias_regularizer": keras.regularizers.serialize(self.bias_regularizer),
+            "activity_regularizer": keras.regularizers.serialize(self.activity_regularizer),
+            "kernel_constraint": keras.constraints.serialize(self.kernel_constraint),
+            "bias_constraint": keras.constraints.serialize(self.bias_constraint),
+            "seed": self.seed,
+        }

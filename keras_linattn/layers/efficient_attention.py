@@ -4,7 +4,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_linattn.layers._projections import build_projections, projection_config, set_projection_arguments
+from keras_linattn.layers import _projections
 from keras_linattn.ops import core as la_ops
 
 # Finite stand-in for -inf before the softmax over the sequence: an all-padded
@@ -16,7 +16,8 @@ _PROJECTIONS = {"random": False, "learned": True}
 
 
 @keras.saving.register_keras_serializable(package="keras_linattn")
-class EfficientAttention(keras.layers.Layer):
+@_projections.document
+class EfficientAttention(_projections.ProjectedAttention):
     """Multi-head "efficient attention", optionally with Linformer projections.
 
     Per head, with projected queries ``Q [T, D]``, keys ``K [S, D]`` and
@@ -61,15 +62,10 @@ class EfficientAttention(keras.layers.Layer):
         max_length: the maximum key length n (required with a projection).
         delta: the scale ``delta`` of ``E = delta R``, ``F = exp(-delta) R``.
             Default 1.0.
-        dropout: dropout rate applied to the per-head attention output before
-            the output projection (there is no attention matrix to drop from).
-        use_bias: whether the query/key/value/output projections have biases.
-        output_shape: size of the last output dim; defaults to the query's.
-        kernel_initializer, bias_initializer, kernel_regularizer,
-        bias_regularizer, activity_regularizer, kernel_constraint,
-        bias_constraint: as in `keras.layers.MultiHeadAttention`.
+{projection_args}
         seed: seed of the random projection ``R`` and of the dropout. With
             ``None`` a fresh ``R`` is drawn (and saved with the weights).
+            Keyword-only.
 
     Call arguments:
         query: ``[B, T, dim]``.
@@ -105,25 +101,9 @@ class EfficientAttention(keras.layers.Layer):
         projection_dim=None,
         max_length=None,
         delta=1.0,
-        dropout=0.0,
-        use_bias=True,
-        output_shape=None,
-        kernel_initializer="glorot_uniform",
-        bias_initializer="zeros",
-        kernel_regularizer=None,
-        bias_regularizer=None,
-        activity_regularizer=None,
-        kernel_constraint=None,
-        bias_constraint=None,
-        seed=None,
         **kwargs,
     ):
-        super().__init__(activity_regularizer=activity_regularizer, **kwargs)
-        self.supports_masking = True
-        la_ops._check_positive_int("num_heads", num_heads)
-        la_ops._check_positive_int("key_dim", key_dim)
-        if value_dim is not None:
-            la_ops._check_positive_int("value_dim", value_dim)
+        super().__init__(num_heads, key_dim, value_dim, **kwargs)
         if projection is not None and projection not in _PROJECTIONS:
             raise ValueError(
                 f"`projection` must be one of {sorted(_PROJECTIONS)} or None. "
@@ -142,35 +122,10 @@ class EfficientAttention(keras.layers.Layer):
             la_ops._check_positive_int("max_length", max_length)
         if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not np.isfinite(delta):
             raise ValueError(f"`delta` must be a finite number. Received: delta={delta!r}")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
-        if output_shape is not None:
-            if isinstance(output_shape, (list, tuple)):
-                if len(output_shape) != 1:
-                    raise ValueError(
-                        "`output_shape` must be an int or a 1-tuple. "
-                        f"Received: output_shape={output_shape!r}"
-                    )
-                output_shape = output_shape[0]
-            la_ops._check_positive_int("output_shape", output_shape)
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-            raise ValueError(f"`seed` must be a non-negative integer or None. Received: seed={seed!r}")
-        self.num_heads = num_heads
-        self.key_dim = key_dim
-        self.value_dim = value_dim if value_dim is not None else key_dim
         self.projection = projection
         self.projection_dim = projection_dim
         self.max_length = max_length
         self.delta = float(delta)
-        self.dropout = dropout
-        self.use_bias = use_bias
-        self.output_shape_ = output_shape
-        set_projection_arguments(
-            self, kernel_initializer, bias_initializer, kernel_regularizer,
-            bias_regularizer, kernel_constraint, bias_constraint,
-        )
-        self.seed = seed
-        self._dropout_layer = keras.layers.Dropout(dropout, seed=seed)
 
     # ------------------------------------------------------------------ build
     def _random_matrix(self):
@@ -181,7 +136,7 @@ class EfficientAttention(keras.layers.Layer):
 
     def build(self, query_shape, value_shape, key_shape=None):
         key_shape = value_shape if key_shape is None else key_shape
-        build_projections(self, query_shape, value_shape, key_shape)
+        self.build_projections(query_shape, value_shape, key_shape)
         self._check_length(key_shape[1])
         for dense in (self.query_dense, self.key_dense, self.value_dense):
             # Inputs may carry a Keras mask; it is consumed by `call`, not lost.
@@ -232,12 +187,7 @@ class EfficientAttention(keras.layers.Layer):
                 "`LinearAttention` for causal attention. "
                 f"Received: use_causal_mask={use_causal_mask!r}"
             )
-        if attention_mask is not None:
-            raise ValueError(
-                "EfficientAttention does not support an arbitrary `attention_mask` (it "
-                "never forms the T x S attention matrix). Use `key_mask` ([B, S]) for "
-                f"padding. Received: attention_mask with shape {tuple(attention_mask.shape)}"
-            )
+        self.reject_attention_mask(attention_mask, "`key_mask` ([B, S]) for padding")
         if key is None:
             key = value
         if key_mask is None:
@@ -256,8 +206,7 @@ class EfficientAttention(keras.layers.Layer):
         k = self.key_dense(key)  # [B, S, H, D]
         v = self.value_dense(value)  # [B, S, H, M]
         attended = self._attend(q, k, v, key_mask)  # [B, T, H, M]
-        attended = self._dropout_layer(attended, training=training)  # [B, T, H, M]
-        return self.output_dense(attended)  # [B, T, out_dim]
+        return self.project_output(attended, training)  # [B, T, out_dim]
 
     def _attend(self, q, k, v, key_mask):
         """Right-to-left efficient attention on projected heads, in float32."""
@@ -288,24 +237,13 @@ class EfficientAttention(keras.layers.Layer):
 
     # ----------------------------------------------------------------- config
     def get_config(self):
-        config = super().get_config()
-        config.update(
-            {
-                "num_heads": self.num_heads,
-                "key_dim": self.key_dim,
-                "value_dim": self.value_dim,
-                "projection": self.projection,
-                "projection_dim": self.projection_dim,
-                "max_length": self.max_length,
-                "delta": self.delta,
-                "dropout": self.dropout,
-                "use_bias": self.use_bias,
-                "output_shape": self.output_shape_,
-                **projection_config(self),
-                "seed": self.seed,
-            }
-        )
-        return config
+        return {
+            **super().get_config(),
+            "projection": self.projection,
+            "projection_dim": self.projection_dim,
+            "max_length": self.max_length,
+            "delta": self.delta,
+        }
 
 
 def _masked_softmax_over_sequence(k, mask):

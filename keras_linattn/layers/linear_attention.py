@@ -5,12 +5,13 @@ from keras import ops
 from keras.src.backend.common.masking import set_keras_mask
 
 from keras_linattn import feature_maps as feature_maps_lib
-from keras_linattn.layers._projections import build_projections, projection_config, set_projection_arguments
+from keras_linattn.layers import _projections
 from keras_linattn.ops import core as la_ops
 
 
 @keras.saving.register_keras_serializable(package="keras_linattn")
-class LinearAttention(keras.layers.Layer):
+@_projections.document
+class LinearAttention(_projections.ProjectedAttention):
     """Multi-head linear attention, a drop-in for `keras.layers.MultiHeadAttention`.
 
     Queries and keys are projected per head and mapped through a feature map
@@ -31,17 +32,10 @@ class LinearAttention(keras.layers.Layer):
             a serialized feature-map config, or a `FeatureMap` instance.
             Default ``"elu"`` (elu + 1).
         chunk_size: chunk length of the causal algorithm. Default 64.
-        dropout: dropout rate applied to the per-head attention output before
-            the output projection (linear attention has no attention matrix
-            to drop from).
-        use_bias: whether the projections have biases.
-        output_shape: size of the last output dim; defaults to the query's.
         epsilon: relative guard of the normalizer (see
-            `keras_linattn.ops.linear_attention`).
-        kernel_initializer, bias_initializer, kernel_regularizer,
-        bias_regularizer, activity_regularizer, kernel_constraint,
-        bias_constraint: as in `keras.layers.MultiHeadAttention`.
-        seed: seed of the dropout.
+            `keras_linattn.ops.linear_attention`). Keyword-only.
+{projection_args}
+        seed: seed of the dropout. Keyword-only.
 
     Call arguments:
         query: ``[B, T, dim]``.
@@ -78,53 +72,17 @@ class LinearAttention(keras.layers.Layer):
         value_dim=None,
         feature_map="elu",
         chunk_size=64,
-        dropout=0.0,
-        use_bias=True,
-        output_shape=None,
+        *,
         epsilon=la_ops.DEFAULT_EPSILON,
-        kernel_initializer="glorot_uniform",
-        bias_initializer="zeros",
-        kernel_regularizer=None,
-        bias_regularizer=None,
-        activity_regularizer=None,
-        kernel_constraint=None,
-        bias_constraint=None,
-        seed=None,
         **kwargs,
     ):
-        super().__init__(activity_regularizer=activity_regularizer, **kwargs)
-        self.supports_masking = True
-        for name, val in (("num_heads", num_heads), ("key_dim", key_dim), ("chunk_size", chunk_size)):
-            la_ops._check_positive_int(name, val)
-        if value_dim is not None:
-            la_ops._check_positive_int("value_dim", value_dim)
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
-        if not isinstance(epsilon, (int, float)) or epsilon < 0:
-            raise ValueError(f"`epsilon` must be a non-negative number. Received: epsilon={epsilon!r}")
-        if output_shape is not None:
-            if isinstance(output_shape, (list, tuple)):
-                if len(output_shape) != 1:
-                    raise ValueError(
-                        "`output_shape` must be an int or a 1-tuple. "
-                        f"Received: output_shape={output_shape!r}"
-                    )
-                output_shape = output_shape[0]
-            la_ops._check_positive_int("output_shape", output_shape)
-        self.num_heads = num_heads
-        self.key_dim = key_dim
-        self.value_dim = value_dim if value_dim is not None else key_dim
+        super().__init__(num_heads, key_dim, value_dim, **kwargs)
+        la_ops._check_positive_int("chunk_size", chunk_size)
+        if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not 0 <= epsilon < float("inf"):
+            raise ValueError(f"`epsilon` must be a non-negative finite number. Received: epsilon={epsilon!r}")
         self.feature_map = feature_maps_lib.get(feature_map)
         self.chunk_size = chunk_size
-        self.dropout = dropout
-        self.use_bias = use_bias
-        self.output_shape_ = output_shape
         self.epsilon = float(epsilon)
-        set_projection_arguments(
-            self, kernel_initializer, bias_initializer, kernel_regularizer,
-            bias_regularizer, kernel_constraint, bias_constraint,
-        )
-        self.seed = seed
         self.feature_dim = self.feature_map.feature_dim(key_dim)
         if self.compute_dtype == "float16" and not getattr(self.feature_map, "float16_safe", True):
             raise ValueError(
@@ -133,12 +91,11 @@ class LinearAttention(keras.layers.Layer):
                 f"Received: feature_map={getattr(self.feature_map, 'registry_name', self.feature_map.name)!r}, "
                 f"dtype={self.dtype_policy.name!r}"
             )
-        self._dropout_layer = keras.layers.Dropout(dropout, seed=seed)
 
     # ------------------------------------------------------------------ build
     def build(self, query_shape, value_shape, key_shape=None):
         key_shape = value_shape if key_shape is None else key_shape
-        build_projections(self, query_shape, value_shape, key_shape)
+        self.build_projections(query_shape, value_shape, key_shape)
         h, d = self.num_heads, self.key_dim
         if not self.feature_map.built:
             self.feature_map.build((None, None, h, d))
@@ -177,10 +134,6 @@ class LinearAttention(keras.layers.Layer):
         kf = self.feature_map(k, is_query=False, causal=causal, training=training)  # [B, S, H, C]
         return qf, kf, v
 
-    def _project_output(self, attended, training):
-        attended = self._dropout_layer(attended, training=training)  # [B, T, H, M]
-        return self.output_dense(attended)  # [B, T, out_dim]
-
     def call(
         self,
         query,
@@ -195,14 +148,9 @@ class LinearAttention(keras.layers.Layer):
         return_state=False,
         initial_state=None,
     ):
-        if attention_mask is not None:
-            raise ValueError(
-                "LinearAttention does not support an arbitrary `attention_mask`: a full "
-                "[B, T, S] mask cannot be applied without forming the T x S attention "
-                "matrix, which linear attention never does. Use `key_mask` ([B, S]) for "
-                "padding and `use_causal_mask=True` for causal attention. "
-                f"Received: attention_mask with shape {tuple(attention_mask.shape)}"
-            )
+        self.reject_attention_mask(
+            attention_mask, "`key_mask` ([B, S]) for padding and `use_causal_mask=True` for causal attention"
+        )
         if key is None:
             key = value
         if key_mask is None:
@@ -235,8 +183,8 @@ class LinearAttention(keras.layers.Layer):
         )
         if return_state:
             attended, state = result
-            return self._project_output(attended, training), state
-        return self._project_output(result, training)
+            return self.project_output(attended, training), state
+        return self.project_output(result, training)
 
     # -------------------------------------------------------- recurrent API
     def get_initial_state(self, batch_size):
@@ -275,31 +223,14 @@ class LinearAttention(keras.layers.Layer):
             query_t[:, None], value_t[:, None], key_t[:, None], True, training
         )  # [B, 1, H, C], [B, 1, H, C], [B, 1, H, M]
         out, new_state = la_ops.linear_attention_step(qf[:, 0], kf[:, 0], v[:, 0], state, eps=self.epsilon)
-        out = self._project_output(out[:, None], training)  # [B, 1, out_dim]
+        out = self.project_output(out[:, None], training)  # [B, 1, out_dim]
         return out[:, 0], new_state
 
     # ----------------------------------------------------------------- config
     def get_config(self):
-        config = super().get_config()
-        config.update(
-            {
-                "num_heads": self.num_heads,
-                "key_dim": self.key_dim,
-                "value_dim": self.value_dim,
-                "feature_map": feature_maps_lib.serialize(self.feature_map),
-                "chunk_size": self.chunk_size,
-                "dropout": self.dropout,
-                "use_bias": self.use_bias,
-                "output_shape": self.output_shape_,
-                "epsilon": self.epsilon,
-                **projection_config(self),
-                "seed": self.seed,
-            }
-        )
-        return config
-
-    @classmethod
-    def from_config(cls, config):
-        config = dict(config)
-        config["feature_map"] = feature_maps_lib.get(config["feature_map"])
-        return cls(**config)
+        return {
+            **super().get_config(),
+            "feature_map": feature_maps_lib.serialize(self.feature_map),
+            "chunk_size": self.chunk_size,
+            "epsilon": self.epsilon,
+        }

@@ -8,8 +8,34 @@
 import keras
 
 from keras_linattn import feature_maps as feature_maps_lib
+from keras_linattn._docstrings import fill
 from keras_linattn.layers.linear_attention import LinearAttention
 from keras_linattn.ops import core as la_ops
+
+
+# The constructor arguments of both blocks, documented once (see
+# `keras_linattn._docstrings.fill`).
+BLOCK_ARGS_DOC = """\
+        num_heads: number of attention heads H.
+        intermediate_dim: hidden size of the feed-forward network.
+        key_dim: size of each query/key head D; defaults to ``dim // num_heads``.
+        value_dim: size of each value head M; defaults to `key_dim`.
+        feature_map: a registered feature-map name
+            (`keras_linattn.feature_maps.available()`), a serialized
+            feature-map config, or a `FeatureMap` instance (used as a
+            template: the attention layer owns a copy).
+        chunk_size: chunk length of the causal algorithm. Default 64. (The
+            encoder keeps it for a uniform config; its non-causal path does
+            not chunk.)
+        dropout: dropout rate of the attention output and of the residual
+            branches.
+        activation: activation of the feed-forward network. Default "gelu".
+        layer_norm_epsilon: epsilon of the two layer norms.
+        use_bias: whether the dense layers have biases.
+        kernel_initializer, bias_initializer: initializers of the dense layers.
+        seed: seed of the dropout layers."""
+
+document = fill(block_args=BLOCK_ARGS_DOC)
 
 
 class _LinearTransformerBlock(keras.layers.Layer):
@@ -247,9 +273,3 @@ class _LinearTransformerBlock(keras.layers.Layer):
             }
         )
         return config
-
-    @classmethod
-    def from_config(cls, config):
-        config = dict(config)
-        config["feature_map"] = feature_maps_lib.get(config["feature_map"])
-        return cls(**config)

@@ -2,10 +2,11 @@
 
 import keras
 
-from keras_linattn.layers.transformer import _LinearTransformerBlock
+from keras_linattn.layers.transformer import _LinearTransformerBlock, document
 
 
 @keras.saving.register_keras_serializable(package="keras_linattn")
+@document
 class LinearTransformerEncoder(_LinearTransformerBlock):
     """Pre-norm transformer encoder block with non-causal linear attention.
 
@@ -24,22 +25,7 @@ class LinearTransformerEncoder(_LinearTransformerBlock):
     (unpadded) sequence, and ``initial_state=`` adds a previous state to it.
 
     Args:
-        num_heads: number of attention heads H.
-        intermediate_dim: hidden size of the feed-forward network.
-        key_dim: size of each query/key head D; defaults to ``dim // num_heads``.
-        value_dim: size of each value head M; defaults to `key_dim`.
-        feature_map: a registered feature-map name
-            (`keras_linattn.feature_maps.available()`), a serialized
-            feature-map config, or a `FeatureMap` instance (used as a
-            template: the attention layer owns a copy).
-        chunk_size: chunk length used by the causal algorithm (kept for a
-            uniform config; the non-causal path does not chunk).
-        dropout: dropout rate of the attention output and the residual branches.
-        activation: activation of the feed-forward network. Default "gelu".
-        layer_norm_epsilon: epsilon of the two layer norms.
-        use_bias: whether the dense layers have biases.
-        kernel_initializer, bias_initializer: initializers of the dense layers.
-        seed: seed of the dropout layers.
+{block_args}
 
     Call arguments:
         inputs: ``[B, T, dim]``.

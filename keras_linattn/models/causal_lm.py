@@ -525,9 +525,3 @@ class LinearCausalLM(keras.Model):
             }
         )
         return config
-
-    @classmethod
-    def from_config(cls, config):
-        config = dict(config)
-        config["feature_map"] = feature_maps_lib.get(config["feature_map"])
-        return cls(**config)
