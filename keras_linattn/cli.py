@@ -68,17 +68,6 @@ def _human(num_bytes):
         num_bytes /= 1024
 
 
-def _table(rows, header):
-    lines = [header] + rows
-    widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
-    out = []
-    for k, line in enumerate(lines):
-        out.append("  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip())
-        if k == 0:
-            out.append("  ".join("-" * w for w in widths))
-    return "\n".join(out)
-
-
 def _load_model(path):
     import keras
 
@@ -149,7 +138,9 @@ def cmd_export(args):
     with open(manifest_path, "w") as f:
         json.dump(manifest, f, indent=2)
     _log("")
-    _log(_table(rows, ("format", "path", "signatures", "size", "seconds")))
+    from keras_linattn.export.verify import format_table
+
+    _log(format_table(rows, ("format", "path", "signatures", "size", "seconds")))
     _log(f"\nexported in {time.perf_counter() - t0:.1f} s; check with: keras-linattn verify {out}")
     return 0
 

@@ -23,6 +23,20 @@ METADATA_KEY = "keras_linattn"
 DEFAULT_OPSET = 17
 
 
+def _replace_with_sub(ctx, node, minuend, subtrahend):
+    """Replaces `node` by ``Sub(minuend, subtrahend)``, keeping its name, outputs and shapes."""
+    shapes, dtypes = node.output_shapes, node.output_dtypes
+    ctx.remove_node(node.name)
+    ctx.make_node(
+        "Sub",
+        inputs=[minuend, subtrahend],
+        name=node.name,
+        outputs=node.output,
+        shapes=shapes,
+        dtypes=dtypes,
+    )
+
+
 def _floor_mod_handler(ctx, node, name, args):
     """FloorMod with Python semantics for integers.
 
@@ -38,16 +52,7 @@ def _floor_mod_handler(ctx, node, name, args):
         div = ctx.make_node("Div", inputs=node.input)
         floor = ctx.make_node("Floor", inputs=div.output)
         mul = ctx.make_node("Mul", inputs=[floor.output[0], node.input[1]])
-        shapes, dtypes = node.output_shapes, node.output_dtypes
-        ctx.remove_node(node.name)
-        ctx.make_node(
-            "Sub",
-            inputs=[node.input[0], mul.output[0]],
-            name=node.name,
-            outputs=node.output,
-            shapes=shapes,
-            dtypes=dtypes,
-        )
+        _replace_with_sub(ctx, node, node.input[0], mul.output[0])
         return
     node.type = "Mod"
     node.set_attr("fmod", 0)
@@ -64,16 +69,7 @@ def _erfc_handler(ctx, node, name, args):
         utils.make_name(f"{node.name}_one"), np.array(1, dtype=helper.tensor_dtype_to_np_dtype(dtype))
     )
     erf = ctx.make_node("Erf", inputs=[node.input[0]])
-    shapes, dtypes = node.output_shapes, node.output_dtypes
-    ctx.remove_node(node.name)
-    ctx.make_node(
-        "Sub",
-        inputs=[one.output[0], erf.output[0]],
-        name=node.name,
-        outputs=node.output,
-        shapes=shapes,
-        dtypes=dtypes,
-    )
+    _replace_with_sub(ctx, node, one.output[0], erf.output[0])
 
 
 CUSTOM_OP_HANDLERS = {"FloorMod": (_floor_mod_handler, []), "Erfc": (_erfc_handler, [])}

@@ -19,8 +19,10 @@ class OnnxGenerator:
 
     Args:
         step_path: the step ``.onnx`` file (``<model>_step.onnx``).
-        device, use_tensorrt, use_io_binding, intra_op_num_threads,
-        allow_spinning, session_options: as in `OnnxPredictor`.
+        **predictor_options: the session options of `OnnxPredictor`
+            (`device`, `use_tensorrt`, `use_io_binding`,
+            `intra_op_num_threads`, `allow_spinning`, `session_options`),
+            passed through unchanged.
 
     Call arguments (`generate`):
         prompt_ids: ``[B, P]`` integer token ids, ``P >= 1``.
@@ -41,25 +43,8 @@ class OnnxGenerator:
     (1, 16)
     """
 
-    def __init__(
-        self,
-        step_path,
-        device="auto",
-        use_tensorrt=False,
-        use_io_binding=None,
-        intra_op_num_threads=None,
-        allow_spinning=False,
-        session_options=None,
-    ):
-        self.predictor = OnnxPredictor(
-            step_path,
-            device=device,
-            use_tensorrt=use_tensorrt,
-            use_io_binding=use_io_binding,
-            intra_op_num_threads=intra_op_num_threads,
-            allow_spinning=allow_spinning,
-            session_options=session_options,
-        )
+    def __init__(self, step_path, **predictor_options):
+        self.predictor = OnnxPredictor(step_path, **predictor_options)
         names = self.predictor.input_names
         if _specs.TOKEN_T not in names or _specs.LOGITS not in self.predictor.output_names:
             raise ValueError(

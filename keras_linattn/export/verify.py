@@ -37,6 +37,18 @@ class Check:
         return dict(vars(self))
 
 
+def format_table(rows, header):
+    """Left-aligned text table: the header, a rule of dashes, then one line per row."""
+    lines = [tuple(header)] + [tuple(row) for row in rows]
+    widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
+    out = []
+    for k, line in enumerate(lines):
+        out.append("  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip())
+        if k == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
 class VerificationReport:
     """The rows of a `verify` run; `table()` formats them for a terminal."""
 
@@ -67,13 +79,7 @@ class VerificationReport:
                     "ok" if r.ok else "FAIL",
                 )
             )
-        widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
-        out = []
-        for k, line in enumerate(lines):
-            out.append("  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip())
-            if k == 0:
-                out.append("  ".join("-" * w for w in widths))
-        return "\n".join(out)
+        return format_table(lines[1:], header)
 
 
 def differences(actual, expected):
