@@ -1,0 +1,38 @@
+"""The tf2onnx op handlers of `keras_linattn.export.onnx_export` against TensorFlow.
+
+tf2onnx 1.17 converts integer FloorMod to a truncated Mod and has no Erfc;
+the handlers must give TensorFlow's results, negative operands included.
+"""
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import tensorflow as tf
+
+from keras_linattn.export import onnx_export
+
+
+def _run_onnx(tmp_path, fn, signature, feeds):
+    path = str(tmp_path / "op.onnx")
+    onnx_export.convert_function(fn, signature, path)
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)[0]
+
+
+@pytest.mark.parametrize("dtype", ["int32", "int64", "float32"])
+def test_floor_mod_matches_tensorflow_with_negative_operands(tmp_path, dtype):
+    a = np.array([-7, -6, -1, 0, 1, 5, 7, 13], dtype=dtype)
+    b = np.array([3, -3, 4, 5, -2, 3, -4, 5], dtype=dtype)
+    signature = [tf.TensorSpec([None], dtype, name="a"), tf.TensorSpec([None], dtype, name="b")]
+    got = _run_onnx(tmp_path, lambda a, b: {"out": tf.math.floormod(a, b)}, signature, {"a": a, "b": b})
+    expected = tf.math.floormod(a, b).numpy()
+    np.testing.assert_array_equal(got, expected)
+    # The truncated remainder differs on these operands: the check can fail.
+    assert not np.array_equal(np.fmod(a, b), expected)
+
+
+def test_erfc_matches_tensorflow(tmp_path):
+    x = np.linspace(-4.0, 4.0, 33, dtype="float32")
+    signature = [tf.TensorSpec([None], "float32", name="x")]
+    got = _run_onnx(tmp_path, lambda x: {"out": tf.math.erfc(x)}, signature, {"x": x})
+    np.testing.assert_allclose(got, tf.math.erfc(x).numpy(), atol=1e-6)
