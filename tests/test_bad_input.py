@@ -227,8 +227,8 @@ ROWS = [
     ("ops.linear_attention/chunk_size=-3", lambda e: la.linear_attention(o(1, 4, 1, 4), o(1, 4, 1, 4), o(1, 4, 1, 2), causal=True, chunk_size=-3), V, ["chunk_size=-3"]),
     ("ops.linear_attention/chunk_size=2.5", lambda e: la.linear_attention(o(1, 4, 1, 4), o(1, 4, 1, 4), o(1, 4, 1, 2), causal=True, chunk_size=2.5), V, ["chunk_size=2.5"]),
     ("ops.linear_attention/causal with S != T", lambda e: la.linear_attention(o(1, 4, 1, 4), o(1, 6, 1, 4), o(1, 6, 1, 2), causal=True), V, ["S == T", "4 queries and 6 keys"]),
-    ("ops.linear_attention/initial_state S shape", lambda e: la.linear_attention(o(1, 4, 1, 4), o(1, 4, 1, 4), o(1, 4, 1, 2), initial_state=(z(1, 1, 4, 3), z(1, 1, 4))), V, ["state", "[B, 1, 4, 2]", "(1, 1, 4, 3)"]),
-    ("ops.linear_attention/initial_state not a pair", lambda e: la.linear_attention(o(1, 4, 1, 4), o(1, 4, 1, 4), o(1, 4, 1, 2), initial_state=z(1, 1, 4, 2)), V, ["pair (S, z)", "Received: state="]),
+    ("ops.linear_attention/initial_state S shape", lambda e: la.linear_attention(o(1, 4, 1, 4), o(1, 4, 1, 4), o(1, 4, 1, 2), initial_state=(z(1, 1, 4, 3), z(1, 1, 4))), V, ["`initial_state` S", "[B, 1, 4, 2]", "initial_state[0].shape=(1, 1, 4, 3)"]),
+    ("ops.linear_attention/initial_state not a pair", lambda e: la.linear_attention(o(1, 4, 1, 4), o(1, 4, 1, 4), o(1, 4, 1, 2), initial_state=z(1, 1, 4, 2)), V, ["pair (S, z)", "Received: initial_state="]),
     ("ops.linear_attention/eps=-1", lambda e: la.linear_attention(o(1, 4, 1, 4), o(1, 4, 1, 4), o(1, 4, 1, 2), eps=-1.0), V, ["eps=-1.0"]),
     ("ops.linear_attention/eps=nan", lambda e: la.linear_attention(o(1, 4, 1, 4), o(1, 4, 1, 4), o(1, 4, 1, 2), eps=float("nan")), V, ["eps=nan"]),
     # --- linear_attention_step / check_state / zero_state
@@ -473,3 +473,26 @@ def test_nan_in_an_unused_query_never_reaches_the_state():
     assert np.isfinite(np.asarray(s)).all() and np.isfinite(np.asarray(zz)).all()
     out = np.asarray(out)
     assert np.isnan(out[0, 2]).all() and np.isfinite(np.delete(out[0], 2, axis=0)).all()
+
+
+# ----------------------------------------------------- the docs table in sync
+def _docs_rows():
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "hardening.md")
+    with open(path) as f:
+        return {line.strip() for line in f if line.startswith("| `")}
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r[0] for r in ROWS])
+def test_docs_table_lists_the_row_as_tested(row):
+    """docs/hardening.md shows each row with the error type and fragments this file checks."""
+    name, _, error, fragments = row
+    entry, case = name.split("/", 1)
+    docs = _docs_rows()
+    prefix = f"| `{entry}` | {case} | {error.__name__}: "
+    matches = [line for line in docs if line.startswith(prefix)]
+    assert matches, f"docs/hardening.md has no row starting {prefix!r}"
+
+    def shown(fragment):
+        return f"`` {fragment} ``" if "`" in fragment else f"`{fragment}`"
+
+    assert matches[0] == prefix + ", ".join(shown(f) for f in fragments) + " |"

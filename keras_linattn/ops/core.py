@@ -77,7 +77,9 @@ def _validate(q_features, k_features, v, key_mask, initial_state):
                 f"k_features.shape={tuple(k_features.shape)}"
             )
     if initial_state is not None:
-        check_state(initial_state, q_features.shape[2], q_features.shape[3], v.shape[3])
+        check_state(
+            initial_state, q_features.shape[2], q_features.shape[3], v.shape[3], name="initial_state"
+        )
 
 
 def check_state(state, num_heads, feature_dim, value_dim, batch_size=None, name="state"):
