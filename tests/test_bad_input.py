@@ -239,6 +239,13 @@ ROWS = [
     ("ops.check_state/batch mismatch", lambda e: la.check_state((z(2, 1, 4, 2), z(3, 1, 4)), 1, 4, 2), V, ["S.shape=(2, 1, 4, 2)", "z.shape=(3, 1, 4)"]),
     ("ops.zero_state/batch_size=-1", lambda e: la.zero_state(-1, 1, 4, 2), V, ["batch_size=-1"]),
     ("ops.zero_state/num_heads=0", lambda e: la.zero_state(1, 0, 4, 2), V, ["num_heads=0"]),
+    ("ops.kernel_attention_reference/v rank 3", lambda e: la.kernel_attention_reference(o(1, 4, 1, 4), o(1, 4, 1, 4), o(1, 4, 2)), V, ["`v`", "v.shape=(1, 4, 2)"]),
+    ("ops.kernel_attention_reference/causal S != T", lambda e: la.kernel_attention_reference(o(1, 4, 1, 4), o(1, 6, 1, 4), o(1, 6, 1, 2), causal=True), V, ["causal=True", "q_features.shape[1]=4", "k_features.shape[1]=6"]),
+    ("ops.kernel_attention_weights/feature dim mismatch", lambda e: la.kernel_attention_weights(o(1, 4, 1, 4), o(1, 4, 1, 5)), V, ["k_features.shape=(1, 4, 1, 5)"]),
+    ("ops.kernel_attention_weights/key_mask length", lambda e: la.kernel_attention_weights(o(1, 4, 1, 4), o(1, 4, 1, 4), key_mask=o(1, 5)), V, ["key_mask.shape=(1, 5)"]),
+    ("ops.softmax_attention/heads mismatch", lambda e: la.softmax_attention(o(1, 4, 2, 4), o(1, 4, 2, 4), o(1, 4, 3, 2)), V, ["`v`", "v.shape=(1, 4, 3, 2)"]),
+    ("ops.softmax_attention_weights/k rank 3", lambda e: la.softmax_attention_weights(o(1, 4, 1, 4), o(1, 4, 4)), V, ["`k`", "k.shape=(1, 4, 4)"]),
+    ("ops.softmax_attention_weights/scale='x'", lambda e: la.softmax_attention_weights(o(1, 4, 1, 4), o(1, 4, 1, 4), scale="x"), V, ["scale='x'"]),
     # --- feature map registry
     ("feature_maps.get/unknown name", lambda e: feature_maps.get("softmax_plus"), V, ["feature_map='softmax_plus'", "Available"]),
     ("feature_maps.get/wrong type", lambda e: feature_maps.get(42), V, ["feature_map=42"]),

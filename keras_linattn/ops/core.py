@@ -42,43 +42,53 @@ def _check_positive_int(name, value):
         )
 
 
-def _validate(q_features, k_features, v, key_mask, initial_state):
-    _check_rank("q_features", q_features, 4)
-    _check_rank("k_features", k_features, 4)
-    _check_rank("v", v, 4)
-    qh, qc = q_features.shape[2], q_features.shape[3]
-    kh, kc = k_features.shape[2], k_features.shape[3]
-    vh = v.shape[2]
-    if qc is not None and kc is not None and qc != kc:
+def validate_inputs(q, k, v=None, key_mask=None, causal=False, names=("q_features", "k_features", "v")):
+    """Checks the ranks and shapes of attention inputs, naming the arguments.
+
+    ``q [B, T, H, C]``, ``k [B, S, H, C]``, optional ``v [B, S, H, M]`` and
+    ``key_mask [B, S]``; with `causal`, ``S == T``. Used by
+    `linear_attention` and by the quadratic references, so a fast path and
+    its oracle refuse the same inputs with the same messages.
+
+    Raises:
+        ValueError: naming the argument and the shape received.
+    """
+    q_name, k_name, v_name = names
+    _check_rank(q_name, q, 4)
+    _check_rank(k_name, k, 4)
+    if v is not None:
+        _check_rank(v_name, v, 4)
+    if q.shape[3] is not None and k.shape[3] is not None and q.shape[3] != k.shape[3]:
         raise ValueError(
-            "`q_features` and `k_features` must have the same feature dim C. "
-            f"Received: q_features.shape={tuple(q_features.shape)}, "
-            f"k_features.shape={tuple(k_features.shape)}"
+            f"`{q_name}` and `{k_name}` must have the same feature dim C. "
+            f"Received: {q_name}.shape={tuple(q.shape)}, {k_name}.shape={tuple(k.shape)}"
         )
-    for name, h in (("k_features", kh), ("v", vh)):
-        if qh is not None and h is not None and qh != h:
+    others = ((k_name, k),) if v is None else ((k_name, k), (v_name, v))
+    for name, x in others:
+        if q.shape[2] is not None and x.shape[2] is not None and q.shape[2] != x.shape[2]:
             raise ValueError(
-                f"`q_features` and `{name}` must have the same number of heads H. "
-                f"Received: q_features.shape={tuple(q_features.shape)}, "
-                f"{name}.shape={tuple(k_features.shape if name == 'k_features' else v.shape)}"
+                f"`{q_name}` and `{name}` must have the same number of heads H. "
+                f"Received: {q_name}.shape={tuple(q.shape)}, {name}.shape={tuple(x.shape)}"
             )
-    ks, vs = k_features.shape[1], v.shape[1]
-    if ks is not None and vs is not None and ks != vs:
+    ks = k.shape[1]
+    if v is not None and ks is not None and v.shape[1] is not None and ks != v.shape[1]:
         raise ValueError(
-            "`k_features` and `v` must have the same length S. "
-            f"Received: k_features.shape={tuple(k_features.shape)}, v.shape={tuple(v.shape)}"
+            f"`{k_name}` and `{v_name}` must have the same length S. "
+            f"Received: {k_name}.shape={tuple(k.shape)}, {v_name}.shape={tuple(v.shape)}"
         )
     if key_mask is not None:
         _check_rank("key_mask", key_mask, 2)
         if ks is not None and key_mask.shape[1] is not None and key_mask.shape[1] != ks:
             raise ValueError(
-                "`key_mask` must have shape [B, S] matching `k_features`. "
+                f"`key_mask` must have shape [B, S] matching `{k_name}`. "
                 f"Received: key_mask.shape={tuple(key_mask.shape)}, "
-                f"k_features.shape={tuple(k_features.shape)}"
+                f"{k_name}.shape={tuple(k.shape)}"
             )
-    if initial_state is not None:
-        check_state(
-            initial_state, q_features.shape[2], q_features.shape[3], v.shape[3], name="initial_state"
+    if causal and q.shape[1] is not None and ks is not None and q.shape[1] != ks:
+        raise ValueError(
+            "`causal=True` needs as many keys as queries (S == T). "
+            f"Received: {q.shape[1]} queries and {ks} keys "
+            f"({q_name}.shape[1]={q.shape[1]}, {k_name}.shape[1]={ks})"
         )
 
 
@@ -180,7 +190,11 @@ def linear_attention(
         ``[B, T, H, M]`` in the dtype of ``v`` (and the float32 state
         ``(S, z)`` if ``return_state``).
     """
-    _validate(q_features, k_features, v, key_mask, initial_state)
+    validate_inputs(q_features, k_features, v, key_mask, causal)
+    if initial_state is not None:
+        check_state(
+            initial_state, q_features.shape[2], q_features.shape[3], v.shape[3], name="initial_state"
+        )
     _check_positive_int("chunk_size", chunk_size)
     _check_eps(eps)
     out_dtype = v.dtype
@@ -215,13 +229,7 @@ def _causal_chunked(q, k, v, chunk_size, s0, z0, eps):
     the denominator), ``S_n = S_{n-1} + K_n^T V_n`` where ``S_{n-1}`` is an
     exclusive prefix sum over chunks. Returns ``(out [B, H, T, M], (S, z))``.
     """
-    t_static = q.shape[2]
-    if k.shape[2] is not None and t_static is not None and k.shape[2] != t_static:
-        raise ValueError(
-            "`causal=True` needs as many keys as queries (S == T). "
-            f"Received: {t_static} queries and {k.shape[2]} keys "
-            f"(q_features.shape[1]={t_static}, k_features.shape[1]={k.shape[2]})"
-        )
+    t_static = q.shape[2]  # S == T was checked by `validate_inputs`
     h, c, m = q.shape[1], q.shape[3], v.shape[3]
     batch = ops.shape(q)[0]
     length = ops.shape(q)[2]

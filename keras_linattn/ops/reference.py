@@ -6,6 +6,8 @@ C feature dim, M value dim.
 
 from keras import ops
 
+from keras_linattn.ops.core import validate_inputs
+
 
 def _pair_mask(batch_t, batch_s, causal, key_mask, t, s):
     """[B, 1, T, S] boolean mask of allowed (query, key) pairs, or None."""
@@ -24,7 +26,9 @@ def kernel_attention_reference(q_features, k_features, v, causal=False, key_mask
     Same contract as `keras_linattn.ops.linear_attention` (features
     ``[B, T, H, C]``, ``[B, S, H, C]``, values ``[B, S, H, M]``), computed
     the slow, obvious way in float32. Rows with no allowed key give 0.
+    Refuses the inputs `linear_attention` refuses, with the same messages.
     """
+    validate_inputs(q_features, k_features, v, key_mask, causal)
     q = ops.cast(q_features, "float32")
     k = ops.cast(k_features, "float32")
     v32 = ops.cast(v, "float32")
@@ -41,6 +45,7 @@ def kernel_attention_reference(q_features, k_features, v, causal=False, key_mask
 
 def kernel_attention_weights(q_features, k_features, causal=False, key_mask=None):
     """Normalized linear-attention weights ``[B, H, T, S]`` (rows sum to 1)."""
+    validate_inputs(q_features, k_features, None, key_mask, causal)
     q = ops.cast(q_features, "float32")
     k = ops.cast(k_features, "float32")
     scores = ops.einsum("bthc,bshc->bhts", q, k)  # [B, H, T, S]
@@ -52,7 +57,13 @@ def kernel_attention_weights(q_features, k_features, causal=False, key_mask=None
 
 
 def softmax_attention_weights(q, k, causal=False, key_mask=None, scale=None):
-    """Softmax attention weights ``[B, H, T, S]`` of raw queries/keys ``[B, *, H, D]``."""
+    """Softmax attention weights ``[B, H, T, S]`` of raw queries/keys ``[B, *, H, D]``.
+
+    `scale` multiplies the logits; None means ``D ** -0.5``.
+    """
+    validate_inputs(q, k, None, key_mask, causal, names=("q", "k", "v"))
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise ValueError(f"`scale` must be a number or None. Received: scale={scale!r}")
     q = ops.cast(q, "float32")
     k = ops.cast(k, "float32")
     if scale is None:
@@ -69,6 +80,7 @@ def softmax_attention_weights(q, k, causal=False, key_mask=None, scale=None):
 
 def softmax_attention(q, k, v, causal=False, key_mask=None, scale=None):
     """Exact softmax attention ``[B, T, H, M]`` of queries/keys ``[B, *, H, D]``."""
+    validate_inputs(q, k, v, key_mask, causal, names=("q", "k", "v"))
     weights = softmax_attention_weights(q, k, causal, key_mask, scale)  # [B, H, T, S]
     out = ops.einsum("bhts,bshm->bthm", weights, ops.cast(v, "float32"))
     return ops.cast(out, v.dtype)
