@@ -215,13 +215,16 @@ class EfficientAttention(_projections.ProjectedAttention):
         k = ops.cast(k, "float32")  # [B, S, H, D]
         v = ops.cast(v, "float32")  # [B, S, H, M]
         mask = None if key_mask is None else ops.cast(key_mask, "float32")[:, :, None, None]  # [B, S, 1, 1]
+        if mask is not None:
+            # `where`, not a product: 0 * NaN is NaN, so junk at a padded
+            # position would reach every output through the sums over S.
+            keep = mask > 0  # [B, S, 1, 1]
+            k = ops.where(keep, k, ops.zeros_like(k))  # [B, S, H, D]
+            v = ops.where(keep, v, ops.zeros_like(v))  # [B, S, H, M]
         if self.projection is None:
             weights = _masked_softmax_over_sequence(k, mask)  # [B, S, H, D]
             context = ops.einsum("bshd,bshm->bhdm", weights, v)  # [B, H, D, M]
         else:
-            if mask is not None:
-                k = k * mask  # [B, S, H, D]
-                v = v * mask  # [B, S, H, M]
             length = ops.shape(k)[1]
             e = self.projection_key[:, :length]  # [K, S]
             f = self.projection_value[:, :length]  # [K, S]

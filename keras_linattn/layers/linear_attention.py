@@ -129,7 +129,10 @@ class LinearAttention(_projections.ProjectedAttention):
             # Padded keys enter the map as zeros, so maps with statistics over
             # keys (the non-causal stabilizers of favor+/favor_trig) never see
             # padded junk; their features are still masked after the map.
-            k = k * ops.cast(key_mask, k.dtype)[:, :, None, None]  # [B, S, H, D]
+            # `where`, not a product: 0 * NaN is NaN, and a NaN padded key
+            # would reach every real key through such a statistic.
+            keep = ops.cast(key_mask, "bool")[:, :, None, None]  # [B, S, 1, 1]
+            k = ops.where(keep, k, ops.zeros_like(k))  # [B, S, H, D]
         qf = self.feature_map(q, is_query=True, causal=causal, training=training)  # [B, T, H, C]
         kf = self.feature_map(k, is_query=False, causal=causal, training=training)  # [B, S, H, C]
         return qf, kf, v
