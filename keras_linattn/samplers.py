@@ -38,8 +38,8 @@ def _register(name):
 
 
 def _check_positive_number(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"`{name}` must be a positive number. Received: {name}={value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"`{name}` must be a positive finite number. Received: {name}={value!r}")
 
 
 class Sampler:

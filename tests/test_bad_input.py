@@ -178,6 +178,25 @@ class Env:
         return os.path.dirname(self._dir(os.path.join("versions", "1")))
 
     @cached_property
+    def lm_step_onnx(self):
+        """The step graph of `lm` exported to ONNX (with its full graph)."""
+        full = self.path("lm.onnx")
+        export.export_onnx(self.lm, full)
+        return export.onnx_export.default_step_path(full)
+
+    @cached_property
+    def generator(self):
+        return export.OnnxGenerator(self.lm_step_onnx, device="cpu")
+
+    @cached_property
+    def not_prediction_logs(self):
+        """A valid TFRecord file whose records are not PredictionLog protos."""
+        p = self.path("records.tfrecord")
+        with tf.io.TFRecordWriter(p) as writer:
+            writer.write(b"\xff\xfe not a proto")
+        return p
+
+    @cached_property
     def a_file(self):
         return self._file("a_file.txt", b"x")
 
@@ -354,6 +373,7 @@ ROWS = [
     ("TopKSampler/k=0", lambda e: samplers.TopKSampler(k=0), V, ["k=0"]),
     ("TopPSampler/p=1.5", lambda e: samplers.TopPSampler(p=1.5), V, ["p=1.5"]),
     ("RandomSampler/temperature=0", lambda e: samplers.RandomSampler(temperature=0), V, ["temperature=0"]),
+    ("RandomSampler/temperature=nan", lambda e: samplers.RandomSampler(temperature=float("nan")), V, ["temperature=nan"]),
     ("Sampler.__call__/logits rank 3", lambda e: samplers.GreedySampler()(o(1, 2, 5)), V, ["logits.shape=(1, 2, 5)"]),
     ("Sampler.__call__/random without seed", lambda e: samplers.RandomSampler()(o(1, 5)), V, ["seed=None"]),
     ("OrthogonalRegularizer/factor=-1", lambda e: OrthogonalRegularizer(factor=-1), V, ["factor=-1"]),
@@ -404,6 +424,16 @@ ROWS = [
     ("OnnxPredictor.predict/list length", lambda e: e.predictor([o(2, 3), o(2, 3)]), V, ["2 inputs"]),
     ("OnnxGenerator/not a step graph", lambda e: export.OnnxGenerator(e.identity_onnx, device="cpu"), V, ["inputs=['x']"]),
     ("OnnxGenerator/corrupt file", lambda e: export.OnnxGenerator(e.corrupt_onnx, device="cpu"), V, ["path=", "corrupt.onnx"]),
+    ("OnnxGenerator.generate/prompt rank 1", lambda e: e.generator.generate(np.array([1, 2], "int32"), 4), V, ["prompt_ids", "(2,)"]),
+    ("OnnxGenerator.generate/float prompt", lambda e: e.generator.generate(np.ones((1, 2), "float32"), 4), V, ["prompt_ids", "float32"]),
+    ("OnnxGenerator.generate/empty prompt", lambda e: e.generator.generate(np.zeros((1, 0), "int32"), 4), V, ["prompt_ids.shape=(1, 0)"]),
+    ("OnnxGenerator.generate/max_length=0", lambda e: e.generator.generate(np.ones((1, 2), "int32"), 0), V, ["max_length=0"]),
+    ("OnnxGenerator.generate/temperature=nan", lambda e: e.generator.generate(np.ones((1, 2), "int32"), 4, temperature=float("nan")), V, ["temperature=nan"]),
+    ("read_warmup_requests/missing file", lambda e: export.read_warmup_requests(e.path("missing_warmup")), V, ["path=", "missing_warmup"]),
+    ("read_warmup_requests/corrupt file", lambda e: export.read_warmup_requests(e.corrupt_onnx), V, ["TFRecord", "path=", "corrupt.onnx"]),
+    ("read_warmup_requests/records not PredictionLog", lambda e: export.read_warmup_requests(e.not_prediction_logs), V, ["PredictionLog", "records.tfrecord"]),
+    ("write_warmup_requests/model_name=''", lambda e: export.write_warmup_requests(e.path("w"), None, ""), V, ["model_name=''"]),
+    ("write_warmup_requests/batch_size=0", lambda e: export.write_warmup_requests(e.path("w"), None, "m", batch_size=0), V, ["batch_size=0"]),
     ("read_metadata/corrupt file", lambda e: export.read_metadata(e.corrupt_onnx), V, ["path=", "corrupt.onnx"]),
     ("read_metadata/missing file", lambda e: export.read_metadata(e.path("missing.onnx")), V, ["path=", "missing.onnx"]),
 ]

@@ -254,9 +254,10 @@ def test_layer_with_every_feature_map_is_causal(name, t, chunk, cut, seed, batch
 
 
 @pytest.mark.parametrize("name", feature_maps.available())
+@pytest.mark.parametrize("junk", ["finite", "nan", "inf"])
 @settings(max_examples=4, **SETTINGS)
 @given(t=st.integers(2, 20), seed=st.integers(0, 2**31 - 1), causal=st.booleans())
-def test_layer_with_every_feature_map_ignores_padded_tokens(name, t, seed, causal):
+def test_layer_with_every_feature_map_ignores_padded_tokens(name, t, seed, causal, junk):
     layer = _layer(name)
     layer.chunk_size = 8
     rng = np.random.default_rng(seed)
@@ -264,8 +265,11 @@ def test_layer_with_every_feature_map_ignores_padded_tokens(name, t, seed, causa
     mask = rng.random((2, t)) < 0.7
     mask[:, 0] = True
     x2 = x.copy()
-    # Padded tokens replaced by arbitrary tokens, up to 100x larger.
-    x2[~mask] = rng.normal(size=x2[~mask].shape) * 10.0 ** rng.uniform(-2, 2)
+    # Padded tokens replaced by arbitrary tokens, up to 100x larger, or NaN/Inf.
+    if junk == "finite":
+        x2[~mask] = rng.normal(size=x2[~mask].shape) * 10.0 ** rng.uniform(-2, 2)
+    else:
+        x2[~mask] = np.nan if junk == "nan" else -np.inf
     y = np.asarray(layer(x, x, key_mask=mask, use_causal_mask=causal))
     y2 = np.asarray(layer(x2, x2, key_mask=mask, use_causal_mask=causal))
     # Outputs at real query positions (a padded query's own output follows its

@@ -101,8 +101,12 @@ class OnnxGenerator:
             raise ValueError(f"`prompt_ids` needs at least one token. Received: prompt_ids.shape={prompt.shape}")
         if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)) or max_length < 1:
             raise ValueError(f"`max_length` must be a positive integer. Received: max_length={max_length!r}")
-        if not isinstance(temperature, (int, float)) or temperature < 0:
-            raise ValueError(f"`temperature` must be >= 0. Received: temperature={temperature!r}")
+        if (
+            isinstance(temperature, bool)
+            or not isinstance(temperature, (int, float, np.floating))
+            or not 0 <= temperature < float("inf")
+        ):
+            raise ValueError(f"`temperature` must be a finite number >= 0. Received: temperature={temperature!r}")
         batch, prompt_len = prompt.shape
         if max_length <= prompt_len:
             return prompt[:, :max_length].astype(np.int32)

@@ -5,6 +5,8 @@ records; TF Serving replays them when it loads a version, so the first real
 request does not pay for graph initialization.
 """
 
+import os
+
 import numpy as np
 import tensorflow as tf
 
@@ -69,7 +71,17 @@ def warmup_inputs(specs, batch_size=1, length=16, include_generate=True):
 
 
 def write_warmup_requests(path, specs, model_name, batch_size=1, length=16, include_generate=True):
-    """Writes one `PredictionLog` per signature to the TFRecord file `path`."""
+    """Writes one `PredictionLog` per signature to the TFRecord file `path`.
+
+    Raises:
+        ValueError: for an empty `model_name` or a `batch_size`/`length` that
+            is not a positive integer.
+    """
+    if not isinstance(model_name, str) or not model_name:
+        raise ValueError(f"`model_name` must be a non-empty string. Received: model_name={model_name!r}")
+    for name, value in (("batch_size", batch_size), ("length", length)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
     _, prediction_log_pb2 = _serving_apis()
     with tf.io.TFRecordWriter(path) as writer:
         for signature_name, inputs in warmup_inputs(specs, batch_size, length, include_generate):
@@ -83,12 +95,29 @@ def write_warmup_requests(path, specs, model_name, batch_size=1, length=16, incl
 
 
 def read_warmup_requests(path):
-    """Parses a warmup file: a list of (signature name, named numpy inputs)."""
+    """Parses a warmup file: a list of (signature name, named numpy inputs).
+
+    Raises:
+        ValueError: naming `path` if it is not a file, or not a TFRecord file
+            of `PredictionLog` records with predict requests.
+    """
+    from google.protobuf.message import DecodeError
+
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
+        raise ValueError(f"`path` must be an existing warmup file. Received: path={path!r}")
     _, prediction_log_pb2 = _serving_apis()
     requests = []
-    for record in tf.data.TFRecordDataset(path).as_numpy_iterator():
-        log = prediction_log_pb2.PredictionLog.FromString(record)
-        request = log.predict_log.request
-        inputs = {name: tf.make_ndarray(proto) for name, proto in request.inputs.items()}
-        requests.append((request.model_spec.signature_name, inputs))
+    try:
+        for record in tf.data.TFRecordDataset(str(path)).as_numpy_iterator():
+            log = prediction_log_pb2.PredictionLog.FromString(record)
+            if not log.HasField("predict_log"):
+                raise DecodeError("a record is not a predict log")
+            request = log.predict_log.request
+            inputs = {name: tf.make_ndarray(proto) for name, proto in request.inputs.items()}
+            requests.append((request.model_spec.signature_name, inputs))
+    except (tf.errors.OpError, DecodeError) as e:
+        raise ValueError(
+            "Not a TF Serving warmup file (a TFRecord file of PredictionLog records with "
+            f"predict requests): {str(e).splitlines()[0]}. Received: path={path!r}"
+        ) from e
     return requests
