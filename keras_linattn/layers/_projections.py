@@ -102,8 +102,12 @@ class ProjectedAttention(keras.layers.Layer):
         self.seed = seed
         self._dropout_layer = keras.layers.Dropout(dropout, seed=seed)
 
-    def reject_attention_mask(self, attention_mask, alternatives):
-        """Raises the ValueError for an `attention_mask`, naming what to use instead."""
+    def resolve_keys(self, value, key, value_mask, key_mask, attention_mask, alternatives):
+        """The call's keys and key mask: `key` defaults to `value`, `key_mask` to `value_mask`.
+
+        Raises the ValueError for an `attention_mask` (which this layer can't
+        apply), naming what to use instead (`alternatives`).
+        """
         if attention_mask is not None:
             raise ValueError(
                 f"{type(self).__name__} does not support an arbitrary `attention_mask`: a "
@@ -111,6 +115,7 @@ class ProjectedAttention(keras.layers.Layer):
                 f"matrix, which this layer never does. Use {alternatives}. "
                 f"Received: attention_mask with shape {tuple(attention_mask.shape)}"
             )
+        return (value if key is None else key), (value_mask if key_mask is None else key_mask)
 
     def _einsum_dense(self, equation, output_shape, bias_axes, name):
         # A fresh initializer per weight: an initializer instance reuses its seed.

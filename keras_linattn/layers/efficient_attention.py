@@ -187,11 +187,9 @@ class EfficientAttention(_projections.ProjectedAttention):
                 "`LinearAttention` for causal attention. "
                 f"Received: use_causal_mask={use_causal_mask!r}"
             )
-        self.reject_attention_mask(attention_mask, "`key_mask` ([B, S]) for padding")
-        if key is None:
-            key = value
-        if key_mask is None:
-            key_mask = value_mask
+        key, key_mask = self.resolve_keys(
+            value, key, value_mask, key_mask, attention_mask, "`key_mask` ([B, S]) for padding"
+        )
         for name, x in (("query", query), ("value", value), ("key", key)):
             if len(x.shape) != 3:
                 raise ValueError(

@@ -151,13 +151,10 @@ class LinearAttention(_projections.ProjectedAttention):
         return_state=False,
         initial_state=None,
     ):
-        self.reject_attention_mask(
-            attention_mask, "`key_mask` ([B, S]) for padding and `use_causal_mask=True` for causal attention"
+        key, key_mask = self.resolve_keys(
+            value, key, value_mask, key_mask, attention_mask,
+            "`key_mask` ([B, S]) for padding and `use_causal_mask=True` for causal attention",
         )
-        if key is None:
-            key = value
-        if key_mask is None:
-            key_mask = value_mask
         # Masks are consumed here (as key padding); the projections must not
         # see them. The output gets the query's mask back through
         # `supports_masking` (Layer.compute_mask returns the query mask).
