@@ -259,7 +259,8 @@ def _causal_chunked(q, k, v, chunk_size, s0, z0, eps):
     incl_z = ops.cumsum(chunk_z, axis=2)  # [B, H, N, C]
     excl_s = ops.pad(incl_s, [[0, 0], [0, 0], [1, 0], [0, 0], [0, 0]])[:, :, :-1]  # [B, H, N, C, M]
     excl_z = ops.pad(incl_z, [[0, 0], [0, 0], [1, 0], [0, 0]])[:, :, :-1]  # [B, H, N, C]
-    s_final, z_final = incl_s[:, :, -1], incl_z[:, :, -1]  # [B, H, C, M], [B, H, C]
+    # A sum, not incl[:, :, -1]: an empty sequence (N = 0) has the zero state.
+    s_final, z_final = ops.sum(chunk_s, axis=2), ops.sum(chunk_z, axis=2)  # [B, H, C, M], [B, H, C]
     if s0 is not None:
         excl_s = excl_s + s0[:, :, None]
         excl_z = excl_z + z0[:, :, None]

@@ -1,0 +1,84 @@
+"""Zero-length key sets and empty causal pieces, where they are legal.
+
+Non-causal attention over no keys gives 0 (the layers then return their output
+bias); an empty causal piece gives an empty output and hands the state on
+unchanged, so streaming code need not special-case an empty chunk.
+"""
+
+import numpy as np
+import pytest
+
+from keras_linattn import ops as la
+from keras_linattn.layers import EfficientAttention, LinearAttention
+
+B, T, H, C, M = 2, 3, 2, 4, 5
+
+
+def _q():
+    return np.random.default_rng(0).uniform(0.1, 1.0, (B, T, H, C)).astype("float32")
+
+
+def _state():
+    rng = np.random.default_rng(1)
+    return rng.uniform(0.1, 1, (B, H, C, M)).astype("float32"), rng.uniform(1, 2, (B, H, C)).astype("float32")
+
+
+def test_non_causal_attention_over_no_keys_is_zero_and_keeps_the_state():
+    k, v = np.zeros((B, 0, H, C), "float32"), np.zeros((B, 0, H, M), "float32")
+    out = np.asarray(la.linear_attention(_q(), k, v))
+    np.testing.assert_array_equal(out, np.zeros((B, T, H, M), "float32"))
+    np.testing.assert_array_equal(np.asarray(la.kernel_attention_reference(_q(), k, v)), out)
+    s0, z0 = _state()
+    out, (s, z) = la.linear_attention(_q(), k, v, initial_state=(s0, z0), return_state=True)
+    np.testing.assert_array_equal(np.asarray(s), s0)
+    np.testing.assert_array_equal(np.asarray(z), z0)
+    # With a state, the queries read it: phi(q) S0 / phi(q) z0.
+    q = _q()
+    expected = np.einsum("bthc,bhcm->bthm", q, s0) / np.einsum("bthc,bhc->bth", q, z0)[..., None]
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+def test_an_empty_causal_piece_is_empty_and_hands_the_state_on(with_state):
+    q = np.zeros((B, 0, H, C), "float32")
+    v = np.zeros((B, 0, H, M), "float32")
+    s0, z0 = _state() if with_state else (np.zeros((B, H, C, M), "float32"), np.zeros((B, H, C), "float32"))
+    out, (s, z) = la.linear_attention(
+        q, q, v, causal=True, initial_state=(s0, z0) if with_state else None, return_state=True
+    )
+    assert tuple(out.shape) == (B, 0, H, M)
+    np.testing.assert_array_equal(np.asarray(s), s0)
+    np.testing.assert_array_equal(np.asarray(z), z0)
+
+
+def test_streaming_with_an_empty_piece_equals_one_pass():
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(B, 7, 8)).astype("float32")
+    layer = LinearAttention(2, 4, chunk_size=4)
+    whole = np.asarray(layer(x, x, use_causal_mask=True))
+    first, state = layer(x[:, :3], x[:, :3], use_causal_mask=True, return_state=True)
+    empty, state = layer(x[:, :0], x[:, :0], use_causal_mask=True, return_state=True, initial_state=state)
+    rest = layer(x[:, 3:], x[:, 3:], use_causal_mask=True, initial_state=state)
+    assert tuple(empty.shape) == (B, 0, 8)
+    np.testing.assert_allclose(np.concatenate([first, rest], axis=1), whole, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: LinearAttention(2, 4),
+        lambda: EfficientAttention(2, 4),
+        lambda: EfficientAttention(2, 4, projection="random", projection_dim=2, max_length=8, seed=0),
+    ],
+    ids=["LinearAttention", "EfficientAttention", "EfficientAttention-random"],
+)
+def test_cross_attention_over_no_keys_returns_the_output_bias(make):
+    layer = make()
+    x = np.random.default_rng(3).normal(size=(B, T, 8)).astype("float32")
+    empty = np.zeros((B, 0, 8), "float32")
+    layer(x, empty)  # builds
+    bias = np.linspace(-1, 1, 8).astype("float32")
+    layer.output_dense.bias.assign(bias)
+    out = np.asarray(layer(x, empty))
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, np.broadcast_to(bias, out.shape), atol=1e-6)
