@@ -25,17 +25,7 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-_REGISTRY = {}
-
-
-def _register(name):
-    def decorator(cls):
-        _REGISTRY[name] = cls
-        cls.registry_name = name
-        return keras.saving.register_keras_serializable(package="keras_linattn")(cls)
-
-    return decorator
-
+from keras_linattn._registry import NameRegistry
 
 def _check_positive_number(name, value):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
@@ -102,6 +92,10 @@ def _gumbel_argmax(logits, seed):
     gumbel = -ops.log(-ops.log(uniform))  # [B, V]
     return ops.argmax(logits + gumbel, axis=-1)  # [B]
 
+
+
+_REGISTRY = NameRegistry("sampler", "sampler", Sampler)
+_register = _REGISTRY.register
 
 @_register("greedy")
 class GreedySampler(Sampler):
@@ -208,7 +202,7 @@ class TopPSampler(Sampler):
 
 def available():
     """Sorted list of sampler names."""
-    return sorted(_REGISTRY)
+    return _REGISTRY.available()
 
 
 def get(identifier, **kwargs):
@@ -220,23 +214,7 @@ def get(identifier, **kwargs):
         **kwargs: constructor arguments when `identifier` is a name,
             e.g. ``get("top_k", k=10, temperature=0.8)``.
     """
-    if isinstance(identifier, Sampler):
-        if kwargs:
-            raise ValueError(
-                "Constructor arguments can only be given with a sampler name. "
-                f"Received: sampler={identifier!r}, kwargs={kwargs}"
-            )
-        return identifier
-    if isinstance(identifier, str):
-        cls = _REGISTRY.get(identifier)
-        if cls is None:
-            raise ValueError(f"Unknown sampler. Received: sampler={identifier!r}. Available: {available()}")
-        return cls(**kwargs)
-    if isinstance(identifier, dict):
-        return deserialize(identifier)
-    raise ValueError(
-        f"`sampler` must be a name, a serialized config or a Sampler. Received: sampler={identifier!r}"
-    )
+    return _REGISTRY.get(identifier, kwargs, deserialize)
 
 
 def serialize(sampler):
@@ -246,7 +224,7 @@ def serialize(sampler):
 
 def deserialize(config):
     """Inverse of `serialize`."""
-    by_class = {cls.__name__: cls for cls in _REGISTRY.values()}
+    by_class = _REGISTRY.by_class_name()
     cls = by_class.get(config.get("class_name")) if isinstance(config, dict) else None
     if cls is None:
         raise ValueError(f"Unknown sampler config. Received: config={config!r}. Known: {sorted(by_class)}")

@@ -2,9 +2,10 @@
 
 import keras
 
+from keras_linattn._registry import NameRegistry
 from keras_linattn.feature_maps.base import FeatureMap
 
-_REGISTRY = {}
+_REGISTRY = NameRegistry("feature map", "feature_map", FeatureMap)
 
 
 def register(name):
@@ -13,22 +14,12 @@ def register(name):
     Registered maps can be referred to by name (``LinearAttention(...,
     feature_map="elu")``) and are deserializable with ``safe_mode=True``.
     """
-
-    def decorator(cls):
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"Feature map name {name!r} is already registered.")
-        if not issubclass(cls, FeatureMap):
-            raise TypeError(f"{cls.__name__} must subclass FeatureMap to be registered.")
-        _REGISTRY[name] = cls
-        cls.registry_name = name
-        return keras.saving.register_keras_serializable(package="keras_linattn")(cls)
-
-    return decorator
+    return _REGISTRY.register(name)
 
 
 def available():
     """Sorted list of registered feature-map names."""
-    return sorted(_REGISTRY)
+    return _REGISTRY.available()
 
 
 def get(identifier, **kwargs):
@@ -42,27 +33,7 @@ def get(identifier, **kwargs):
     Raises:
         ValueError: for an unknown name or an object that is not a feature map.
     """
-    if isinstance(identifier, FeatureMap):
-        if kwargs:
-            raise ValueError(
-                "Constructor arguments can only be given with a feature-map name. "
-                f"Received: identifier={identifier!r}, kwargs={kwargs}"
-            )
-        return identifier
-    if isinstance(identifier, str):
-        cls = _REGISTRY.get(identifier)
-        if cls is None:
-            raise ValueError(
-                f"Unknown feature map. Received: feature_map={identifier!r}. "
-                f"Available: {available()}"
-            )
-        return cls(**kwargs)
-    if isinstance(identifier, dict):
-        return deserialize(identifier)
-    raise ValueError(
-        "`feature_map` must be a name, a serialized config or a FeatureMap instance. "
-        f"Received: feature_map={identifier!r}"
-    )
+    return _REGISTRY.get(identifier, kwargs, deserialize)
 
 
 def serialize(feature_map):
@@ -73,7 +44,7 @@ def serialize(feature_map):
 def deserialize(config):
     """Inverse of `serialize`; refuses anything that is not a registered feature map."""
     class_name = config.get("class_name") if isinstance(config, dict) else None
-    known = {cls.__name__ for cls in _REGISTRY.values()}
+    known = set(_REGISTRY.by_class_name())
     if class_name not in known:
         raise ValueError(
             "Unknown feature map in config. "

@@ -1,0 +1,71 @@
+"""Name registries: feature maps and samplers are looked up by name.
+
+`NameRegistry` holds ``name -> class`` for one kind of object, registers
+each class with Keras (so configs naming it load under ``safe_mode=True``),
+and resolves the identifiers users pass (a name, a serialized config or an
+instance) with errors that name the argument.
+"""
+
+import keras
+
+
+class NameRegistry:
+    """Registered classes of one kind, by name.
+
+    Args:
+        kind: what the classes are, for messages (``"feature map"``).
+        argument: the argument users pass identifiers as (``"feature_map"``).
+        base: the base class every registered class must subclass.
+    """
+
+    def __init__(self, kind, argument, base):
+        self.kind = kind
+        self.argument = argument
+        self.base = base
+        self._classes = {}
+
+    def register(self, name):
+        """Class decorator: registers a subclass of `base` under `name` and with Keras."""
+
+        def decorator(cls):
+            if name in self._classes and self._classes[name] is not cls:
+                raise ValueError(f"{self.kind.capitalize()} name {name!r} is already registered.")
+            if not (isinstance(cls, type) and issubclass(cls, self.base)):
+                raise TypeError(f"{cls.__name__} must subclass {self.base.__name__} to be registered.")
+            self._classes[name] = cls
+            cls.registry_name = name
+            return keras.saving.register_keras_serializable(package="keras_linattn")(cls)
+
+        return decorator
+
+    def available(self):
+        """Sorted list of registered names."""
+        return sorted(self._classes)
+
+    def by_class_name(self):
+        """``{class.__name__: class}`` of the registered classes."""
+        return {cls.__name__: cls for cls in self._classes.values()}
+
+    def get(self, identifier, kwargs, deserialize):
+        """Resolves a name (built with `kwargs`), a config (`deserialize`) or an instance."""
+        if isinstance(identifier, self.base):
+            if kwargs:
+                raise ValueError(
+                    f"Constructor arguments can only be given with a {self.kind} name. "
+                    f"Received: {self.argument}={identifier!r}, kwargs={kwargs}"
+                )
+            return identifier
+        if isinstance(identifier, str):
+            cls = self._classes.get(identifier)
+            if cls is None:
+                raise ValueError(
+                    f"Unknown {self.kind}. Received: {self.argument}={identifier!r}. "
+                    f"Available: {self.available()}"
+                )
+            return cls(**kwargs)
+        if isinstance(identifier, dict):
+            return deserialize(identifier)
+        raise ValueError(
+            f"`{self.argument}` must be a name, a serialized config or a {self.base.__name__} "
+            f"instance. Received: {self.argument}={identifier!r}"
+        )
