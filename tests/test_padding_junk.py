@@ -57,3 +57,78 @@ def test_encoder_block_real_tokens_ignore_junk_tokens(name):
     dirty = np.asarray(block(junk, padding_mask=mask))
     np.testing.assert_array_equal(dirty[0], clean[0])
     np.testing.assert_array_equal(dirty[1, :6], clean[1, :6])
+
+
+def test_a_masked_step_keeps_the_state_even_with_nan_key_and_value():
+    from keras_linattn import ops as la
+
+    rng = np.random.default_rng(4)
+    state = la.zero_state(2, 1, 3, 2)
+    state = (state[0] + 1.0, state[1] + 1.0)
+    q = rng.uniform(0.1, 1, (2, 1, 3)).astype("float32")
+    k = np.full((2, 1, 3), np.nan, "float32")
+    v = np.full((2, 1, 2), np.inf, "float32")
+    out, (s, z) = la.linear_attention_step(q, k, v, state, key_mask_t=np.array([False, False]))
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(state[0]))
+    np.testing.assert_array_equal(np.asarray(z), np.asarray(state[1]))
+    assert np.isfinite(np.asarray(out)).all()
+
+
+def _float_and_bool_masks():
+    """A non-0/1 float mask and the boolean mask it means (nonzero = real key)."""
+    values = np.array([[1.0, 0.5, 0.0, 2.0, 0.0, 1.0], [0.25, 0.0, 3.0, 1.0, 1.0, 0.0]], "float32")
+    return values, values != 0
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_float_masks_mean_nonzero_is_real_in_the_ops_and_the_oracle(causal):
+    from keras_linattn import ops as la
+
+    rng = np.random.default_rng(5)
+    q = rng.uniform(0.1, 1, (2, 6, 2, 3)).astype("float32")
+    k = rng.uniform(0.1, 1, (2, 6, 2, 3)).astype("float32")
+    v = rng.normal(size=(2, 6, 2, 4)).astype("float32")
+    as_float, as_bool = _float_and_bool_masks()
+    expected = np.asarray(la.linear_attention(q, k, v, causal=causal, key_mask=as_bool, chunk_size=4))
+    got = np.asarray(la.linear_attention(q, k, v, causal=causal, key_mask=as_float, chunk_size=4))
+    np.testing.assert_array_equal(got, expected)
+    oracle = np.asarray(la.kernel_attention_reference(q, k, v, causal=causal, key_mask=as_float))
+    np.testing.assert_allclose(oracle, expected, atol=1e-5)
+    # Stepping with the float mask gives the same outputs.
+    state = la.zero_state(2, 2, 3, 4)
+    if causal:
+        for t in range(6):
+            out_t, state = la.linear_attention_step(q[:, t], k[:, t], v[:, t], state, key_mask_t=as_float[:, t])
+            np.testing.assert_allclose(np.asarray(out_t), expected[:, t], atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: LinearAttention(2, 4),
+        lambda: EfficientAttention(2, 4, seed=0),
+        lambda: EfficientAttention(2, 4, projection="learned", projection_dim=3, max_length=8, seed=0),
+    ],
+    ids=["LinearAttention", "EfficientAttention", "EfficientAttention-learned"],
+)
+def test_float_masks_mean_nonzero_is_real_in_the_layers(make):
+    x = np.random.default_rng(6).normal(size=(2, 6, 8)).astype("float32")
+    as_float, as_bool = _float_and_bool_masks()
+    layer = make()
+    np.testing.assert_array_equal(
+        np.asarray(layer(x, x, key_mask=as_float)), np.asarray(layer(x, x, key_mask=as_bool))
+    )
+
+
+def test_causal_lm_reads_a_float_padding_mask_as_nonzero_is_real():
+    from keras_linattn.models import LinearCausalLM
+
+    lm = LinearCausalLM(
+        vocabulary_size=11, num_layers=1, hidden_dim=8, num_heads=2, intermediate_dim=16, max_sequence_length=8
+    )
+    tokens = np.array([[0, 0, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]], "int32")
+    as_bool = np.array([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], bool)
+    as_float = np.where(as_bool, 0.5, 0.0).astype("float32")  # learned positions count real tokens
+    np.testing.assert_array_equal(
+        np.asarray(lm(tokens, padding_mask=as_float)), np.asarray(lm(tokens, padding_mask=as_bool))
+    )

@@ -212,15 +212,14 @@ class EfficientAttention(_projections.ProjectedAttention):
         q = ops.softmax(ops.cast(q, "float32"), axis=-1)  # [B, T, H, D]
         k = ops.cast(k, "float32")  # [B, S, H, D]
         v = ops.cast(v, "float32")  # [B, S, H, M]
-        mask = None if key_mask is None else ops.cast(key_mask, "float32")[:, :, None, None]  # [B, S, 1, 1]
-        if mask is not None:
+        keep = None if key_mask is None else ops.cast(key_mask, "bool")[:, :, None, None]  # [B, S, 1, 1]
+        if keep is not None:
             # `where`, not a product: 0 * NaN is NaN, so junk at a padded
             # position would reach every output through the sums over S.
-            keep = mask > 0  # [B, S, 1, 1]
             k = ops.where(keep, k, ops.zeros_like(k))  # [B, S, H, D]
             v = ops.where(keep, v, ops.zeros_like(v))  # [B, S, H, M]
         if self.projection is None:
-            weights = _masked_softmax_over_sequence(k, mask)  # [B, S, H, D]
+            weights = _masked_softmax_over_sequence(k, keep)  # [B, S, H, D]
             context = ops.einsum("bshd,bshm->bhdm", weights, v)  # [B, H, D, M]
         else:
             length = ops.shape(k)[1]
@@ -247,16 +246,17 @@ class EfficientAttention(_projections.ProjectedAttention):
         }
 
 
-def _masked_softmax_over_sequence(k, mask):
+def _masked_softmax_over_sequence(k, keep):
     """Softmax of ``k [B, S, H, D]`` over S; masked keys get weight 0.
 
-    ``mask`` is ``[B, S, 1, 1]`` (1 = keep) or None. A batch row whose keys are
-    all masked gets all-zero weights (so a zero context), never NaN.
+    ``keep`` is a boolean ``[B, S, 1, 1]`` (True = real key) or None. A batch
+    row whose keys are all masked gets all-zero weights (so a zero context),
+    never NaN.
     """
-    if mask is None:
+    if keep is None:
         return ops.softmax(k, axis=1)  # [B, S, H, D]
-    logits = ops.where(mask > 0, k, ops.full_like(k, _NEG_LARGE))  # [B, S, H, D]
+    logits = ops.where(keep, k, ops.full_like(k, _NEG_LARGE))  # [B, S, H, D]
     peak = ops.stop_gradient(ops.max(logits, axis=1, keepdims=True))  # [B, 1, H, D]
-    expd = ops.exp(logits - peak) * mask  # [B, S, H, D]
+    expd = ops.where(keep, ops.exp(logits - peak), ops.zeros_like(logits))  # [B, S, H, D]
     total = ops.sum(expd, axis=1, keepdims=True)  # [B, 1, H, D]
     return expd / ops.where(total > 0, total, ops.ones_like(total))

@@ -217,7 +217,7 @@ class LinearCausalLM(keras.Model):
             offsets = ops.arange(length, dtype="int32")[None, :]  # [1, T]
             count = ops.zeros_like(start) + length
         else:
-            mask = ops.cast(padding_mask, "int32")  # [B, T]
+            mask = ops.cast(ops.cast(padding_mask, "bool"), "int32")  # [B, T], nonzero = real
             offsets = ops.cumsum(mask, axis=1) - mask  # [B, T]
             count = ops.sum(mask, axis=1)  # [B]
         return start[:, None] + offsets, start + count  # [B, T], [B]

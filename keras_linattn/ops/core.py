@@ -299,9 +299,12 @@ def linear_attention_step(q_t, k_t, v_t, state, key_mask_t=None, eps=DEFAULT_EPS
     out_dtype = v_t.dtype
     q = ops.cast(q_t, "float32")  # [B, H, C]
     k = ops.cast(k_t, "float32")  # [B, H, C]
-    if key_mask_t is not None:
-        k = k * ops.cast(key_mask_t, "float32")[:, None, None]
     v = ops.cast(v_t, "float32")  # [B, H, M]
+    if key_mask_t is not None:
+        # `where` on keys and values, as in `linear_attention` (0 * NaN is NaN).
+        keep = ops.cast(key_mask_t, "bool")[:, None, None]  # [B, 1, 1]
+        k = ops.where(keep, k, ops.zeros_like(k))  # [B, H, C]
+        v = ops.where(keep, v, ops.zeros_like(v))  # [B, H, M]
     s, z = state
     s = ops.cast(s, "float32") + k[..., :, None] * v[..., None, :]  # [B, H, C, M]
     z = ops.cast(z, "float32") + k  # [B, H, C]
