@@ -365,6 +365,12 @@ ROWS = [
     ("LinearCausalLM.step/state length", lambda e: e.lm.step(np.zeros((1,), "int32"), e.lm.get_initial_state(1)[:2]), V, ["state", "3 tensors", "2 entries"]),
     ("LinearCausalLM.step/state S shape", lambda e: e.lm.step(np.zeros((1,), "int32"), [z(1, 2, 4, 5), z(1, 2, 4), np.zeros((1,), "int32")]), V, ["state[0:2]", "(1, 2, 4, 5)"]),
     ("LinearCausalLM.step/position shape", lambda e: e.lm.step(np.zeros((1,), "int32"), e.lm.get_initial_state(1)[:2] + [np.zeros((1, 1), "int32")]), V, ["state[-1]", "(1, 1)"]),
+    ("LinearCausalLM.step/token_t out of vocabulary", lambda e: e.lm.step(np.array([16], "int32"), e.lm.get_initial_state(1)), V, ["token_t", "[0, 16)", "max=16"]),
+    ("LinearCausalLM.call/negative token id", lambda e: e.lm(np.array([[1, -1, 2]], "int32")), V, ["token_ids", "[0, 16)", "min=-1"]),
+    ("LinearCausalLM.call/token id = vocabulary_size", lambda e: e.lm(np.array([[1, 16]], "int32")), V, ["token_ids", "max=16"]),
+    ("LinearAttention.call/query dim differs from build", lambda e: e.attention(o(1, 3, 6), o(1, 3, 8)), V, ["built for `query` of last dim 8", "query.shape=(1, 3, 6)"]),
+    ("LinearAttention.call/value dim differs from build", lambda e: e.attention(o(1, 3, 8), o(1, 3, 5)), V, ["`value` of last dim 8", "value.shape=(1, 3, 5)"]),
+    ("EfficientAttention.call/key dim differs from build", lambda e: _built(EfficientAttention(2, 4), (None, None, 8), (None, None, 8))(o(1, 3, 8), o(1, 3, 8), key=o(1, 3, 7)), V, ["`key` of last dim 8", "key.shape=(1, 3, 7)"]),
     ("LinearCausalLM.call_with_state/state batch", lambda e: e.lm.call_with_state(np.zeros((2, 3), "int32"), e.lm.get_initial_state(1)), V, ["state", "(1, 2, 4, 4)"]),
     # --- samplers, regularizers, callbacks
     ("samplers.get/unknown", lambda e: samplers.get("nucleus"), V, ["sampler='nucleus'"]),

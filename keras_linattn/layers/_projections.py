@@ -153,6 +153,7 @@ class ProjectedAttention(keras.layers.Layer):
                 "`key` and `value` must have the same length. "
                 f"Received: key.shape={tuple(key_shape)}, value.shape={tuple(value_shape)}"
             )
+        self._input_dims = {"query": query_shape[-1], "value": value_shape[-1], "key": key_shape[-1]}
         h, d, m = self.num_heads, self.key_dim, self.value_dim
         out_dim = self.output_shape_ or query_shape[-1]
         self.query_dense = self._einsum_dense("btd,dhk->bthk", (None, h, d), "hk", "query")
@@ -163,6 +164,20 @@ class ProjectedAttention(keras.layers.Layer):
         self.value_dense.build(value_shape)
         self.output_dense = self._einsum_dense("bthk,hkd->btd", (None, out_dim), "d", "attention_output")
         self.output_dense.build((query_shape[0], query_shape[1], h, m))
+
+    def check_call_inputs(self, query, value, key):
+        """Ranks, and last dims against those the projections were built for."""
+        for name, x in (("query", query), ("value", value), ("key", key)):
+            if len(x.shape) != 3:
+                raise ValueError(
+                    f"`{name}` must have rank 3 [batch, length, dim]. Received: {name}.shape={tuple(x.shape)}"
+                )
+            built = getattr(self, "_input_dims", {}).get(name)
+            if built is not None and x.shape[-1] is not None and x.shape[-1] != built:
+                raise ValueError(
+                    f"{type(self).__name__} was built for `{name}` of last dim {built}. "
+                    f"Received: {name}.shape={tuple(x.shape)}"
+                )
 
     def project_output(self, attended, training):
         """Dropout, then the output projection: ``[B, T, H, M] -> [B, T, out_dim]``."""

@@ -190,11 +190,7 @@ class EfficientAttention(_projections.ProjectedAttention):
         key, key_mask = self.resolve_keys(
             value, key, value_mask, key_mask, attention_mask, "`key_mask` ([B, S]) for padding"
         )
-        for name, x in (("query", query), ("value", value), ("key", key)):
-            if len(x.shape) != 3:
-                raise ValueError(
-                    f"`{name}` must have rank 3 [batch, length, dim]. Received: {name}.shape={tuple(x.shape)}"
-                )
+        self.check_call_inputs(query, value, key)
         self._check_length(key.shape[1])
         if key_mask is not None and len(key_mask.shape) != 2:
             raise ValueError(

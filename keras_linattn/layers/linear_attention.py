@@ -155,6 +155,7 @@ class LinearAttention(_projections.ProjectedAttention):
             value, key, value_mask, key_mask, attention_mask,
             "`key_mask` ([B, S]) for padding and `use_causal_mask=True` for causal attention",
         )
+        self.check_call_inputs(query, value, key)
         # Masks are consumed here (as key padding); the projections must not
         # see them. The output gets the query's mask back through
         # `supports_masking` (Layer.compute_mask returns the query mask).

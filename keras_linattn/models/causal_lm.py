@@ -191,6 +191,15 @@ class LinearCausalLM(keras.Model):
             )
         if "int" not in str(token_ids.dtype):
             raise ValueError(f"`{name}` must be integer token ids. Received: {name}.dtype={token_ids.dtype}")
+        if tf.executing_eagerly() and ops.size(token_ids) > 0:
+            # Concrete ids are checked (a negative id would silently wrap around
+            # in the embedding lookup); inside a traced graph (fit, XLA) they
+            # can't be without a per-step assertion.
+            low, high = int(ops.min(token_ids)), int(ops.max(token_ids))
+            if low < 0 or high >= self.vocabulary_size:
+                raise ValueError(
+                    f"`{name}` must be in [0, {self.vocabulary_size}). Received: min={low}, max={high}"
+                )
         if rank == 2 and token_ids.shape[1] is not None and self.max_sequence_length is not None:
             if token_ids.shape[1] > self.max_sequence_length:
                 raise ValueError(
