@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-slow bench install clean
+.PHONY: demo test test-fast test-slow test-onednn-off bench install clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,16 @@ test-fast: $(STAMP)
 
 test-slow: $(STAMP)
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q -m slow tests --runslow
+
+# The files whose bounds depend on float rounding, with oneDNN's kernels off
+# (what other CPUs see): run by .ci/run after `make test`.
+NUMERIC_TESTS := tests/test_ops.py tests/test_linear_attention.py tests/test_numerics_stress.py \
+	tests/test_trainable_kernels.py tests/test_favor.py tests/test_hedgehog.py tests/test_properties.py \
+	tests/test_efficient_attention.py tests/test_cell.py tests/test_causal_lm.py tests/test_transformer.py \
+	tests/test_padding_junk.py tests/test_feature_maps_fixed.py tests/test_regularizers.py
+
+test-onednn-off: $(STAMP)
+	TF_ENABLE_ONEDNN_OPTS=0 TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q $(NUMERIC_TESTS)
 
 bench: $(STAMP)
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m benchmarks.bench_attention

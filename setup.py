@@ -41,7 +41,7 @@ setup(
         "gpu": ["tensorflow[and-cuda]>=2.21,<2.22"],
         # Serving: request/warmup protos of TF Serving.
         "serving": ["tensorflow-serving-api>=2.21,<2.22"],
-        "test": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "tensorflow-serving-api>=2.21,<2.22"],
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.5", "hypothesis>=6", "tensorflow-serving-api>=2.21,<2.22"],
         # Benchmarks: plots, and tf-keras for TF Model Garden's KernelAttention anchor.
         "bench": ["matplotlib", "tf-keras>=2.21,<2.22", "psutil"],
     },

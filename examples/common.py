@@ -354,6 +354,7 @@ def fit_timed(model, train_ds, steps, eval_every, verbose, validation_data=None)
         validation_data=validation_data,
         callbacks=[timer],
         verbose=verbose,
+        shuffle=False,  # the datasets shuffle themselves; Keras warns that fit's shuffle ignores them
     )
     return history, timer, time.perf_counter() - start
 

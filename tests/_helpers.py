@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from keras_linattn import ops as lops
 from keras_linattn.layers import LinearAttention
-from tests.conftest import rel_err
+from tests.tolerance import assert_close, normalizer_conditioning
 
 
 # ------------------------------------------------------------ recurrent steps
@@ -44,6 +44,14 @@ def oracle_forward(layer, query, value, key=None, causal=False, key_mask=None):
     return layer.output_dense(att)
 
 
+def layer_conditioning(layer, query, value, key=None, causal=False, key_mask=None):
+    """`tests.tolerance.normalizer_conditioning` of the layer's own features on these inputs."""
+    q, k, _ = layer.project(query, value, key)
+    qf = layer.feature_map(q, is_query=True, causal=causal)  # [B, T, H, C]
+    kf = layer.feature_map(k, is_query=False, causal=causal)  # [B, S, H, C]
+    return normalizer_conditioning(qf, kf, causal=causal, key_mask=key_mask)
+
+
 def _outputs_and_gradients(fn, x, weights):
     """``fn()`` and the gradients of a fixed cosine-weighted sum of it with respect
     to ``x`` and ``weights``, flattened into one vector."""
@@ -55,15 +63,16 @@ def _outputs_and_gradients(fn, x, weights):
     return out.numpy(), np.concatenate([g.numpy().ravel() for g in grads])
 
 
-def assert_self_attention_matches_oracle(layer, x, causal, tol):
-    """The built layer's self-attention on the tensor ``x`` matches `oracle_forward`:
-    outputs, and gradients with respect to ``x`` and every trainable variable,
-    each to a relative error below ``tol``."""
+def assert_self_attention_matches_oracle(layer, x, causal, *, n, conditioning=1.0):
+    """The built layer's self-attention on the tensor ``x`` matches `oracle_forward`
+    (float64 attention): outputs, and gradients with respect to ``x`` and every
+    trainable variable, each within the float32 error model for reduction
+    length ``n`` (`tests.tolerance.assert_close`)."""
     weights = layer.trainable_variables
     out, grads = _outputs_and_gradients(lambda: layer(x, x, use_causal_mask=causal), x, weights)
     ref, ref_grads = _outputs_and_gradients(lambda: oracle_forward(layer, x, x, causal=causal), x, weights)
-    assert rel_err(out, ref) < tol
-    assert rel_err(grads, ref_grads) < tol
+    assert_close(out, ref, n=n, conditioning=conditioning, what="outputs")
+    assert_close(grads, ref_grads, n=n, conditioning=conditioning, what="gradients")
 
 
 def assert_causal_outputs_never_see_the_future(layer, x, rng, positions):

@@ -2,6 +2,7 @@
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.util import deprecation
 
 
 class SavedModelRunner:
@@ -37,7 +38,9 @@ class SavedModelRunner:
         self._graph = tf.Graph()
         self._session = tf.compat.v1.Session(graph=self._graph)
         try:
-            with self._graph.as_default():
+            # The TF1 loader is deliberate (it is the path TF Serving and
+            # saved_model_cli load through); its deprecation notice is not for users.
+            with self._graph.as_default(), deprecation.silence():
                 meta = tf.compat.v1.saved_model.loader.load(self._session, self.tags, export_dir)
         except (OSError, RuntimeError, ValueError, tf.errors.OpError) as e:
             # Missing dir / saved_model.pb, corrupt protobuf, unknown tags.

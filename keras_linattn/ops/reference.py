@@ -20,18 +20,20 @@ def _pair_mask(batch_t, batch_s, causal, key_mask, t, s):
     return mask
 
 
-def kernel_attention_reference(q_features, k_features, v, causal=False, key_mask=None):
+def kernel_attention_reference(q_features, k_features, v, causal=False, key_mask=None, compute_dtype="float64"):
     """Quadratic kernel attention: ``A = phi(q) phi(k)^T``, ``out = A v / A 1``.
 
     Same contract as `keras_linattn.ops.linear_attention` (features
     ``[B, T, H, C]``, ``[B, S, H, C]``, values ``[B, S, H, M]``), computed
-    the slow, obvious way in float32. Rows with no allowed key give 0.
-    Refuses the inputs `linear_attention` refuses, with the same messages.
+    the slow, obvious way in ``compute_dtype`` (float64: an oracle whose own
+    rounding error is negligible next to float32's) and returned in ``v``'s
+    dtype. Rows with no allowed key give 0. Refuses the inputs
+    `linear_attention` refuses, with the same messages.
     """
     validate_inputs(q_features, k_features, v, key_mask, causal)
-    q = ops.cast(q_features, "float32")
-    k = ops.cast(k_features, "float32")
-    v32 = ops.cast(v, "float32")
+    q = ops.cast(q_features, compute_dtype)
+    k = ops.cast(k_features, compute_dtype)
+    v32 = ops.cast(v, compute_dtype)
     t, s = q.shape[1], k.shape[1]
     scores = ops.einsum("bthc,bshc->bhts", q, k)  # [B, H, T, S]
     mask = _pair_mask(None, None, causal, key_mask, t, s)
@@ -43,11 +45,15 @@ def kernel_attention_reference(q_features, k_features, v, causal=False, key_mask
     return ops.cast(num / safe, v.dtype)
 
 
-def kernel_attention_weights(q_features, k_features, causal=False, key_mask=None):
-    """Normalized linear-attention weights ``[B, H, T, S]`` (rows sum to 1)."""
+def kernel_attention_weights(q_features, k_features, causal=False, key_mask=None, compute_dtype="float32"):
+    """Normalized linear-attention weights ``[B, H, T, S]`` (rows sum to 1).
+
+    Computed in ``compute_dtype``: float32 by default, because the
+    distillation loss trains through it (pass "float64" for an oracle).
+    """
     validate_inputs(q_features, k_features, None, key_mask, causal)
-    q = ops.cast(q_features, "float32")
-    k = ops.cast(k_features, "float32")
+    q = ops.cast(q_features, compute_dtype)
+    k = ops.cast(k_features, compute_dtype)
     scores = ops.einsum("bthc,bshc->bhts", q, k)  # [B, H, T, S]
     mask = _pair_mask(None, None, causal, key_mask, q.shape[1], k.shape[1])
     if mask is not None:
@@ -56,16 +62,18 @@ def kernel_attention_weights(q_features, k_features, causal=False, key_mask=None
     return scores / ops.where(ops.equal(den, 0.0), ops.ones_like(den), den)
 
 
-def softmax_attention_weights(q, k, causal=False, key_mask=None, scale=None):
+def softmax_attention_weights(q, k, causal=False, key_mask=None, scale=None, compute_dtype="float32"):
     """Softmax attention weights ``[B, H, T, S]`` of raw queries/keys ``[B, *, H, D]``.
 
-    `scale` multiplies the logits; None means ``D ** -0.5``.
+    `scale` multiplies the logits; None means ``D ** -0.5``. Computed in
+    ``compute_dtype``: float32 by default, because the distillation loss
+    trains through it (pass "float64" for an oracle).
     """
     validate_inputs(q, k, None, key_mask, causal, names=("q", "k", "v"))
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise ValueError(f"`scale` must be a number or None. Received: scale={scale!r}")
-    q = ops.cast(q, "float32")
-    k = ops.cast(k, "float32")
+    q = ops.cast(q, compute_dtype)
+    k = ops.cast(k, compute_dtype)
     if scale is None:
         scale = float(q.shape[-1]) ** -0.5
     logits = ops.einsum("bthd,bshd->bhts", q, k) * scale  # [B, H, T, S]
@@ -78,9 +86,12 @@ def softmax_attention_weights(q, k, causal=False, key_mask=None, scale=None):
     return weights
 
 
-def softmax_attention(q, k, v, causal=False, key_mask=None, scale=None):
-    """Exact softmax attention ``[B, T, H, M]`` of queries/keys ``[B, *, H, D]``."""
+def softmax_attention(q, k, v, causal=False, key_mask=None, scale=None, compute_dtype="float64"):
+    """Exact softmax attention ``[B, T, H, M]`` of queries/keys ``[B, *, H, D]``.
+
+    Computed in ``compute_dtype`` (float64: an oracle) and returned in ``v``'s dtype.
+    """
     validate_inputs(q, k, v, key_mask, causal, names=("q", "k", "v"))
-    weights = softmax_attention_weights(q, k, causal, key_mask, scale)  # [B, H, T, S]
-    out = ops.einsum("bhts,bshm->bthm", weights, ops.cast(v, "float32"))
+    weights = softmax_attention_weights(q, k, causal, key_mask, scale, compute_dtype)  # [B, H, T, S]
+    out = ops.einsum("bhts,bshm->bthm", weights, ops.cast(v, compute_dtype))
     return ops.cast(out, v.dtype)
