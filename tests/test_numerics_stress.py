@@ -2,16 +2,35 @@
 
 For each registered feature map, inputs scaled by 1e-3 ... 1e3 go through
 `LinearAttention` under float32, mixed_bfloat16 and mixed_float16 (same
-weights), causal and non-causal. Outputs must be finite and the mixed
-precision outputs close to float32; where a map legitimately breaks down
-(favor_trig at large scales: its denominator is a signed random estimate),
-the documented behaviour is asserted instead.
+weights), causal and non-causal. Every output must be finite. Each mixed
+precision output is checked twice, with the error model of
+`tests.tolerance` (docs/testing.md):
+
+- against the float32 layer: the reductions that round in the policy's
+  compute dtype are the query/key/value projections (over the DIM inputs)
+  and the output projection (over H*M); features, the state (S, z) and the
+  normalizer are float32 under every policy, so the attention's sums over
+  S keys and C features are not in n (in bf16 they would make every bound
+  vacuous). Conditioning: the normalizer's (1 for positive kernels).
+- against the "replay": the float32 layer's feature map, attention and output
+  projection run on the mixed layer's own (bf16/fp16) projections. What is
+  left is the cast of the attention output and the output projection
+  (n = H*M), so this shows that any larger error comes from the rounded
+  projections seen through the map, not from the precision of the attention.
+
+Where a map's output is not a well-conditioned function of its projections
+(a kink, saturation, a signed normalizer), no non-vacuous bound against
+float32 exists: those cases are listed by name in `NOT_CLOSE_TO_FLOAT32`,
+with the reason, and keep the finiteness and replay checks.
 
 ``python -m tests.test_numerics_stress`` prints the measured table that
 docs/hardening.md records.
 
 Shape legend: B batch, T length, H heads, D key dim.
 """
+
+import functools
+import math
 
 import keras
 import numpy as np
@@ -21,31 +40,52 @@ import tensorflow as tf
 from keras_linattn import feature_maps
 from keras_linattn import ops as la_ops
 from keras_linattn.layers import LinearAttention
+from tests._helpers import layer_conditioning
+from tests.conftest import TEST_SEED
+from tests.tolerance import assert_close, bound, rel_err
 
 MAPS = feature_maps.available()
 SCALES = (1e-3, 1e-1, 1.0, 1e1, 1e3)
 POLICIES = ("mixed_bfloat16", "mixed_float16")
 DIM, HEADS, KEY_DIM, LENGTH = 16, 2, 4, 96
-
-# Max relative error (max|a - b| / max|b|) of a mixed-precision output against
-# float32 (seeded weights), ~2.5x the worst case measured over the maps, both
-# directions and scales 0.1 ... 10 (docs/hardening.md has the whole table).
-BOUNDS = {"mixed_bfloat16": 0.06, "mixed_float16": 1.2e-2}
-# Extreme scales: at x1e3 the softplus/GLU kernels saturate on bfloat16-rounded
-# projections (measured up to 0.78 for glu), at x1e-3 relu features collapse
-# to their epsilon. Still finite; the error is recorded, loosely bounded.
-EXTREME_BOUNDS = {"mixed_bfloat16": 2.0, "mixed_float16": 0.1}
-# relu: features are exactly 0 for half the coordinates plus epsilon, so the
-# output is sensitive to the sign of small projected coordinates, which the
-# bf16 projection matmul flips: measured 0.33 at x1 (the error is in the
-# projections, see test_mixed_precision_error_comes_from_the_projections).
-PER_MAP_BOUNDS = {"relu": {"mixed_bfloat16": 1.0, "mixed_float16": 1.2e-2}}
-# favor_trig has signed features: phi(q).z comes arbitrarily close to zero and
-# the output is an unstable ratio in any precision (its docstring says so).
-# Under float16 the layer refuses it (see below); under bfloat16 only
-# finiteness is asserted, plus a bound at scales <= 0.1 (measured 6e-3).
+# favor_trig under float16 is refused (see test_favor_trig_is_refused_under_float16...).
 UNSTABLE = {"favor_trig"}
-UNSTABLE_BOUND = 0.05
+
+# Reductions in the policy's compute dtype between the inputs and the output: the
+# q/k/v projections over the DIM inputs and the output projection over H*M.
+N_MIXED = DIM + HEADS * KEY_DIM
+# Mixed layer against the float32 replay on its own projections: the output projection.
+N_REPLAY = HEADS * KEY_DIM
+
+_RELU = (
+    "relu(x) + 1e-6 has a kink at 0: a bf16/fp16 projection flips the sign of a near-zero "
+    "coordinate, and a query whose other coordinates are negative goes from epsilon-only "
+    "features (a uniform average) to attending through that one feature. The output is "
+    "not a continuous function of the projections' rounding at any scale (seeds 0-19: "
+    "up to 0.66 under bf16 and 2.1e-2 under fp16, against bounds of 0.15 and 0.019)."
+)
+_SATURATION = (
+    "x1e3: projections are ~1e3, so their absolute rounding error (bf16: ~4, fp16: ~0.5) "
+    "lands in exponents (elu's exp branch, favor+, hedgehog's softmax) or saturating "
+    "gates and softplus (glu, oglu, aoglu, ffn): features change by factors e^(error). "
+    "Only the polynomial taylor map stays well conditioned."
+)
+_FAVOR_X10 = (
+    "favor+'s exponent grows like |x'|^2, ~1e2 at x10: the projections' rounding moves "
+    "exponents by ~0.4 (bf16) / ~0.05 (fp16), i.e. attention weights by e^(that)."
+)
+_TRIG = (
+    "favor_trig's signed normalizer phi(q).z cancels from x1 up: its conditioning "
+    "(normalizer_conditioning) is 1e3 ... 1e6, which makes any bound vacuous."
+)
+# (map, policy, scale) -> why the mixed-precision output has no non-vacuous bound
+# against float32. These cases are still checked for finiteness and against the replay.
+NOT_CLOSE_TO_FLOAT32 = {
+    **{("relu", p, s): _RELU for p in POLICIES for s in SCALES},
+    **{(m, p, 1e3): _SATURATION for m in MAPS if m not in ("relu", "taylor", "favor_trig") for p in POLICIES},
+    **{("favor+", p, 1e1): _FAVOR_X10 for p in POLICIES},
+    **{("favor_trig", "mixed_bfloat16", s): _TRIG for s in (1.0, 1e1, 1e3)},
+}
 
 
 def _map(name):
@@ -62,7 +102,7 @@ def _layer(name, policy, weights=None):
     return layer
 
 
-def _inputs(seed=0, batch=2, length=LENGTH):
+def _inputs(seed, batch=2, length=LENGTH):
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(batch, length, DIM)).astype("float32")  # [B, T, dim]
     mask = np.ones((batch, length), bool)
@@ -70,46 +110,94 @@ def _inputs(seed=0, batch=2, length=LENGTH):
     return x, mask
 
 
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+def _float32_core_on_projections(layer32, q, k, v, mask, causal):
+    """The float32 layer's feature map, attention and output projection on given projections."""
+    k = tf.where(mask[:, :, None, None], k, tf.zeros_like(k))  # padded keys enter the map as zeros
+    qf = layer32.feature_map(q, is_query=True, causal=causal)
+    kf = layer32.feature_map(k, is_query=False, causal=causal)
+    attended = la_ops.linear_attention(qf, kf, v, causal=causal, key_mask=mask, chunk_size=32, eps=layer32.epsilon)
+    return np.asarray(layer32.output_dense(attended))
 
 
-def measure(name, scales=SCALES, policies=POLICIES, causal_modes=(False, True)):
-    """{(scale, policy, causal): (max rel err vs float32, finite)}; float32 rows give (0, finite)."""
-    keras.utils.set_random_seed(0)
+@functools.lru_cache(maxsize=None)
+def measure(name, seed=TEST_SEED, scales=SCALES, policies=POLICIES, causal_modes=(False, True)):
+    """{(scale, policy, causal): dict(out, expected, replayed, err, replay_err, finite, conditioning)}.
+
+    ``out``: the layer's output under ``policy`` (as float32); ``expected``: the
+    float32 layer's; ``replayed``: the float32 feature map, attention and output
+    projection on ``policy``'s own projections; ``err`` / ``replay_err``: the
+    relative errors of ``out`` against them (NaN where not finite);
+    ``conditioning``: the normalizer's, of the float32 layer's features. float32
+    rows only record finiteness. Weights and inputs are drawn from ``seed``.
+    """
+    keras.utils.set_random_seed(seed)
     ref = _layer(name, "float32")
     policies = [p for p in policies if not (name in UNSTABLE and p == "mixed_float16")]
     layers = {p: _layer(name, p, ref.get_weights()) for p in policies}
-    x, mask = _inputs()
+    x, mask = _inputs(seed)
+    nan = float("nan")
     results = {}
     for causal in causal_modes:
         for scale in scales:
             xs = x * np.float32(scale)
             expected = np.asarray(ref(xs, xs, key_mask=mask, use_causal_mask=causal))
-            results[(scale, "float32", causal)] = (0.0, bool(np.isfinite(expected).all()))
+            ok = bool(np.isfinite(expected).all())
+            cond = layer_conditioning(ref, xs, xs, causal=causal, key_mask=mask) if ok else nan
+            results[(scale, "float32", causal)] = dict(finite=ok, conditioning=cond)
             for policy in policies:
                 out = np.asarray(tf.cast(layers[policy](xs, xs, key_mask=mask, use_causal_mask=causal), "float32"))
                 finite = bool(np.isfinite(out).all())
-                err = _rel(out, expected) if finite and np.isfinite(expected).all() else float("nan")
-                results[(scale, policy, causal)] = (err, finite)
+                q, k, v = (tf.cast(t, "float32") for t in layers[policy].project(xs, xs))
+                replayed = _float32_core_on_projections(ref, q, k, v, mask, causal)
+                results[(scale, policy, causal)] = dict(
+                    out=out,
+                    expected=expected,
+                    replayed=replayed,
+                    err=rel_err(out, expected) if finite and ok else nan,
+                    replay_err=rel_err(out, replayed) if finite and np.isfinite(replayed).all() else nan,
+                    finite=finite,
+                    conditioning=cond,
+                )
     return results
+
+
+def _bound_against_float32(name, policy, scale, conditioning):
+    """The model's bound against float32, or None for a case in `NOT_CLOSE_TO_FLOAT32`.
+
+    n: the D-input projections + the H*M output projection, in the policy's dtype;
+    conditioning: the normalizer's (favor_trig's signed features; 1 for positive kernels).
+    """
+    if (name, policy, scale) in NOT_CLOSE_TO_FLOAT32:
+        return None
+    return bound(policy, n=N_MIXED, conditioning=conditioning)
 
 
 @pytest.mark.parametrize("name", MAPS)
 def test_scaled_inputs_stay_finite_and_close_to_float32(name):
-    results = measure(name)
-    for (scale, policy, causal), (err, finite) in results.items():
+    for (scale, policy, causal), r in measure(name).items():
         where = f"{name} x{scale:g} {policy} causal={causal}"
-        assert finite, where
+        assert r["finite"], where
+        if policy == "float32" or (name, policy, scale) in NOT_CLOSE_TO_FLOAT32:
+            continue  # excluded by name, with the reason, in NOT_CLOSE_TO_FLOAT32
+        assert_close(
+            r["out"], r["expected"], n=N_MIXED, dtype=policy, conditioning=r["conditioning"], what=where
+        )  # D projections + H*M output projection
+
+
+@pytest.mark.parametrize("name", MAPS)
+def test_mixed_precision_error_comes_from_the_projections(name):
+    """Every mixed-precision output, excluded cases included, equals the float32
+    feature map, attention and output projection replayed on the mixed layer's own
+    query/key/value projections, within the error of what is left: the attention
+    output's cast and the output projection in the policy's dtype (n = H*M). So the
+    feature map and the float32 accumulation of (S, z) add nothing: where the error
+    against float32 is large (relu, the x1e3 saturation, favor_trig from x1), it is
+    the rounded projections seen through a map that is sensitive to its inputs."""
+    for (scale, policy, causal), r in measure(name).items():
         if policy == "float32":
             continue
-        if name in UNSTABLE:
-            if scale <= 0.1:
-                assert err <= UNSTABLE_BOUND, (where, err)
-            continue
-        bound = PER_MAP_BOUNDS.get(name, BOUNDS)[policy] if 1e-1 <= scale <= 1e1 else EXTREME_BOUNDS[policy]
-        assert err <= bound, (where, err)
+        where = f"{name} x{scale:g} {policy} causal={causal}"
+        assert_close(r["out"], r["replayed"], n=N_REPLAY, dtype=policy, what=where)  # H*M output projection
 
 
 def test_favor_trig_is_refused_under_float16_with_a_clear_error():
@@ -123,7 +211,7 @@ def test_favor_trig_is_refused_under_float16_with_a_clear_error():
 
 
 def test_large_scale_behaviour_of_random_feature_maps_is_the_documented_one():
-    x, mask = _inputs()
+    x, mask = _inputs(TEST_SEED)
     xs = x * np.float32(1e3)
     # favor_trig at x1e3: finite (the causal key amplitude is capped at exp(50)).
     trig = _layer("favor_trig", "float32")
@@ -131,7 +219,8 @@ def test_large_scale_behaviour_of_random_feature_maps_is_the_documented_one():
         assert np.isfinite(np.asarray(trig(xs, xs, key_mask=mask, use_causal_mask=causal))).all()
     k = trig.key_dense(xs)  # [B, T, H, D]
     kf = np.asarray(trig.feature_map(k, is_query=False, causal=True))
-    assert np.isfinite(kf).all() and np.abs(kf).max() <= np.exp(50.0) * 1.0001
+    # |sin|, |cos| <= 1 over sqrt(m = 16), times the capped amplitude, up to float32's exp.
+    assert np.isfinite(kf).all() and np.abs(kf).max() <= np.exp(50.0) / 4.0 * (1 + bound("float32", n=1))
     # favor+ causal at x1e3: keys have no stabilizer in causal mode (a max over
     # time would leak the future), so exp(w.k' - |k'|^2/2) underflows to 0 for
     # every key; the guarded denominator turns that into a zero attention
@@ -140,7 +229,12 @@ def test_large_scale_behaviour_of_random_feature_maps_is_the_documented_one():
     out = np.asarray(plus(xs, xs, key_mask=mask, use_causal_mask=True))
     bias = np.asarray(plus.output_dense.bias)
     np.testing.assert_array_equal(out, np.broadcast_to(bias, out.shape))
-    # Non-causal keys share a max stabilizer and still work at x1e3.
+    # Non-causal keys share a max stabilizer and still work at x1e3: the output is not
+    # the collapsed one (the bias). Not a rounding bound: the values are ~1e3 (inputs
+    # x1e3), so a real attention output is orders of magnitude more than 1 from the bias.
+    # (Its values are not compared with the float64 oracle: most queries' features meet
+    # only underflowed keys, and there phi(q).z is below the normalizer's guard
+    # eps * sum|phi(q)|, which the layer applies and the oracle does not.)
     out = np.asarray(plus(xs, xs, key_mask=mask, use_causal_mask=False))
     assert np.isfinite(out).all() and np.abs(out - bias).max() > 1.0
 
@@ -154,7 +248,7 @@ def test_all_padded_rows_give_zero_attention_and_finite_gradients(name, policy):
             _layer(name, policy, ref.get_weights())
         return
     layer = ref if policy == "float32" else _layer(name, policy, ref.get_weights())
-    x, _ = _inputs(seed=1, length=20)
+    x, _ = _inputs(TEST_SEED + 1, length=20)
     mask = np.ones((2, 20), bool)
     mask[0] = False  # every key of row 0 is padded
     xt = tf.constant(x)
@@ -174,58 +268,74 @@ def test_all_padded_rows_give_zero_attention_and_finite_gradients(name, policy):
                 assert np.isfinite(np.asarray(tf.cast(tf.convert_to_tensor(g), "float32"))).all()
 
 
-def _long(name, length, policies):
-    keras.utils.set_random_seed(0)
+def _long(name, length, policies, seed=TEST_SEED):
+    keras.utils.set_random_seed(seed)
     ref = LinearAttention(2, 8, feature_map=_map(name), chunk_size=64)
     ref.build((None, None, DIM), (None, None, DIM))
-    x = np.random.default_rng(2).normal(size=(1, length, DIM)).astype("float32")
+    x = np.random.default_rng(seed + 2).normal(size=(1, length, DIM)).astype("float32")
     expected = np.asarray(ref(x, x, use_causal_mask=True))
     assert np.isfinite(expected).all()
-    errors = {}
+    outputs = {}
     for policy in policies:
         layer = LinearAttention(2, 8, feature_map=_map(name), chunk_size=64, dtype=policy)
         layer.build((None, None, DIM), (None, None, DIM))
         layer.set_weights(ref.get_weights())
         out = np.asarray(tf.cast(layer(x, x, use_causal_mask=True), "float32"))
         assert np.isfinite(out).all(), (name, length, policy)
-        errors[policy] = _rel(out, expected)
-    return errors
+        outputs[policy] = out
+    return outputs, expected
+
+
+# The long-sequence layers: 2 heads of key dim 8 (M = 8).
+N_LONG = DIM + 2 * 8  # D projections + H*M output projection, in the policy's dtype
 
 
 @pytest.mark.parametrize("length", [8192, 32768])
 @pytest.mark.parametrize("name", ["elu", "favor+", "hedgehog"])
 def test_long_sequence_mixed_precision_is_close_to_float32(name, length):
     # 32k takes ~1 s per map here, so it runs by default.
-    errors = _long(name, length, POLICIES)
-    # Measured at 8192 and 32768: <= 5.3e-3 (bf16), <= 6.5e-4 (fp16).
-    for policy, err in errors.items():
-        assert err <= BOUNDS[policy] / 5, (name, policy, err)
+    outputs, expected = _long(name, length, POLICIES)
+    # The same bound at every length: the T-long sums accumulate in float32 (in the
+    # policy's dtype they would add T to n, a bf16 bound of 5.7 at 32k: no test).
+    for policy, out in outputs.items():
+        assert_close(out, expected, n=N_LONG, dtype=policy, what=f"{name} T={length} {policy}")
 
 
 def _table():
     keras.config.set_dtype_policy("float32")
-    print("| map | scale | causal | mixed_bfloat16 rel err | mixed_float16 rel err | finite (f32/bf16/f16) |")
-    print("|---|---|---|---|---|---|")
+    print(f"seed {TEST_SEED}; error against float32 (bound, or 'excl.' for NOT_CLOSE_TO_FLOAT32) "
+          "and against the replay on the mixed layer's projections")
+    print("| map | scale | causal | mixed_bfloat16 | mixed_float16 | bf16 / fp16 vs replay | finite (f32/bf16/f16) |")
+    print("|---|---|---|---|---|---|---|")
     for name in MAPS:
         results = measure(name)
         for causal in (False, True):
             for scale in SCALES:
-                cells = []
-                fin = []
+                cells, replay, fin = [], [], []
                 for policy in ("float32",) + POLICIES:
                     if (scale, policy, causal) not in results:
                         fin.append("refused")
                         cells.append("ValueError")
+                        replay.append("-")
                         continue
-                    err, finite = results[(scale, policy, causal)]
-                    fin.append("y" if finite else "**inf**")
-                    if policy != "float32":
-                        cells.append("n/a" if np.isnan(err) else f"{err:.1e}")
-                print(f"| {name} | {scale:g} | {causal} | {cells[0]} | {cells[1]} | {'/'.join(fin)} |")
+                    r = results[(scale, policy, causal)]
+                    fin.append("y" if r["finite"] else "**inf**")
+                    if policy == "float32":
+                        continue
+                    if np.isnan(r["err"]):
+                        cells.append("n/a")
+                    else:
+                        b = _bound_against_float32(name, policy, scale, r["conditioning"])
+                        cells.append(f"{r['err']:.1e} ({'excl.' if b is None else f'<= {b:.1e}'})")
+                    replay.append("n/a" if np.isnan(r["replay_err"]) else f"{r['replay_err']:.1e}")
+                print(f"| {name} | {scale:g} | {causal} | {cells[0]} | {cells[1]} | {' / '.join(replay)} | {'/'.join(fin)} |")
     for name in ("elu", "favor+", "hedgehog"):
         for length in (8192, 32768):
-            errors = _long(name, length, POLICIES)
-            print(f"long {name} T={length}: " + ", ".join(f"{p} {e:.1e}" for p, e in errors.items()))
+            outputs, expected = _long(name, length, POLICIES)
+            print(
+                f"long {name} T={length}: "
+                + ", ".join(f"{p} {rel_err(o, expected):.1e} (<= {bound(p, n=N_LONG):.1e})" for p, o in outputs.items())
+            )
 
 
 if __name__ == "__main__":
@@ -259,35 +369,8 @@ def test_mixed_precision_training_soak(feature_map):
 
     result = soak(feature_map, steps=2000, policy="mixed_bfloat16")
     assert result["non_finite_steps"] == 0 and result["weights_finite"]
-    # From log 32 = 3.47 towards log 4 = 1.39 (measured: 1.84 ... 1.92 after 2,000 steps).
-    assert result["loss_after"] < result["loss_before"] - 1.0
+    # Learning criterion: the held-out loss covers at least half of the way from chance,
+    # log VOCAB (32 tokens), to the task's floor, log SUBSET (each sequence samples 4 tokens).
+    from tests.soak import SUBSET, VOCAB
 
-
-def _float32_core_on_projections(layer32, q, k, v, mask, causal):
-    """The float32 layer's feature map, attention and output projection on given projections."""
-    qf = layer32.feature_map(q, is_query=True, causal=causal)
-    kf = layer32.feature_map(k * mask[:, :, None, None].astype("float32"), is_query=False, causal=causal)
-    attended = la_ops.linear_attention(qf, kf, v, causal=causal, key_mask=mask, chunk_size=32)
-    return np.asarray(layer32.output_dense(attended))
-
-
-@pytest.mark.parametrize("scale", [1.0, 1e3])
-@pytest.mark.parametrize("name", [m for m in MAPS if m not in UNSTABLE])
-def test_mixed_precision_error_comes_from_the_projections(name, scale):
-    """Under mixed_bfloat16 the layer's error against float32 is what its bf16
-    query/key/value projections carry into a float32 computation: the feature
-    map and the accumulation of (S, z) add (almost) nothing. Where that error is
-    large (relu at x1, the GLU family at x1e3, docs/hardening.md), it is the
-    map's sensitivity to its inputs, not the precision of the attention."""
-    keras.utils.set_random_seed(0)
-    ref = _layer(name, "float32")
-    bf16 = _layer(name, "mixed_bfloat16", ref.get_weights())
-    x, mask = _inputs()
-    xs = x * np.float32(scale)
-    for causal in (False, True):
-        got = np.asarray(tf.cast(bf16(xs, xs, key_mask=mask, use_causal_mask=causal), "float32"))
-        q, k, v = (tf.cast(t, "float32") for t in bf16.project(xs, xs))
-        replayed = _float32_core_on_projections(ref, q, k, v, mask, causal)
-        # Left: the bf16 attended output and output projection; about 2x
-        # bfloat16's unit roundoff (2**-8) relative to the largest output.
-        assert _rel(got, replayed) <= 1e-2, (name, scale, causal, _rel(got, replayed))
+    assert result["loss_after"] < result["loss_before"] - 0.5 * (math.log(VOCAB) - math.log(SUBSET))
