@@ -18,14 +18,20 @@ install: $(STAMP)
 demo: $(STAMP)
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m examples.demo
 
+# Two pytest workers (pytest-xdist), one file each at a time: most test time is
+# single-threaded Python and tracing, so two workers use both cores of a small
+# machine. -rs lists every skip with its reason.
+TEST_WORKERS ?= 2
+PYTEST := TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile
+
 test: $(STAMP)
-	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q tests
+	$(PYTEST) tests
 
 test-fast: $(STAMP)
-	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q -m "not slow" tests
+	$(PYTEST) -m "not slow" tests
 
 test-slow: $(STAMP)
-	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q -m slow tests --runslow
+	$(PYTEST) -m slow tests --runslow
 
 # The files whose bounds depend on float rounding, with oneDNN's kernels off
 # (what other CPUs see): run by .ci/run after `make test`.
@@ -35,7 +41,7 @@ NUMERIC_TESTS := tests/test_ops.py tests/test_linear_attention.py tests/test_num
 	tests/test_padding_junk.py tests/test_feature_maps_fixed.py tests/test_regularizers.py
 
 test-onednn-off: $(STAMP)
-	TF_ENABLE_ONEDNN_OPTS=0 TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q $(NUMERIC_TESTS)
+	TF_ENABLE_ONEDNN_OPTS=0 $(PYTEST) $(NUMERIC_TESTS)
 
 bench: $(STAMP)
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m benchmarks.bench_attention

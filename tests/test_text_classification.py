@@ -6,6 +6,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from examples.text_classification import data
+from tests.conftest import TEST_SEED
 
 
 def test_encode_bytes_pads_and_truncates():
@@ -52,14 +53,39 @@ def test_bad_tokenizer_raises():
         data.load_imdb(tokenizer="chars")
 
 
-def test_train_script_with_mock_data(capsys):
+# Synthetic reviews with a sentiment to learn (tfds' default mock data has random labels,
+# and the same examples in every split): three neutral words and one sentiment word, at
+# most 21 bytes (< the 24 the run keeps), labels balanced; train and test from separate streams.
+POSITIVE = ("great", "good", "superb", "loved", "fine")
+NEGATIVE = ("awful", "bad", "boring", "hated", "poor")
+NEUTRAL = ("the", "film", "plot", "was", "cast", "so", "a", "it", "this", "show")
+SPLIT_SIZES = {"train": 256, "test": 200}
+
+
+def synthetic_reviews(split):
+    rng = np.random.default_rng([TEST_SEED, list(SPLIT_SIZES).index(split)])
+    labels = rng.permutation(np.arange(SPLIT_SIZES[split]) % 2)  # balanced
+    texts = []
+    for label in labels:
+        words = [*rng.choice(NEUTRAL, 3), rng.choice(POSITIVE if label else NEGATIVE)]
+        rng.shuffle(words)
+        texts.append(" ".join(words))
+    return texts, labels
+
+
+def _synthetic_as_dataset(self, split, *args, **kwargs):
+    texts, labels = synthetic_reviews(str(split))
+    return tf.data.Dataset.from_tensor_slices({"text": texts, "label": labels.astype("int64")})
+
+
+def test_train_script_learns_synthetic_sentiment(capsys):
     from examples.text_classification import train
 
-    with tfds.testing.mock_data(num_examples=32):
+    with tfds.testing.mock_data(as_dataset_fn=_synthetic_as_dataset):
         model, summary = train.main(
             [
-                "--steps", "4",
-                "--eval-every", "2",
+                "--steps", "100",
+                "--eval-every", "50",
                 "--batch-size", "8",
                 "--sequence-length", "24",
                 "--num-layers", "1",
@@ -68,11 +94,19 @@ def test_train_script_with_mock_data(capsys):
                 "--intermediate-dim", "16",
                 "--feature-map", "oglu",
                 "--verbose", "0",
+                "--seed", str(TEST_SEED),
             ]
         )
     assert model.jit_compile is True
-    assert 0.0 <= summary["test_accuracy"] <= 1.0 and np.isfinite(summary["test_loss"])
-    assert "| oglu | bytes | 24 | 4 |" in capsys.readouterr().out
+    assert np.isfinite(summary["test_loss"])
+    # Chance: the majority-class rate p0 of the test labels (balanced: 1/2). A predictor that
+    # ignores its input scores at most p0 in expectation; learning criterion: 3 standard errors
+    # of a frequency over the N test reviews above it, p0 + 3 * sqrt(p0 (1 - p0) / N).
+    _, labels = synthetic_reviews("test")
+    n = len(labels)
+    p0 = max(labels.mean(), 1 - labels.mean())
+    assert summary["test_accuracy"] > p0 + 3 * np.sqrt(p0 * (1 - p0) / n), (summary["test_accuracy"], p0)
+    assert "| oglu | bytes | 24 | 100 |" in capsys.readouterr().out
 
 
 def test_missing_dataset_is_a_clear_error(tmp_path):

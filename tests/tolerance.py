@@ -132,3 +132,25 @@ def normalizer_conditioning(q_features, k_features, causal=False, key_mask=None)
     rows = allowed.any(-1)
     ratio = np.where(rows, absolute / np.maximum(signed, 1e-300), 1.0)
     return float(max(ratio.max(), 1.0))
+
+
+def summarize(path, top=10):
+    """Lines of a ``KLA_TOLERANCE_LOG`` file -> (number of checks, worst error/bound, the `top` worst)."""
+    worst = {}
+    with open(path) as f:
+        for line in f:
+            test, err, b = line.rstrip("\n").split("\t")
+            ratio = float(err) / float(b)
+            if ratio > worst.get(test, (-1.0,))[0]:
+                worst[test] = (ratio, float(err), float(b))
+    ranked = sorted(worst.items(), key=lambda kv: -kv[1][0])
+    return len(worst), (ranked[0][1][0] if ranked else 0.0), ranked[:top]
+
+
+if __name__ == "__main__":  # python -m tests.tolerance LOG [TOP]
+    import sys
+
+    count, worst_ratio, ranked = summarize(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 10)
+    print(f"{count} tests with bounded checks; worst error/bound = {worst_ratio:.3f}")
+    for test, (ratio, err, b) in ranked:
+        print(f"{ratio:6.3f}  err {err:.3g}  bound {b:.3g}  {test}")
