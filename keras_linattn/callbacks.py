@@ -162,7 +162,8 @@ class BackupAndRestore(keras.callbacks.Callback):
       overwrites ``latest.weights.h5`` in place, then the metadata: a kill
       in between resumes from a torn or mismatched pair.)
     - **A damaged backup is an error naming the file** (ValueError), not a
-      silent restart.
+      silent restart or weights silently loaded wrong: the metadata records
+      the size and sha256 of the weights file, checked before loading.
     - Dropout seed-generator states are restored (Keras does not save them).
 
     The data: a resumed `fit` starts at epoch `initial_epoch` and must get
@@ -268,6 +269,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         if meta is None:
             return
         weights = os.path.join(self.backup_dir, meta["weights"])
+        if "weights_digest" in meta:  # HDF5 keeps no checksum of the data: a flipped byte would load
+            _atomic.check_digest(weights, meta["weights_digest"], what="The backup weights file")
         if self.model.optimizer is not None and not self.model.optimizer.built:
             self.model.optimizer.build(self.model.trainable_variables)
         try:
@@ -341,6 +344,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         with _atomic.staging_dir(self.backup_dir) as tmp:
             staged = os.path.join(tmp, name)
             self.model.save_weights(staged)
+            meta["weights_digest"] = _atomic.file_digest(staged)
             _atomic.fault_point("backup:weights_staged")
             _atomic.publish(staged, os.path.join(self.backup_dir, name))
             _atomic.fault_point("backup:weights_published")

@@ -31,6 +31,7 @@ import os
 import re
 import sys
 import time
+import zipfile
 
 MANIFEST = "manifest.json"
 FORMATS = ("saved_model", "onnx")
@@ -82,6 +83,20 @@ def _load_model(path):
 
     if not os.path.isfile(path):
         raise ValueError(f"MODEL must be an existing .keras file. Received: MODEL={path!r}")
+    # Keras reports a truncated zip as "File not found": name the damage instead.
+    damaged = None
+    if not zipfile.is_zipfile(path):
+        damaged = "not a complete zip archive: truncated or corrupted"
+    else:
+        try:
+            with zipfile.ZipFile(path) as archive:
+                bad = archive.testzip()
+            if bad is not None:
+                damaged = f"member {bad!r} fails its CRC check: corrupted"
+        except (zipfile.BadZipFile, OSError, EOFError) as e:
+            damaged = f"unreadable zip archive ({e})"
+    if damaged:
+        raise ValueError(f"MODEL is not a readable .keras file ({damaged}). Received: MODEL={path!r}")
     try:
         return keras.saving.load_model(path)
     except Exception as e:  # a corrupt zip, an unknown class, a refused lambda, ...

@@ -90,7 +90,7 @@ def restore(checkpoint, directory):
         return None
     try:
         checkpoint.restore(latest).assert_existing_objects_matched()
-    except (tf.errors.OpError, AssertionError, ValueError) as e:
+    except Exception as e:  # OpError, IndexError ("Read less bytes than requested"), AssertionError, ...
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ValueError(
             f"The checkpoint could not be restored ({type(e).__name__}: {reason}). Received: path={latest!r}"

@@ -241,8 +241,8 @@ def read_description(export_dir):
             return json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(
-            f"`export_dir` has no readable assets.extra/{DESCRIPTION_FILE} (not written by "
-            f"`export_saved_model`?): {e}. Received: export_dir={export_dir!r}"
+            f"`export_dir` has no readable assets.extra/{DESCRIPTION_FILE} (missing, truncated, or not "
+            f"written by `export_saved_model`): {e}. Received: export_dir={export_dir!r}"
         ) from e
 
 
