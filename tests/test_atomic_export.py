@@ -259,6 +259,10 @@ def test_sigkill_during_export_then_rerun(tmp_path, lm_files):
         assert result.returncode in (0, 2), (kind, where, result.stderr[-2000:])
         if result.returncode == 2:
             assert_one_error_line(result.stderr)
+        # Reported with `pytest -s` (docs/faults.md quotes it).
+        last = result.stderr.strip().splitlines()[-1] if result.returncode else "all checks passed"
+        print(f"\nkilled at {kind} {where}: rc {proc.returncode}, versions {sorted(versions)}, "
+              f"onnx model/step ids equal: {len(set(onnx_ids.values())) == 1}, verify exit {result.returncode}: {last}")
     # A clean rerun: staging dirs of the killed exports removed, the next version, everything verifies.
     before = saved_model.existing_versions(os.path.join(out, NAME))
     cmd, env = _cli(["export", lm_files[1], "--out", out, "--name", NAME])

@@ -1,11 +1,11 @@
 """A char LM trained by a custom loop under `MultiWorkerMirroredStrategy`, resumable.
 
 Keras 3's ``fit`` fails under this strategy (keras-team/keras#20585), so
-this is the custom training loop of docs/training.md, with checkpoints: the
-model, the optimizer, the step counter and the random-feature state
-(projection and ``draw_index``, both model weights) go into a
-`tf.train.Checkpoint` that a `tf.train.CheckpointManager` writes every
-``--checkpoint-every`` steps. Rerunning the same command (on every worker)
+this is the custom training loop of docs/training.md, with checkpoints:
+every model variable (weights, random-feature projections and their
+``draw_index``, dropout seed-generator states), every optimizer variable and
+the step counter go into a `tf.train.Checkpoint` that a
+`tf.train.CheckpointManager` writes every ``--checkpoint-every`` steps. Rerunning the same command (on every worker)
 after a crash restores the latest checkpoint and continues; the data stream
 (one fixed-seed shuffle) skips the batches the restored steps used, so the
 final weights equal those of an uninterrupted run.
@@ -23,10 +23,11 @@ and then replaces the small ``checkpoint`` state file that names the latest
 one, so a worker killed during a save leaves the previous checkpoint
 current.
 
-Dropout is not supported here (0 by default): the dropout seed generators
-are not `tf.train.Checkpoint`-tracked, so a resumed run would draw other
-masks. `fit` users get them restored by
-`keras_linattn.callbacks.BackupAndRestore`.
+The variables are checkpointed as explicit lists, not as ``model=model``:
+``tf.train.Checkpoint(model=model)`` does not follow layers that a Keras 3
+model keeps in a Python list (`LinearCausalLM`'s decoder blocks), so their
+non-trainable state would be lost silently (their trainable weights only come
+back through the optimizer's references to them).
 """
 
 import argparse
@@ -61,6 +62,7 @@ def build_parser():
     parser.add_argument("--num-heads", type=int, default=4)
     parser.add_argument("--intermediate-dim", type=int, default=128)
     parser.add_argument("--chunk-size", type=int, default=16)
+    parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save", default=None, help="chief: save the trained model to this .keras file")
@@ -126,12 +128,21 @@ def main(argv=None):
             vocabulary_size=vocab.size, num_layers=args.num_layers, hidden_dim=args.hidden_dim,
             num_heads=args.num_heads, intermediate_dim=args.intermediate_dim,
             feature_map=_feature_map(args.feature_map, args.seed), chunk_size=args.chunk_size,
+            dropout=args.dropout,
         )
         model(np.zeros((1, args.sequence_length), "int32"))  # creates the weights
         optimizer = keras.optimizers.AdamW(args.learning_rate, weight_decay=0.01)
         optimizer.build(model.trainable_variables)
         step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
-    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, step=step)
+    checkpoint = tf.train.Checkpoint(
+        # Every variable, listed explicitly: `tf.train.Checkpoint(model=model)` does not reach
+        # layers a Keras 3 model holds in a Python list (LinearCausalLM's decoder blocks): their
+        # trainable weights would come back only through the optimizer's references, and the
+        # non-trainable state (random projections, draw_index, dropout seed state) not at all.
+        model_variables={f"{i:04d}": v for i, v in enumerate(model.variables)},
+        optimizer_variables={f"{i:04d}": v for i, v in enumerate(optimizer.variables)},
+        step=step,
+    )
 
     restored = restore(checkpoint, args.backup_dir)
     start = int(step.numpy())
