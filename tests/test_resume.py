@@ -431,3 +431,67 @@ def test_two_worker_loop_sigkill_then_rerun_equals_uninterrupted(tmp_path):
         expected = [a[k] for k in sorted(a.files, key=lambda k: int(k[1:]))]
         got = [b[k] for k in sorted(b.files, key=lambda k: int(k[1:]))]
     _assert_same_weights(got, expected, n=8 * 4 * 16, what=f"two workers killed after step {step}")
+
+
+LISTOPS_ARGS = [
+    "--variants", "elu", "--steps", "4", "--eval-every", "2", "--batch-size", "8", "--num-train", "64",
+    "--num-eval", "16", "--min-length", "4", "--max-length", "32", "--seq-len", "32", "--hidden-dim", "16",
+    "--intermediate-dim", "16", "--no-jit", "--verbose", "0",
+]
+
+
+@pytest.mark.slow
+def test_listops_rerun_skips_finished_runs_and_matches(tmp_path, capsys):
+    """ListOps with --backup-dir: a rerun reuses finished (variant, seed) runs, and a run's
+    result does not depend on what ran before it in the process (one training stream per run)."""
+    from examples.listops import train
+
+    data = ["--data-dir", str(tmp_path / "tfds")]
+    backup = ["--backup-dir", str(tmp_path / "backup")]
+    reference = train.main(LISTOPS_ARGS + data + ["--seeds", "0,1"])
+    first = train.main(LISTOPS_ARGS + data + backup + ["--seeds", "1"])
+    capsys.readouterr()
+    second = train.main(LISTOPS_ARGS + data + backup + ["--seeds", "0,1"])
+    assert "[elu seed=1] finished in an earlier run" in capsys.readouterr().out
+    assert second[1] == first[0]  # reused from backup/results/
+    for got, expected in zip(second, reference):
+        assert got["train_loss"] == expected["train_loss"] and got["val_accuracy"] == expected["val_accuracy"]
+
+
+class _CrashAfterBackups:
+    """A fault hook raising KeyboardInterrupt (an in-process crash) after the n-th committed backup."""
+
+    def __init__(self, n):
+        self.n, self.seen = n, 0
+
+    def __call__(self, point):
+        if point == "backup:committed":
+            self.seen += 1
+            if self.seen == self.n:
+                raise KeyboardInterrupt(f"crash after backup {self.n}")
+
+
+@pytest.mark.slow
+def test_text_classification_rerun_after_a_crash_matches(tmp_path, capsys):
+    """The IMDB example (dropout 0.1, oglu) crashed after its first backup, rerun: the same weights."""
+    import tensorflow_datasets as tfds
+
+    from examples.text_classification import train
+
+    args = ["--steps", "6", "--eval-every", "2", "--batch-size", "8", "--sequence-length", "24", "--num-layers",
+            "1", "--hidden-dim", "16", "--num-heads", "2", "--intermediate-dim", "16", "--feature-map", "oglu",
+            "--verbose", "0", "--no-jit", "--backup-every", "3"]
+    backup = ["--backup-dir", str(tmp_path / "backup")]
+    with tfds.testing.mock_data(num_examples=32):
+        reference, _ = train.main(args)
+        expected = [np.asarray(w) for w in reference.weights]
+        previous = _atomic.set_fault_hook(_CrashAfterBackups(1))
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                train.main(args + backup)
+        finally:
+            _atomic.set_fault_hook(previous)
+        assert BackupAndRestore(str(tmp_path / "backup")).resume_point() == (1, 1)  # after step 3 of 6
+        resumed, summary = train.main(args + backup)
+    assert "resuming from the backup" in capsys.readouterr().out
+    _assert_same_weights([np.asarray(w) for w in resumed.weights], expected, n=6 * 8 * 24, what="imdb")
