@@ -268,4 +268,7 @@ def check_digest(path, expected, what=None):
             f"{what} is {kind} ({got['size']} of {expected['size']} bytes). Received: path={path!r}"
         )
     if got["sha256"] != expected["sha256"]:
-        raise ValueError(f"{what} is corrupted (its sha256 differs from the one recorded when it was written). Received: path={path!r}")
+        raise ValueError(
+            f"{what} is corrupted (its sha256 differs from the one recorded when it was written). "
+            f"Received: path={path!r}"
+        )

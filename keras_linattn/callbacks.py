@@ -208,7 +208,9 @@ class BackupAndRestore(keras.callbacks.Callback):
                 ) from None
         self.backup_dir = os.fspath(backup_dir)
         if os.path.exists(self.backup_dir) and not os.path.isdir(self.backup_dir):
-            raise ValueError(f"`backup_dir` must be a directory; a file exists there. Received: backup_dir={backup_dir!r}")
+            raise ValueError(
+                f"`backup_dir` must be a directory; a file exists there. Received: backup_dir={backup_dir!r}"
+            )
         self.save_freq = save_freq
         self.delete_checkpoint = bool(delete_checkpoint)
         self._epoch = 0
