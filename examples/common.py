@@ -52,7 +52,34 @@ def add_training_args(parser, *, steps, batch_size, learning_rate=1e-3):
         help="Keras dtype policy (default %(default)s); mixed_float16 gets loss scaling automatically",
     )
     parser.add_argument("--verbose", type=int, default=1, choices=[0, 1, 2], help="Keras fit verbosity")
+    add_backup_args(parser)
     return parser
+
+
+def add_backup_args(parser):
+    """``--backup-dir`` / ``--backup-every``: resumable training (`keras_linattn.callbacks.BackupAndRestore`)."""
+    parser.add_argument(
+        "--backup-dir",
+        default=None,
+        help="back up the training state here; rerunning the same command after a crash resumes "
+        "where the last backup was (same final weights as an uninterrupted run)",
+    )
+    parser.add_argument(
+        "--backup-every",
+        type=int,
+        default=None,
+        help="steps between backups (default: after every evaluation epoch)",
+    )
+    return parser
+
+
+def make_backup(backup_dir, backup_every=None):
+    """`keras_linattn.callbacks.BackupAndRestore` for ``--backup-dir`` (None without one)."""
+    if not backup_dir:
+        return None
+    from keras_linattn.callbacks import BackupAndRestore
+
+    return BackupAndRestore(backup_dir, save_freq=backup_every or "epoch")
 
 
 def apply_dtype_policy(args):
@@ -335,28 +362,84 @@ def compile_for_training(model, learning_rate, jit_compile):
     )
 
 
-def fit_timed(model, train_ds, steps, eval_every, verbose, validation_data=None):
+def fit_timed(model, train_ds, steps, eval_every, verbose, validation_data=None, backup=None, callbacks=()):
     """Trains for about `steps` steps in epochs of `eval_every` steps, timing every step.
 
     Runs ``max(1, steps // eval_every)`` epochs of `eval_every` steps each
     (validation, if given, runs after every epoch).
 
+    `train_ds` must be one repeating stream whose batches do not depend on
+    the process (shuffled with a fixed seed). With a `backup`
+    (`keras_linattn.callbacks.BackupAndRestore`, see `make_backup`), the
+    model resumes from the backup and the stream skips the batches of the
+    epochs the backup already holds, so a resumed run sees the batches the
+    uninterrupted one would have. The model must be built.
+
     Returns:
-        ``(history, timer, seconds)``: the `model.fit` history, the
-        `StepTimer` with per-step times, and the wall time of the whole fit.
+        ``(history, timer, seconds)``: the `model.fit` history (of the epochs
+        run by this call), the `StepTimer` with per-step times, and the wall
+        time of the whole fit.
     """
     timer = StepTimer()
+    callbacks = [timer, *callbacks]
+    earlier = {}
+    if backup is not None:
+        start_epoch, start_batch = backup.resume_point()
+        if start_epoch or start_batch:
+            print(f"resuming from the backup in {backup.backup_dir}: epoch {start_epoch}, batch {start_batch}",
+                  flush=True)
+        train_ds = train_ds.skip(start_epoch * eval_every)
+        epoch_log = EpochLog(os.path.join(backup.backup_dir, EpochLog.FILE))
+        earlier = {e: logs for e, logs in epoch_log.read().items() if e < start_epoch}
+        callbacks += [epoch_log, backup]  # the log is written before the backup that covers its epoch
     start = time.perf_counter()
     history = model.fit(
         train_ds,
         epochs=max(1, steps // eval_every),
         steps_per_epoch=eval_every,
         validation_data=validation_data,
-        callbacks=[timer],
+        callbacks=callbacks,
         verbose=verbose,
         shuffle=False,  # the datasets shuffle themselves; Keras warns that fit's shuffle ignores them
     )
+    if earlier:  # a resumed run: prepend the epochs finished before the crash
+        merged = {}
+        for key, values in history.history.items():
+            merged[key] = [earlier[e].get(key, float("nan")) for e in sorted(earlier)] + list(values)
+        history.history = merged
     return history, timer, time.perf_counter() - start
+
+
+class EpochLog(keras.callbacks.Callback):
+    """Writes each epoch's logs to a JSON file (atomically), so a resumed run reports its whole history."""
+
+    FILE = "epoch_logs.json"
+
+    def __init__(self, path):
+        super().__init__()
+        self.path = path
+
+    def read(self):
+        """``{epoch: logs}`` written so far ({} when there is no file)."""
+        if not os.path.exists(self.path):
+            return {}
+        import json
+
+        try:
+            with open(self.path) as f:
+                return {int(k): v for k, v in json.load(f).items()}
+        except (OSError, ValueError, AttributeError) as e:
+            raise ValueError(f"The epoch log is unreadable ({e}). Received: path={self.path!r}") from e
+
+    def on_epoch_end(self, epoch, logs=None):
+        import json
+
+        from keras_linattn import _atomic
+
+        entries = self.read()
+        entries[epoch] = {k: float(v) for k, v in (logs or {}).items()}
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        _atomic.write_bytes_atomic(self.path, json.dumps({str(k): v for k, v in sorted(entries.items())}))
 
 
 def format_table(header, rows):

@@ -15,15 +15,23 @@ directory TF Serving mounts):
 
 Exporting a name again adds the next SavedModel version and replaces its
 ONNX files.
+
+Every file is published atomically (written in a ``.tmp-*`` staging
+directory, then renamed), the ONNX model and step graph as a pair with one
+export id, and ``manifest.json`` last: a killed export leaves the previous
+state or the new one, plus a staging directory the next export removes.
+`verify` checks the files against the sizes, sha256 and export ids recorded
+at export before it runs anything, and reports a missing, truncated or
+corrupted file, or a half-finished export, in one line with exit status 2.
 """
 
 import argparse
 import json
 import os
 import re
-import shutil
 import sys
 import time
+import zipfile
 
 MANIFEST = "manifest.json"
 FORMATS = ("saved_model", "onnx")
@@ -75,6 +83,20 @@ def _load_model(path):
 
     if not os.path.isfile(path):
         raise ValueError(f"MODEL must be an existing .keras file. Received: MODEL={path!r}")
+    # Keras reports a truncated zip as "File not found": name the damage instead.
+    damaged = None
+    if not zipfile.is_zipfile(path):
+        damaged = "not a complete zip archive: truncated or corrupted"
+    else:
+        try:
+            with zipfile.ZipFile(path) as archive:
+                bad = archive.testzip()
+            if bad is not None:
+                damaged = f"member {bad!r} fails its CRC check: corrupted"
+        except (zipfile.BadZipFile, OSError, EOFError) as e:
+            damaged = f"unreadable zip archive ({e})"
+    if damaged:
+        raise ValueError(f"MODEL is not a readable .keras file ({damaged}). Received: MODEL={path!r}")
     try:
         return keras.saving.load_model(path)
     except Exception as e:  # a corrupt zip, an unknown class, a refused lambda, ...
@@ -82,8 +104,38 @@ def _load_model(path):
         raise ValueError(f"MODEL could not be loaded as a Keras model ({reason}). Received: MODEL={path!r}") from e
 
 
+def _read_manifest(path, missing_ok=False):
+    """The parsed ``manifest.json``; ValueError naming it when it is unreadable."""
+    if missing_ok and not os.path.exists(path):
+        return {"models": {}}
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("models", {}), dict):
+            raise ValueError("not a manifest object")
+    except (OSError, ValueError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{MANIFEST} is unreadable ({type(e).__name__}: {reason}). Received: path={path!r}") from e
+    return manifest
+
+
+def _update_manifest(out, name, entry):
+    """Replaces `name`'s entry of ``out/manifest.json`` in one atomic rename (other names kept)."""
+    from keras_linattn import _atomic
+
+    path = os.path.join(out, MANIFEST)
+    with _atomic.staging_dir(out) as tmp:
+        with _atomic.locked_dir(out):  # exports of other names into `out` may run at the same time
+            manifest = _read_manifest(path, missing_ok=True)
+            manifest.setdefault("models", {})[name] = entry
+            staged = os.path.join(tmp, MANIFEST)
+            with open(staged, "w", encoding="utf-8") as f:
+                json.dump(manifest, f, indent=2)
+            _atomic.publish(staged, path)
+
+
 def cmd_export(args):
-    from keras_linattn import export
+    from keras_linattn import _atomic, export
 
     out = args.out
     if os.path.exists(out) and not os.path.isdir(out):
@@ -94,12 +146,8 @@ def cmd_export(args):
     _log(f"[1/{steps}] loading {args.model}")
     model = _load_model(args.model)
     os.makedirs(out, exist_ok=True)
-    manifest_path = os.path.join(out, MANIFEST)
-    manifest = {"models": {}}
-    if os.path.exists(manifest_path):
-        with open(manifest_path) as f:
-            manifest = json.load(f)
-    entry = {"source": os.path.abspath(args.model), "keras_model": os.path.join("keras", f"{name}.keras")}
+    _read_manifest(os.path.join(out, MANIFEST), missing_ok=True)  # a damaged manifest stops here
+    entry = {"source": os.path.abspath(args.model), "keras_model": os.path.join("keras", f"{name}.keras"), "files": {}}
     rows = []
     step = 1
     if "saved_model" in args.format:
@@ -116,6 +164,7 @@ def cmd_export(args):
         )
         description = export.read_description(version_dir)
         entry["saved_model"] = os.path.relpath(version_dir, out)
+        entry["saved_model_export_id"] = description["export_id"]
         entry["signatures"] = description["signatures"]
         rows.append(
             ("saved_model", version_dir, ",".join(description["signatures"]), _human(_size(version_dir)), f"{time.perf_counter() - t:.1f}")
@@ -128,21 +177,93 @@ def cmd_export(args):
         _log(f"[{step}/{steps}] ONNX (opset {args.opset}) -> {onnx_path}")
         paths = export.export_onnx(model, onnx_path, opset=args.opset, include_step=not args.no_generate)
         entry["onnx"] = {k: os.path.relpath(v, out) for k, v in paths.items()}
+        entry["onnx_export_id"] = export.read_metadata(paths["model"])["export_id"]
         entry["opset"] = args.opset
         for kind, path in paths.items():
+            entry["files"][os.path.relpath(path, out).replace(os.sep, "/")] = _atomic.file_digest(path)
             rows.append((f"onnx:{kind}", path, "", _human(_size(path)), f"{time.perf_counter() - t:.1f}" if kind == "model" else ""))
         _log(f"      done in {time.perf_counter() - t:.1f} s")
     os.makedirs(os.path.join(out, "keras"), exist_ok=True)
-    shutil.copyfile(args.model, os.path.join(out, entry["keras_model"]))
-    manifest.setdefault("models", {})[name] = entry
-    with open(manifest_path, "w") as f:
-        json.dump(manifest, f, indent=2)
+    _atomic.copy_atomic(args.model, os.path.join(out, entry["keras_model"]))
+    _atomic.fault_point("cli:keras_copied")
+    _update_manifest(out, name, entry)  # last: the manifest is what `verify` trusts
+    _atomic.fault_point("cli:manifest_published")
     _log("")
     from keras_linattn.export.verify import format_table
 
     _log(format_table(rows, ("format", "path", "signatures", "size", "seconds")))
     _log(f"\nexported in {time.perf_counter() - t0:.1f} s; check with: keras-linattn verify {out}")
     return 0
+
+
+def _check_file(path, rel, entry, what):
+    """The file exists and matches the size and sha256 the manifest recorded (when it did)."""
+    from keras_linattn import _atomic
+
+    if not os.path.isfile(path):
+        raise ValueError(f"{what} {rel} is missing (a killed export, or deleted): export again. Received: path={path!r}")
+    expected = entry.get("files", {}).get(rel.replace(os.sep, "/"))
+    if expected is not None:
+        _atomic.check_digest(path, expected, what=f"{what} {rel}")
+
+
+def _check_onnx(out_dir, entry):
+    """(model path, step path) of an entry, after checking export ids, sizes, sha256 and the pair."""
+    from keras_linattn.export import onnx_export
+
+    onnx = entry.get("onnx", {})
+    if "model" not in onnx:
+        return None, None
+    expected_id = entry.get("onnx_export_id")
+    paths = {}
+    for kind, what in (("model", "ONNX model"), ("step", "ONNX step graph")):
+        if kind not in onnx:
+            continue
+        rel = onnx[kind]
+        path = os.path.join(out_dir, rel)
+        try:
+            _check_file(path, rel, entry, what)
+        except ValueError as damaged:
+            if not os.path.isfile(path):
+                raise
+            try:  # a complete file from an export that stopped before the manifest?
+                found = onnx_export.read_metadata(path).get("export_id")
+            except ValueError:
+                raise damaged from None
+            if expected_id and found != expected_id:
+                raise ValueError(
+                    f"{what} {rel} was written by an export that did not finish (export id {found}; "
+                    f"{MANIFEST} records {expected_id}): export again. Received: path={path!r}"
+                ) from None
+            raise
+        paths[kind] = path
+    onnx_export.check_pair(paths["model"], paths.get("step"))
+    if expected_id and not entry.get("files"):  # manifests without digests: check the id alone
+        found = onnx_export.read_metadata(paths["model"]).get("export_id")
+        if found != expected_id:
+            raise ValueError(
+                f"ONNX model {onnx['model']} was written by an export that did not finish (export id {found}; "
+                f"{MANIFEST} records {expected_id}): export again. Received: path={paths['model']!r}"
+            )
+    return paths["model"], paths.get("step")
+
+
+def _check_saved_model(out_dir, entry):
+    from keras_linattn import export
+
+    if "saved_model" not in entry:
+        return None
+    path = os.path.join(out_dir, entry["saved_model"])
+    if not os.path.isdir(path):
+        raise ValueError(f"SavedModel version {entry['saved_model']} is missing. Received: path={path!r}")
+    description = export.check_integrity(path)
+    expected = entry.get("saved_model_export_id")
+    if expected and description.get("export_id") != expected:
+        raise ValueError(
+            f"SavedModel version {entry['saved_model']} holds another export (export id "
+            f"{description.get('export_id')}; {MANIFEST} records {expected}). Received: path={path!r}"
+        )
+    return path
 
 
 def cmd_verify(args):
@@ -153,8 +274,7 @@ def cmd_verify(args):
         raise ValueError(
             f"DIR must be a directory written by `keras-linattn export` (no {MANIFEST}). Received: DIR={args.dir!r}"
         )
-    with open(manifest_path) as f:
-        models = json.load(f).get("models", {})
+    models = _read_manifest(manifest_path).get("models", {})
     names = [args.name] if args.name else sorted(models)
     unknown = [n for n in names if n not in models]
     if unknown or not names:
@@ -162,24 +282,29 @@ def cmd_verify(args):
     all_ok = True
     for name in names:
         entry = models[name]
+        if not isinstance(entry, dict) or "keras_model" not in entry:
+            raise ValueError(f"{MANIFEST} has no valid entry for {name!r}. Received: path={manifest_path!r}")
+        # Files first: a damaged or half-written export is named before anything runs.
+        saved_model_dir = _check_saved_model(args.dir, entry)
+        onnx_path, step_path = _check_onnx(args.dir, entry)
         model = _load_model(os.path.join(args.dir, entry["keras_model"]))
-        saved_model_dir = os.path.join(args.dir, entry["saved_model"]) if "saved_model" in entry else None
-        onnx = entry.get("onnx", {})
-        onnx_path = os.path.join(args.dir, onnx["model"]) if "model" in onnx else None
-        step_path = os.path.join(args.dir, onnx["step"]) if "step" in onnx else None
         _log(f"verifying {name!r}: saved_model={saved_model_dir}, onnx={onnx_path}, step={step_path}")
-        report = export.verify(
-            model,
-            saved_model_dir=saved_model_dir,
-            onnx_path=onnx_path,
-            onnx_step_path=step_path,
-            shapes=args.shapes,
-            saved_model_tolerance=args.saved_model_tolerance,
-            onnx_tolerance=args.onnx_tolerance,
-            raise_on_failure=False,
-            onnx_device=args.device,
-            progress=lambda line: _log("  " + line),
-        )
+        try:
+            report = export.verify(
+                model,
+                saved_model_dir=saved_model_dir,
+                onnx_path=onnx_path,
+                onnx_step_path=step_path,
+                shapes=args.shapes,
+                saved_model_tolerance=args.saved_model_tolerance,
+                onnx_tolerance=args.onnx_tolerance,
+                raise_on_failure=False,
+                onnx_device=args.device,
+                progress=lambda line: _log("  " + line),
+            )
+        except (RuntimeError, OSError) as e:  # a runtime refusing a graph that passed the checks above
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(f"{name!r} could not be run ({type(e).__name__}: {reason}). Received: DIR={args.dir!r}") from e
         _log("")
         _log(report.table())
         failed = sum(not r.ok for r in report.rows)
@@ -222,8 +347,9 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as e:
-        _log(f"error: {e}", stream=sys.stderr)
+    except (ValueError, OSError) as e:  # bad input or a damaged file: one line, no traceback
+        message = " ".join(str(e).split()) or type(e).__name__
+        _log(f"error: {message}", stream=sys.stderr)
         return 2
 
 

@@ -10,11 +10,17 @@ at a time with a fixed-size state.
     python -m examples.char_lm.train --steps 5000 --num-layers 4 --hidden-dim 256 \\
         --num-heads 4 --intermediate-dim 1024 --sequence-length 512 --batch-size 64   # GPU
 
+Resumable: ``--backup-dir DIR`` backs the training state up after every
+evaluation epoch (``--backup-every N``: every N steps); rerunning the same
+command after a crash continues from the last backup and ends with the
+weights an uninterrupted run ends with.
+
 XLA: ``jit_compile=True`` is passed explicitly (Keras' "auto" does not enable
 XLA on CPU); windows have one fixed length, so the step compiles once.
 """
 
 import argparse
+import inspect
 import math
 import os
 import time
@@ -28,6 +34,7 @@ import numpy as np  # noqa: E402
 from examples import common  # noqa: E402
 from examples.char_lm import data  # noqa: E402
 from keras_linattn import feature_maps, samplers  # noqa: E402
+from keras_linattn.callbacks import RedrawRandomFeatures  # noqa: E402
 from keras_linattn.models import LinearCausalLM  # noqa: E402
 
 
@@ -37,17 +44,27 @@ def load_corpus(args):
     return data.load_tiny_shakespeare(data_dir=args.data_dir, max_chars=args.max_chars)
 
 
+def make_feature_map(name, seed):
+    """The feature map `name`; random maps (those taking a `seed`) are seeded with `seed`."""
+    cls = type(feature_maps.get(name))
+    if "seed" in inspect.signature(cls.__init__).parameters:
+        return feature_maps.get(name, seed=seed)
+    return feature_maps.get(name)
+
+
 def build_model(args, vocabulary_size):
-    return LinearCausalLM(
+    model = LinearCausalLM(
         vocabulary_size=vocabulary_size,
         num_layers=args.num_layers,
         hidden_dim=args.hidden_dim,
         num_heads=args.num_heads,
         intermediate_dim=args.intermediate_dim,
-        feature_map=feature_maps.get(args.feature_map),
+        feature_map=make_feature_map(args.feature_map, args.seed),
         chunk_size=args.chunk_size,
         dropout=args.dropout,
     )
+    model(np.zeros((1, args.sequence_length), "int32"))  # builds the weights (a backup restores into them)
+    return model
 
 
 def build_parser():
@@ -75,7 +92,10 @@ def build_parser():
     parser.add_argument("--num-samples", type=int, default=2)
     parser.add_argument("--sampler", default="top_k", help=f"one of {samplers.available()}")
     parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights, the data order and random maps")
+    parser.add_argument(
+        "--redraw-every", type=int, default=None, help="random feature maps: redraw the projection every N steps"
+    )
     parser.add_argument("--save", default=None, help="save the trained model to this .keras file")
     common.add_training_args(parser, steps=300, batch_size=16, learning_rate=3e-3)
     return parser
@@ -104,6 +124,8 @@ def main(argv=None):
         min(args.eval_every, args.steps),
         args.verbose,
         validation_data=val_ds.take(args.validation_steps),
+        backup=common.make_backup(args.backup_dir, args.backup_every),
+        callbacks=[RedrawRandomFeatures(args.redraw_every)] if args.redraw_every else [],
     )
 
     sampler = samplers.get(args.sampler) if args.sampler == "greedy" else samplers.get(
@@ -117,12 +139,15 @@ def main(argv=None):
     for i, sample in enumerate(samples):
         print(f"--- sample {i} ---\n{sample}")
 
-    val_loss = history.history["val_loss"][-1]
+    def last(key):  # NaN when the backup was already complete and no epoch ran
+        return history.history.get(key, [float("nan")])[-1]
+
+    val_loss = last("val_loss")
     summary = {
-        "train_loss": history.history["loss"][-1],
+        "train_loss": last("loss"),
         "val_loss": val_loss,
         "val_bits_per_char": val_loss / math.log(2),
-        "val_accuracy": history.history["val_accuracy"][-1],
+        "val_accuracy": last("val_accuracy"),
         "train_seconds": train_seconds,
         "median_step_ms": 1000 * timer.median_step_seconds,
         "generate_seconds": gen_seconds,

@@ -22,6 +22,11 @@ Long Range Arena scale (GPU): lengths 500-2000, 96k training examples:
 XLA: ``jit_compile=True`` is passed explicitly (Keras' "auto" does not enable
 XLA on CPU); every batch is padded to ``--seq-len`` so the train step
 compiles once.
+
+Resumable: with ``--backup-dir DIR`` each run (variant x seed) backs its
+training state up in ``DIR/<variant>-seed<seed>/`` and, when it finishes,
+writes its result to ``DIR/results/``. Rerunning the same command after a
+crash skips the finished runs and resumes the interrupted one.
 """
 
 import argparse
@@ -38,6 +43,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from examples import common  # noqa: E402
+from keras_linattn import _atomic  # noqa: E402
 from examples.listops.listops_dataset import ListOps, ListOpsConfig  # noqa: E402
 from examples.listops.tokenizer import PAD_ID, ListOpsTokenizer  # noqa: E402
 from keras_linattn import feature_maps  # noqa: E402
@@ -89,7 +95,8 @@ def resolve_variants(names, units):
 
 
 def load_splits(args):
-    """Builds (or reuses) the TFDS dataset and returns padded train/validation/test `tf.data` pipelines."""
+    """Builds (or reuses) the TFDS dataset; returns padded validation/test `tf.data` pipelines and a
+    function making the (repeating, shuffled) training stream."""
     if args.config == "lra":
         config = "lra"
         args.min_length, args.max_length = 500, 2000
@@ -121,7 +128,11 @@ def load_splits(args):
         # drop_remainder keeps one static batch shape: one XLA compilation.
         return ds.batch(args.batch_size, drop_remainder=training).prefetch(tf.data.AUTOTUNE)
 
-    return builder, tokenizer, pipeline("train", True), pipeline("validation", False), pipeline("test", False)
+    # The training stream is built anew for every run: `shuffle(reshuffle_each_iteration=True)`
+    # draws each new iterator's order from a generator that belongs to the dataset object,
+    # so a shared stream would give the second run another order than the first, and a
+    # resumed process (whose first iterator it is) another order than the uninterrupted one.
+    return builder, tokenizer, lambda: pipeline("train", True), pipeline("validation", False), pipeline("test", False)
 
 
 def _build(args, label, feature_map, vocabulary_size):
@@ -138,7 +149,7 @@ def train_variant(args, label, feature_map, seeds, data, vocabulary_size):
     optimizer state is restored to its initial values, so the XLA train step
     is compiled once per variant rather than once per run.
     """
-    train_ds, val_ds, test_ds = data
+    make_train_ds, val_ds, test_ds = data
     keras.utils.clear_session()
     model = _build(args, label, feature_map, vocabulary_size)
     common.compile_for_training(
@@ -148,13 +159,24 @@ def train_variant(args, label, feature_map, seeds, data, vocabulary_size):
     initial_optimizer_state = [v.numpy() for v in model.optimizer.variables]
     results = []
     for seed in seeds:
+        run_name = f"{label.replace('+', 'plus')}-seed{seed}"
+        done_path = os.path.join(args.backup_dir, "results", run_name + ".json") if args.backup_dir else None
+        if done_path and os.path.exists(done_path):
+            with open(done_path) as f:
+                result = json.load(f)
+            print(f"[{label} seed={seed}] finished in an earlier run: {done_path}", flush=True)
+            results.append(result)
+            continue
         keras.utils.set_random_seed(seed)
         fresh = _build(args, label, feature_map, vocabulary_size)
         model.set_weights(fresh.get_weights())
         for var, value in zip(model.optimizer.variables, initial_optimizer_state):
             var.assign(value)
+        backup = common.make_backup(
+            os.path.join(args.backup_dir, run_name) if args.backup_dir else None, args.backup_every
+        )
         history, timer, seconds = common.fit_timed(
-            model, train_ds, args.steps, args.eval_every, args.verbose, validation_data=val_ds
+            model, make_train_ds(), args.steps, args.eval_every, args.verbose, validation_data=val_ds, backup=backup
         )
         _, test_acc = model.evaluate(test_ds, verbose=0)
         result = {
@@ -173,6 +195,9 @@ def train_variant(args, label, feature_map, seeds, data, vocabulary_size):
             f"time={seconds:.1f}s step={result['median_step_ms']:.1f}ms params={result['params']}",
             flush=True,
         )
+        if done_path:
+            os.makedirs(os.path.dirname(done_path), exist_ok=True)
+            _atomic.write_bytes_atomic(done_path, json.dumps(result))
         results.append(result)
     return results
 
@@ -238,14 +263,14 @@ def main(argv=None):
     units = [int(u) for u in args.units.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]
     variants = resolve_variants(names, units)
-    builder, tokenizer, train_ds, val_ds, test_ds = load_splits(args)
+    builder, tokenizer, make_train_ds, val_ds, test_ds = load_splits(args)
     print(common.xla_message(args.jit_compile))
     print(f"data: {builder.info.full_name} in {args.data_dir}, padded to {args.seq_len} tokens")
     results = []
     start = time.perf_counter()
     for label, feature_map in variants:
         results += train_variant(
-            args, label, feature_map, seeds, (train_ds, val_ds, test_ds), tokenizer.vocabulary_size
+            args, label, feature_map, seeds, (make_train_ds, val_ds, test_ds), tokenizer.vocabulary_size
         )
     total = time.perf_counter() - start
     table = summarize(results, args.eval_every)

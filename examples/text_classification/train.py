@@ -84,12 +84,14 @@ def main(argv=None):
     )
     common.compile_for_training(model, args.learning_rate, args.jit_compile)
     history, timer, seconds = common.fit_timed(
-        model, train_ds, args.steps, min(args.eval_every, args.steps), args.verbose
+        model, train_ds, args.steps, min(args.eval_every, args.steps), args.verbose,
+        backup=common.make_backup(args.backup_dir, args.backup_every),
     )
     test_loss, test_acc = model.evaluate(test_ds, verbose=args.verbose)
     summary = {
-        "train_loss": history.history["loss"][-1],
-        "train_accuracy": history.history["accuracy"][-1],
+        # NaN when a complete backup was found and no epoch ran.
+        "train_loss": history.history.get("loss", [float("nan")])[-1],
+        "train_accuracy": history.history.get("accuracy", [float("nan")])[-1],
         "test_loss": float(test_loss),
         "test_accuracy": float(test_acc),
         "train_seconds": seconds,

@@ -10,13 +10,15 @@ tf2onnx and onnx are imported inside the functions: importing
 `keras_linattn.export` stays cheap.
 """
 
+import contextlib
 import json
 import logging
 import os
-import tempfile
+import uuid
 
 import tensorflow as tf
 
+from keras_linattn import _atomic
 from keras_linattn.export import _specs
 
 METADATA_KEY = "keras_linattn"
@@ -85,19 +87,11 @@ def _check_path(path, name="path"):
     return path
 
 
-def convert_function(fn, input_signature, path, opset=DEFAULT_OPSET, metadata=None):
-    """Converts a Python function of named tensors to an ONNX file at `path`.
-
-    The file is written next to `path` under a temporary name, checked with
-    `onnx.checker` and renamed into place, so a failure leaves no file.
-
-    Returns:
-        The ONNX `ModelProto`.
-    """
+def _convert(fn, input_signature, opset, metadata):
+    """The checked ONNX `ModelProto` of a Python function of named tensors."""
     import onnx
     import tf2onnx
 
-    path = _check_path(path)
     tf_fn = tf.function(fn, input_signature=input_signature, autograph=False)
     logger = logging.getLogger("tf2onnx")
     level = logger.level
@@ -122,17 +116,27 @@ def convert_function(fn, input_signature, path, opset=DEFAULT_OPSET, metadata=No
         entry = proto.metadata_props.add()
         entry.key = METADATA_KEY
         entry.value = json.dumps(metadata)
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".onnx", dir=parent)
-    os.close(fd)
-    try:
-        onnx.save(proto, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    return proto
+
+
+def convert_function(fn, input_signature, path, opset=DEFAULT_OPSET, metadata=None):
+    """Converts a Python function of named tensors to an ONNX file at `path`.
+
+    The file is written in a staging directory next to `path`, checked with
+    `onnx.checker` and renamed into place, so a failure (or a kill) leaves
+    no partial file.
+
+    Returns:
+        The ONNX `ModelProto`.
+    """
+    import onnx
+
+    path = _check_path(path)
+    proto = _convert(fn, input_signature, opset, metadata)
+    with _atomic.staging_dir(os.path.dirname(os.path.abspath(path))) as tmp:
+        staged = os.path.join(tmp, os.path.basename(path))
+        onnx.save(proto, staged)
+        _atomic.publish(staged, path)
     return proto
 
 
@@ -150,6 +154,15 @@ def export_onnx(model, path, opset=DEFAULT_OPSET, input_signature=None, step_pat
     step (``token_t`` + ``state_<i>`` -> ``logits`` + ``new_state_<i>``), is
     written to `step_path`; `keras_linattn.export.OnnxGenerator` drives it.
 
+    The two graphs are published as a pair: both are converted and written
+    in full to staging directories first, then the step graph is renamed
+    into place and the model last. Both carry the same ``export_id`` in
+    their metadata, and the model names its step file, so `check_pair`
+    (and ``keras-linattn verify``) tell a complete pair from a step graph
+    that is missing or left from another export (a process killed between
+    the two renames). A killed export never leaves a partial file; its
+    staging directory is removed by the next export into the same place.
+
     Args:
         model: a built `keras.Model`.
         path: the ``.onnx`` file to write.
@@ -162,37 +175,86 @@ def export_onnx(model, path, opset=DEFAULT_OPSET, input_signature=None, step_pat
     Returns:
         dict: ``{"model": path}`` plus ``"step"`` for causal LMs.
     """
+    import onnx
+
     path = _check_path(path)
     specs = _specs.ModelSpecs(model, input_signature=input_signature)
     if step_path is not None:
         _check_path(step_path, "step_path")
     description = specs.describe()
-    written = {}
-    try:
-        convert_function(
-            specs.serving_fn(),
-            specs.input_specs,
-            path,
-            opset=opset,
-            metadata=dict(description, graph=_specs.SERVING_DEFAULT),
-        )
-        written["model"] = path
-        if specs.causal_lm and include_step:
-            step_path = step_path or default_step_path(path)
-            convert_function(
-                specs.step_fn(),
-                specs.step_signature(),
-                step_path,
-                opset=opset,
-                metadata=dict(description, graph=_specs.STEP),
-            )
-            written["step"] = step_path
-    except BaseException:
-        for p in written.values():
-            if os.path.exists(p):
-                os.remove(p)
-        raise
+    export_id = uuid.uuid4().hex
+    with_step = bool(specs.causal_lm and include_step)
+    if with_step:
+        step_path = os.fspath(step_path or default_step_path(path))
+    model_meta = dict(description, graph=_specs.SERVING_DEFAULT, export_id=export_id)
+    if with_step:
+        model_meta["step_file"] = os.path.relpath(
+            os.path.abspath(step_path), os.path.dirname(os.path.abspath(path))
+        ).replace(os.sep, "/")
+    model_proto = _convert(specs.serving_fn(), specs.input_specs, opset, model_meta)
+    step_proto = None
+    if with_step:
+        step_meta = dict(description, graph=_specs.STEP, export_id=export_id)
+        step_proto = _convert(specs.step_fn(), specs.step_signature(), opset, step_meta)
+    with contextlib.ExitStack() as stack:
+        staged_model = os.path.join(stack.enter_context(_atomic.staging_dir(_parent(path))), "model.onnx")
+        onnx.save(model_proto, staged_model)
+        _atomic.fault_point("onnx:model_staged")
+        if with_step:
+            staged_step = os.path.join(stack.enter_context(_atomic.staging_dir(_parent(step_path))), "step.onnx")
+            onnx.save(step_proto, staged_step)
+            _atomic.fault_point("onnx:step_staged")
+            _atomic.publish(staged_step, step_path)
+            _atomic.fault_point("onnx:step_published")
+        _atomic.publish(staged_model, path)
+        _atomic.fault_point("onnx:model_published")
+    written = {"model": path}
+    if with_step:
+        written["step"] = step_path
     return written
+
+
+def _parent(path):
+    return os.path.dirname(os.path.abspath(path))
+
+
+def check_pair(model_path, step_path=None):
+    """Checks that an exported ONNX model and its step graph belong together.
+
+    Args:
+        model_path: the model ``.onnx`` file.
+        step_path: its step graph; default: the ``step_file`` the model's
+            metadata names (models without a step graph need none).
+
+    Returns:
+        The step path that was checked, or None for a model without a step graph.
+
+    Raises:
+        ValueError: naming the file, when the model or the step graph is
+            unreadable or missing, or when the two carry different export ids
+            (one half is left from another export).
+    """
+    model_meta = read_metadata(model_path)
+    expected = model_meta.get("step_file")
+    if step_path is None:
+        if expected is None:
+            return None
+        step_path = os.path.join(_parent(model_path), *expected.split("/"))
+    if not os.path.isfile(step_path):
+        raise ValueError(
+            f"The ONNX step graph is missing: the model {model_path!r} was exported with its step graph "
+            f"{expected or os.path.basename(step_path)!r}, which is not there (a killed export?); "
+            f"export again. Received: path={step_path!r}"
+        )
+    step_meta = read_metadata(step_path)
+    model_id, step_id = model_meta.get("export_id"), step_meta.get("export_id")
+    if model_id != step_id:
+        raise ValueError(
+            f"The ONNX step graph {step_path!r} comes from another export than the model {model_path!r} "
+            f"(export ids {step_id} and {model_id}): an export was interrupted between the two files; "
+            f"export again. Received: path={step_path!r}"
+        )
+    return step_path
 
 
 def read_metadata(path):
@@ -205,8 +267,20 @@ def read_metadata(path):
     try:
         proto = onnx.load(path, load_external_data=False)
     except Exception as e:  # protobuf DecodeError and friends
-        raise ValueError(f"`path` is not a valid ONNX file ({type(e).__name__}: {e}). Received: path={path!r}") from e
+        raise ValueError(
+            f"`path` is not a valid ONNX file ({type(e).__name__}: {_first_line(e)}). Received: path={path!r}"
+        ) from e
     for entry in proto.metadata_props:
         if entry.key == METADATA_KEY:
-            return json.loads(entry.value)
+            try:
+                return json.loads(entry.value)
+            except ValueError as e:
+                raise ValueError(
+                    f"The ONNX file's {METADATA_KEY} metadata is not valid JSON ({e}). Received: path={path!r}"
+                ) from e
     return {}
+
+
+def _first_line(error):
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -2,15 +2,17 @@
 
 import json
 import os
-import shutil
-import tempfile
+import uuid
 
 import keras
 
+from keras_linattn import _atomic
 from keras_linattn.export import _specs
 from keras_linattn.export import warmup as warmup_lib
 
 DESCRIPTION_FILE = "keras_linattn.json"
+# The description file lists every other file of the version with its size and sha256.
+DESCRIPTION_PATH = "assets.extra/" + DESCRIPTION_FILE
 
 
 def _check_base_dir(base_dir):
@@ -24,10 +26,18 @@ def _check_base_dir(base_dir):
 
 
 def existing_versions(base_dir):
-    """Sorted integer versions already present in `base_dir`."""
+    """Sorted integer versions present in `base_dir` (what TF Serving would load).
+
+    Staging directories of exports in progress or killed (``.tmp-*``) are
+    never versions.
+    """
     if not os.path.isdir(base_dir):
         return []
-    return sorted(int(d) for d in os.listdir(base_dir) if d.isdigit() and os.path.isdir(os.path.join(base_dir, d)))
+    return sorted(
+        int(d)
+        for d in os.listdir(base_dir)
+        if d.isdigit() and d.isascii() and os.path.isdir(os.path.join(base_dir, d))
+    )
 
 
 def _resolve_version(base_dir, version):
@@ -116,9 +126,20 @@ def export_saved_model(
 
     ``assets.extra/tf_serving_warmup_requests`` holds `PredictionLog`
     records for each signature (TF Serving replays them at load time), and
-    ``assets.extra/keras_linattn.json`` describes inputs, outputs and state.
-    The export is written to a temporary directory inside `base_dir` and
-    renamed into place at the end, so a failure leaves nothing behind.
+    ``assets.extra/keras_linattn.json`` describes inputs, outputs and state,
+    and lists every other file of the version with its size and sha256
+    (`check_integrity` compares them).
+
+    Atomic: the version is written in full to a staging directory
+    ``base_dir/.tmp-*`` (never a version: TF Serving only loads integer
+    names), flushed, and renamed to ``base_dir/<version>`` in one step. A
+    process killed at any moment leaves the versions that were there and,
+    possibly, one complete new version; never a partial one. Staging
+    directories of killed exports are removed by the next export into
+    `base_dir`. Without `version`, the number is taken at the rename (one
+    more than the largest present, under a lock on `base_dir`), so
+    re-running, or exporting from two processes at once, gives the next
+    numbers.
 
     Args:
         model: a built `keras.Model`.
@@ -139,40 +160,51 @@ def export_saved_model(
     """
     base_dir = _check_base_dir(base_dir)
     specs = _specs.ModelSpecs(model, input_signature=input_signature)
-    version = _resolve_version(base_dir, version)
+    if version is not None:
+        _resolve_version(base_dir, version)  # fail early on a bad or taken version
     model_name = model_name or os.path.basename(os.path.normpath(os.path.abspath(base_dir)))
     created_base = not os.path.exists(base_dir)
-    os.makedirs(base_dir, exist_ok=True)
-    tmp_dir = tempfile.mkdtemp(prefix=f".tmp-{version}-", dir=base_dir)
     try:
-        export_dir = os.path.join(tmp_dir, "export")
-        archive = build_archive(specs, include_generate=include_generate)
-        archive.write_out(export_dir, verbose=verbose)
-        extra = os.path.join(export_dir, "assets.extra")
-        os.makedirs(extra, exist_ok=True)
-        if warmup:
-            warmup_lib.write_warmup_requests(
-                os.path.join(extra, warmup_lib.WARMUP_FILE),
-                specs,
-                model_name=model_name,
-                batch_size=warmup_batch_size,
-                length=warmup_length,
-                include_generate=include_generate,
-            )
-        description = specs.describe()
-        description["signatures"] = signature_names(specs, include_generate)
-        with open(os.path.join(extra, DESCRIPTION_FILE), "w") as f:
-            json.dump(description, f, indent=2)
-        final = os.path.join(base_dir, str(version))
-        if os.path.exists(final):
-            raise ValueError(f"Version {version} appeared in {base_dir!r} during the export.")
-        os.rename(export_dir, final)
+        with _atomic.staging_dir(base_dir) as tmp_dir:  # also removes what killed exports left
+            export_dir = os.path.join(tmp_dir, "export")
+            archive = build_archive(specs, include_generate=include_generate)
+            archive.write_out(export_dir, verbose=verbose)
+            _atomic.fault_point("saved_model:written")
+            extra = os.path.join(export_dir, "assets.extra")
+            os.makedirs(extra, exist_ok=True)
+            if warmup:
+                warmup_lib.write_warmup_requests(
+                    os.path.join(extra, warmup_lib.WARMUP_FILE),
+                    specs,
+                    model_name=model_name,
+                    batch_size=warmup_batch_size,
+                    length=warmup_length,
+                    include_generate=include_generate,
+                )
+            _atomic.fault_point("saved_model:warmup_written")
+            description = specs.describe()
+            description["signatures"] = signature_names(specs, include_generate)
+            description["export_id"] = uuid.uuid4().hex
+            description["files"] = _atomic.tree_digests(export_dir, exclude={DESCRIPTION_PATH})
+            with open(os.path.join(extra, DESCRIPTION_FILE), "w") as f:
+                json.dump(description, f, indent=2)
+            _atomic.fault_point("saved_model:staged")
+            _atomic.fsync_tree(export_dir)
+            # The version is taken under the directory lock, at the moment of the rename:
+            # concurrent exports into one base_dir get distinct versions.
+            with _atomic.locked_dir(base_dir):
+                version = _resolve_version(base_dir, version)
+                final = os.path.join(base_dir, str(version))
+                os.rename(export_dir, final)
+            _atomic.fsync_dir(base_dir)
+            _atomic.fault_point("saved_model:published")
     except BaseException:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
         if created_base:
-            shutil.rmtree(base_dir, ignore_errors=True)
+            try:
+                os.rmdir(base_dir)  # only if nothing else was written there meanwhile
+            except OSError:
+                pass
         raise
-    shutil.rmtree(tmp_dir, ignore_errors=True)
     return final
 
 
@@ -185,6 +217,22 @@ def signature_names(specs, include_generate=True):
     return names
 
 
+def check_integrity(export_dir):
+    """Checks every file of an exported version against the sizes and sha256 recorded at export.
+
+    Versions written before the digests were recorded are only checked for
+    a readable description.
+
+    Raises:
+        ValueError: naming the first missing, truncated or altered file.
+    """
+    description = read_description(export_dir)
+    for rel, expected in sorted(description.get("files", {}).items()):
+        path = os.path.join(export_dir, *rel.split("/"))
+        _atomic.check_digest(path, expected, what=f"SavedModel file {rel}")
+    return description
+
+
 def read_description(export_dir):
     """The JSON description written by `export_saved_model`."""
     path = os.path.join(export_dir, "assets.extra", DESCRIPTION_FILE)
@@ -193,8 +241,8 @@ def read_description(export_dir):
             return json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(
-            f"`export_dir` has no readable assets.extra/{DESCRIPTION_FILE} (not written by "
-            f"`export_saved_model`?): {e}. Received: export_dir={export_dir!r}"
+            f"`export_dir` has no readable assets.extra/{DESCRIPTION_FILE} (missing, truncated, or not "
+            f"written by `export_saved_model`): {e}. Received: export_dir={export_dir!r}"
         ) from e
 
 

@@ -1,5 +1,7 @@
 """Checks that exported artifacts compute what the Keras model computes."""
 
+import os
+
 import numpy as np
 
 from keras_linattn.export import _specs
@@ -136,6 +138,12 @@ def verify(
     compared with Keras `step` over `decode_steps` tokens, and the greedy
     ``generate`` signature must return exactly Keras' `generate()` tokens.
 
+    Before running anything, a SavedModel written by `export_saved_model`
+    is checked file by file against the sizes and sha256 it recorded
+    (`check_integrity`), and an ONNX model and step graph must come from
+    the same export (`check_pair`): a damaged or half-written export raises
+    ValueError naming the file.
+
     Args:
         model: the Keras model that was exported.
         saved_model_dir: a SavedModel version dir (or None to skip).
@@ -153,8 +161,16 @@ def verify(
     Returns:
         A `VerificationReport`.
     """
+    from keras_linattn.export import onnx_export, saved_model
     from keras_linattn.export.saved_model_runner import SavedModelRunner
 
+    # Damaged or mismatched files are named before anything runs.
+    if saved_model_dir is not None and os.path.isfile(
+        os.path.join(saved_model_dir, "assets.extra", saved_model.DESCRIPTION_FILE)
+    ):
+        saved_model.check_integrity(saved_model_dir)
+    if onnx_path is not None and onnx_step_path is not None:
+        onnx_export.check_pair(onnx_path, onnx_step_path)
     specs = _specs.ModelSpecs(model)
     desc = specs.describe()
     report = VerificationReport()

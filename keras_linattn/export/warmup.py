@@ -6,6 +6,7 @@ request does not pay for graph initialization.
 """
 
 import os
+import re
 
 import numpy as np
 import tensorflow as tf
@@ -116,8 +117,13 @@ def read_warmup_requests(path):
             inputs = {name: tf.make_ndarray(proto) for name, proto in request.inputs.items()}
             requests.append((request.model_spec.signature_name, inputs))
     except (tf.errors.OpError, DecodeError) as e:
+        reason = getattr(e, "message", None) or str(e)
+        reason = reason.strip().splitlines()[0] if reason.strip() else type(e).__name__
+        record = re.search(r"(truncated|corrupted) record at \d+", reason)
+        if record:  # TF's message wraps this in op and device names
+            reason = f"the file is truncated or corrupted ({record.group(0)})"
         raise ValueError(
             "Not a TF Serving warmup file (a TFRecord file of PredictionLog records with "
-            f"predict requests): {str(e).splitlines()[0]}. Received: path={path!r}"
+            f"predict requests): {reason}. Received: path={path!r}"
         ) from e
     return requests

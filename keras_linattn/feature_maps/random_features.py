@@ -108,6 +108,14 @@ class RandomFeatureMap(FeatureMap):
     non-trainable float32 weight created in `build` from `seed`, and
     `redraw()` to replace it. Subclasses turn ``(x', W x')`` into features.
 
+    The number of draws made so far is a second non-trainable weight,
+    ``draw_index`` (int64, 0 after `build`): it is saved in ``.keras`` files,
+    ``.weights.h5`` files, `BackupAndRestore` backups and `tf.train.Checkpoint`s
+    with the projection, so a restored map continues its sequence of redraws
+    where the saved one was (a resumed training run redraws exactly what an
+    uninterrupted one would). Files saved before this weight existed load
+    with ``draw_index = 0``.
+
     Args:
         num_features: m, the number of random features per head.
         kind: ``"orthogonal"`` (blocks of orthogonal rows, lower variance) or
@@ -137,7 +145,6 @@ class RandomFeatureMap(FeatureMap):
         self.scaling = scaling
         self.scale = None if scale is None else float(scale)
         self.seed = seed
-        self._draw_count = 0
 
     def build(self, input_shape):
         heads_dim = self.build_heads(input_shape)
@@ -154,6 +161,23 @@ class RandomFeatureMap(FeatureMap):
             trainable=False,
             dtype="float32",
         )
+        # How many `redraw()` calls produced the current projection (see the class docstring).
+        self.draw_index = self.add_weight(
+            name="draw_index", shape=(), initializer="zeros", trainable=False, dtype="int64"
+        )
+
+    def load_own_variables(self, store):
+        """Loads the projection and, when present, ``draw_index``.
+
+        Files written before ``draw_index`` existed hold the projection only;
+        they load with ``draw_index = 0``.
+        """
+        own = self._trainable_variables + self._non_trainable_variables
+        if self.built and len(store.keys()) == len(own) - 1:
+            self.projection.assign(store["0"])
+            self.draw_index.assign(0)
+            return
+        super().load_own_variables(store)
 
     def redraw(self, seed=None):
         """Draws a new projection and assigns it to the weight.
@@ -171,13 +195,16 @@ class RandomFeatureMap(FeatureMap):
                 f"Received: a map with built={self.built}"
             )
         if seed is None:
-            self._draw_count += 1
-            rng = make_rng(self.seed, self._draw_count)
+            index = int(self.draw_index.numpy()) + 1
+            rng = make_rng(self.seed, index)
         else:
             check_seed(seed)
+            index = None  # an explicit seed leaves the sequence where it is
             rng = make_rng(seed, 0)
         new = headwise_projection(rng, self._num_heads, self.num_features, self._dim, self.kind, self.scaling)
         self.projection.assign(new)  # [H, m, D]
+        if index is not None:
+            self.draw_index.assign(index)
 
     def _project(self, inputs):
         """Returns ``(x' [B, T, H, D], W x' [B, T, H, m])`` in the compute dtype."""

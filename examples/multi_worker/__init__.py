@@ -1,0 +1,1 @@
+"""Custom training loop under MultiWorkerMirroredStrategy with checkpoint resume."""
