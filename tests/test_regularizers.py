@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 from keras_linattn.regularizers import OrthogonalRegularizer
-from tests.conftest import rel_err
+from tests.tolerance import assert_close, bound
 
 
 def _np_penalty(w, factor):
@@ -21,23 +21,34 @@ def _np_penalty(w, factor):
     return factor * total
 
 
+def _n(shape):
+    """Reduction length of the penalty of a [H,] a x b weight: the Gram reduces
+    over max(a, b), then the sum runs over its H * min(a, b)^2 entries."""
+    h, a, b = (1,) * (3 - len(shape)) + tuple(shape)
+    return max(a, b) + h * min(a, b) ** 2
+
+
 @pytest.mark.parametrize("shape", [(4, 6), (6, 4), (5, 5), (3, 4, 7), (2, 7, 3), (1, 5, 5)])
 def test_value_equals_the_formula(rng, shape):
     w = rng.normal(size=shape).astype("float32")
     got = OrthogonalRegularizer(0.3)(w)
     assert got.dtype == "float32"
-    assert rel_err(got, _np_penalty(w, 0.3)) <= 1e-6
+    assert_close(got, _np_penalty(w, 0.3), n=_n(shape))  # float64 NumPy oracle
 
 
 def test_hand_computed_values():
+    def check(factor, w, want):
+        w = np.asarray(w, "float32")
+        assert_close(OrthogonalRegularizer(factor)(w), want, n=_n(w.shape))
+
     # 2 I (2x2): G = 4 I, ||3 I||^2 = 18.
-    assert float(OrthogonalRegularizer(0.5)(2.0 * np.eye(2, dtype="float32"))) == pytest.approx(9.0)
+    check(0.5, 2.0 * np.eye(2), 9.0)
     # [[1, 1]] (1x2, D < C): G = W W^T = [[2]] -> (2 - 1)^2 = 1.
-    assert float(OrthogonalRegularizer(1.0)(np.array([[1.0, 1.0]], "float32"))) == pytest.approx(1.0)
+    check(1.0, [[1.0, 1.0]], 1.0)
     # Same matrix transposed (2x1, D > C): G = W^T W = [[2]] as well.
-    assert float(OrthogonalRegularizer(1.0)(np.array([[1.0], [1.0]], "float32"))) == pytest.approx(1.0)
+    check(1.0, [[1.0], [1.0]], 1.0)
     # Heads are summed: two copies of 2 I -> twice 18.
-    assert float(OrthogonalRegularizer(1.0)(np.stack([2.0 * np.eye(2)] * 2).astype("float32"))) == pytest.approx(36.0)
+    check(1.0, np.stack([2.0 * np.eye(2)] * 2), 36.0)
 
 
 @pytest.mark.parametrize("shape", [(3, 4, 6), (3, 6, 4)])
@@ -48,7 +59,10 @@ def test_zero_for_orthonormal_heads(rng, shape):
         q, _ = np.linalg.qr(rng.normal(size=(max(d, c), min(d, c))))
         heads.append(q.T if d < c else q)
     w = np.stack(heads).astype("float32")  # [H, D, C], orthonormal rows or columns
-    assert float(OrthogonalRegularizer(1.0)(w)) <= 1e-10
+    # Each of the H * min(D, C)^2 entries of G - I is float32 rounding of the
+    # rows (or columns) and of the Gram over max(D, C): at most bound(n = max(D, C)).
+    per_entry = bound("float32", n=max(d, c))
+    assert float(OrthogonalRegularizer(1.0)(w)) <= h * min(d, c) ** 2 * per_entry**2
 
 
 def test_gradient_equals_the_analytic_gradient(rng):
@@ -65,7 +79,8 @@ def test_gradient_equals_the_analytic_gradient(rng):
             want = 4 * 0.25 * (w64 @ wt - np.eye(shape[1])) @ w64
         else:
             want = 4 * 0.25 * w64 @ (wt @ w64 - np.eye(shape[2]))
-        assert rel_err(got, want) <= 1e-5
+        # the Gram over max(D, C), then (G - I) W over min(D, C)
+        assert_close(got, want, n=max(shape[1:]) + min(shape[1:]), what=str(shape))
 
 
 def test_differs_from_keras_orthogonal_regularizer(rng):
@@ -73,16 +88,18 @@ def test_differs_from_keras_orthogonal_regularizer(rng):
     # Orthogonal rows of norm 2: Keras' mean |cosine| is 0, the Frobenius penalty is not.
     w = 2.0 * np.eye(3, dtype="float32")
     assert float(theirs(w)) == 0.0
-    assert float(ours(w)) == pytest.approx(27.0)
+    assert_close(ours(w), 27.0, n=_n(w.shape))
     # Unit rows with cosine 0.6: Keras gives the mean |cos| over pairs, ours the squared deviation.
     w = np.array([[1.0, 0.0], [0.6, 0.8]], "float32")
-    assert float(theirs(w)) == pytest.approx(0.6, rel=1e-5)
-    assert float(ours(w)) == pytest.approx(2 * 0.6**2, rel=1e-5)
+    # Keras: row norms over D = 2, then the Gram over D = 2, then a sum over the Gram's 2 x 2 entries
+    assert_close(theirs(w), 0.6, n=2 + 2 + 2 * 2)
+    assert_close(ours(w), 2 * 0.6**2, n=_n(w.shape))
     # Keras' one refuses head-wise weights; ours sums over heads.
     w3 = rng.normal(size=(2, 3, 3)).astype("float32")
     with pytest.raises(ValueError, match="rank 2"):
         theirs(w3)
-    assert rel_err(ours(w3), float(ours(w3[0])) + float(ours(w3[1]))) <= 1e-6
+    # two float32 computations of the same penalty (the per-head ones added in float64)
+    assert_close(ours(w3), float(ours(w3[0])) + float(ours(w3[1])), n=_n(w3.shape), paths=2)
 
 
 def test_serialization_and_saving_in_a_model(rng, tmp_path):
@@ -96,13 +113,13 @@ def test_serialization_and_saving_in_a_model(rng, tmp_path):
     model = keras.Model(inputs, keras.layers.Dense(4, kernel_regularizer=reg)(inputs))
     kernel = model.layers[1].kernel
     assert len(model.losses) == 1
-    assert rel_err(model.losses[0], _np_penalty(kernel, 0.125)) <= 1e-6
+    assert_close(model.losses[0], _np_penalty(kernel, 0.125), n=_n(kernel.shape))
     path = str(tmp_path / "reg.keras")
     model.save(path)
     loaded = keras.models.load_model(path)
     assert type(loaded.layers[1].kernel_regularizer) is OrthogonalRegularizer
     assert loaded.layers[1].kernel_regularizer.factor == 0.125
-    assert rel_err(loaded.losses[0], model.losses[0]) <= 1e-7
+    assert_close(loaded.losses[0], model.losses[0], n=_n(kernel.shape), paths=2)  # float32 vs float32
 
 
 @pytest.mark.parametrize("factor", [-0.1, float("nan"), float("inf"), "0.1", True, None])
