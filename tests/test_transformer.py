@@ -9,22 +9,64 @@ import tensorflow as tf
 
 from keras_linattn import feature_maps
 from keras_linattn import ops as lops
+from keras_linattn.feature_maps.random_features import RandomFeatureMap
 from keras_linattn.layers import LinearTransformerDecoder, LinearTransformerEncoder
-from tests._helpers import run_steps
-from tests.conftest import rel_err
+from tests._helpers import layer_conditioning, run_steps
+from tests.conftest import TEST_SEED
+from tests.tolerance import assert_close
 
 DIM = 8
 T = 7
 FEATURE_MAPS = feature_maps.available()
 
 
+def _feature_map(name):
+    """The registered map ``name``; random-projection maps get an explicit seed.
+
+    relu's floor is raised from 1e-6 to 1e-2: with the default, a query whose
+    only positive pre-activation is ~1e-5 weighs its attention row by that
+    value, whose float32 rounding (~1e-7 absolute) is then a relative 1e-2, a
+    conditioning the error model does not cover (seen at the default seed in
+    the language model, 3x over the bound with oneDNN off).
+    """
+    if name == "relu":
+        return feature_maps.get(name, epsilon=1e-2)
+    fm = feature_maps.get(name)
+    return feature_maps.get(name, seed=TEST_SEED) if isinstance(fm, RandomFeatureMap) else fm
+
+
 def _block(cls, feature_map="elu", **kwargs):
     kwargs.setdefault("num_heads", 2)
     kwargs.setdefault("intermediate_dim", 16)
     kwargs.setdefault("chunk_size", 3)
+    if isinstance(feature_map, str):
+        feature_map = _feature_map(feature_map)
     block = cls(feature_map=feature_map, **kwargs)
     block.build((None, None, DIM))
     return block
+
+
+def _n_block(block, s):
+    """Reduction length of a block's output with ``s`` keys: DIM (attention
+    layer norm) + DIM (q/k/v projections) + D (the map's own projection) + S
+    keys + C features + H*M (output projection) + DIM (feed-forward layer
+    norm) + DIM (feed-forward input) + intermediate (feed-forward output)."""
+    att = block.attention
+    n = 2 * DIM + att.key_dim + s + att.feature_dim + att.num_heads * att.value_dim
+    return n + 2 * DIM + block.intermediate_dim
+
+
+def _n_state(block, s):
+    """Reduction length of the state ``S = sum_s phi(k_s) v_s^T`` (and ``z``):
+    DIM (layer norm) + DIM (projections) + D (the map's own projection) + S keys."""
+    return 2 * DIM + block.attention.key_dim + s
+
+
+def _conditioning(block, x, causal, key_mask=None):
+    """Normalizer conditioning of the block's self-attention on what reaches it
+    (the normalized inputs); 1 for positive maps."""
+    h = block._attention_norm(x)  # [B, T, DIM]
+    return layer_conditioning(block.attention, h, h, causal=causal, key_mask=key_mask)
 
 
 def _reference_block(block, x, causal, key_mask=None):
@@ -56,9 +98,19 @@ def test_block_matches_oracle_outputs_and_gradients(rng, cls, causal):
 
     y, g = loss_and_grads(lambda: block(x, padding_mask=mask))
     y_ref, g_ref = loss_and_grads(lambda: _reference_block(block, x, causal, key_mask=mask))
-    assert rel_err(np.where(mask[..., None], y, 0), np.where(mask[..., None], y_ref, 0)) <= 1e-5
-    for a, b in zip(g, g_ref):
-        assert rel_err(a, b) <= 1e-5
+    # The reference shares the block's float32 layer norms, projections and
+    # feed-forward; its attention is the float64 oracle (paths=1).
+    n = _n_block(block, T)
+    assert_close(np.where(mask[..., None], y, 0), np.where(mask[..., None], y_ref, 0), n=n, what="outputs")
+    # A weight's gradient adds the sum over the B*T positions that share it;
+    # per weight, conditioned by the whole gradient's scale over the weight's
+    # (its absolute error is inherited from the whole backward pass).
+    n_grad = n + x.shape[0] * T
+    whole = max(float(np.abs(np.asarray(b)).max()) for b in g_ref)
+    for w, a, b in zip(block.trainable_weights, g, g_ref):
+        scale = float(np.abs(np.asarray(b)).max())
+        assert scale > 0, w.path
+        assert_close(a, b, n=n_grad, conditioning=whole / scale, what=w.path)
 
 
 @pytest.mark.parametrize("feature_map", FEATURE_MAPS)
@@ -67,27 +119,57 @@ def test_decoder_step_matches_parallel(rng, feature_map):
     block = _block(LinearTransformerDecoder, feature_map)
     parallel, (s, z) = block(x, return_state=True)
     stepped, (s_step, z_step) = run_steps(block, x)
-    assert rel_err(stepped, parallel) <= 1e-5
-    assert rel_err(s_step, s) <= 1e-5
-    assert rel_err(z_step, z) <= 1e-5
+    # Step and parallel are both float32 (paths=2).
+    conditioning = _conditioning(block, x, causal=True)
+    assert_close(stepped, parallel, n=_n_block(block, T), conditioning=conditioning, paths=2, what="outputs")
+    assert_close(s_step, s, n=_n_state(block, T), paths=2, what="S")
+    assert_close(z_step, z, n=_n_state(block, T), paths=2, what="z")
 
 
-@pytest.mark.parametrize("feature_map", FEATURE_MAPS)
-def test_encoder_step_is_streaming_encoding(rng, feature_map):
-    x = rng.normal(size=(2, 5, DIM)).astype("float32")
-    block = _block(LinearTransformerEncoder, feature_map)
-    q, k, _ = block.attention.project(x, x)
-    fm = block.attention.feature_map
-    kernel = np.einsum("bthc,bshc->bhts", fm(q, is_query=True), fm(k, is_query=False))
-    if kernel.min() < 0:
-        # The non-causal path normalizes keys with a per-sequence constant that
-        # cancels in out = num / den, except where a signed kernel drives den
-        # below the epsilon guard; there the two forms legitimately differ.
-        pytest.skip(f"{feature_map} has a signed kernel (min {kernel.min():.3g})")
+def _assert_step_is_streaming_encoding(block, x):
+    """Step t of the encoder equals the (non-causal) encoding of x[:, :t+1] at t."""
     stepped, _ = run_steps(block, x)
+    # Query t of the prefix sees keys 0..t: the causal rows of the whole x.
+    conditioning = _conditioning(block, x, causal=True)
     for t in range(x.shape[1]):
         prefix = np.asarray(block(x[:, : t + 1]))
-        assert rel_err(stepped[:, t], prefix[:, t]) <= 1e-5
+        # Both float32 (paths=2), over S = t + 1 keys.
+        assert_close(
+            stepped[:, t], prefix[:, t], n=_n_block(block, t + 1), conditioning=conditioning, paths=2, what=f"{t=}"
+        )
+
+
+# favor_trig is left out: where a query's denominator phi(q).z is negative,
+# `linear_attention` floors it at eps * sum|phi(q)| (documented), and the
+# floored output scales with the keys' norm factor, which the non-causal form
+# (per-sequence max) and the step (causal cap) choose differently: there the
+# two forms differ by O(1), not by rounding. Its streaming equality where the
+# kernel is positive is the next test.
+@pytest.mark.parametrize("feature_map", [name for name in FEATURE_MAPS if name != "favor_trig"])
+def test_encoder_step_is_streaming_encoding(rng, feature_map):
+    x = rng.normal(size=(2, 5, DIM)).astype("float32")
+    _assert_step_is_streaming_encoding(_block(LinearTransformerEncoder, feature_map), x)
+
+
+def test_encoder_step_is_streaming_encoding_favor_trig_positive_kernel(rng):
+    """favor_trig's two key norm factors cancel in num / den wherever den > 0.
+
+    With inputs scaled by 0.25 (instead of D^(-1/4)), ``|q' - k'|`` stays
+    below ~1.5, so each ``phi(q).phi(k) = amp(k) * mean_i cos(w_i.(q' - k'))``
+    estimates ``amp(k) * exp(-|q' - k'|^2 / 2) > 0`` with 256 orthogonal
+    frequencies: the kernel is positive by construction (asserted).
+    """
+    x = rng.normal(size=(2, 5, DIM)).astype("float32")
+    fm = feature_maps.get("favor_trig", seed=TEST_SEED, scale=0.25)
+    block = _block(LinearTransformerEncoder, fm)
+    att = block.attention
+    h = block._attention_norm(x)
+    q, k, _ = att.project(h, h)
+    kernel = np.einsum(
+        "bthc,bshc->bhts", att.feature_map(q, is_query=True), att.feature_map(k, is_query=False)
+    )  # [B, H, T, S]
+    assert kernel.min() > 0, kernel.min()  # the construction above, not a skip
+    _assert_step_is_streaming_encoding(block, x)
 
 
 def test_decoder_prefill_steps_and_resume(rng):
@@ -97,7 +179,8 @@ def test_decoder_prefill_steps_and_resume(rng):
     head, state = block(x[:, :4], return_state=True)
     mid, state = block(x[:, 4:7], return_state=True, initial_state=state)
     tail, _ = run_steps(block, x[:, 7:], state)
-    assert rel_err(np.concatenate([head, mid, tail], axis=1), full) <= 1e-5
+    # Both float32 (paths=2), over S = 10 keys at most.
+    assert_close(np.concatenate([head, mid, tail], axis=1), full, n=_n_block(block, x.shape[1]), paths=2)
 
 
 def test_decoder_never_sees_the_future(rng):
@@ -117,9 +200,10 @@ def test_decoder_left_padding_matches_unpadded(rng):
     padded = np.concatenate([rng.normal(size=(1, 3, DIM)).astype("float32"), x], axis=1)
     mask = np.array([[0, 0, 0, 1, 1, 1, 1, 1, 1]], bool)
     out, state = block(padded, padding_mask=mask, return_state=True)
-    assert rel_err(np.asarray(out)[:, 3:], plain) <= 1e-5
+    # Both float32 (paths=2), over the S = 9 keys of the padded sequence.
+    assert_close(np.asarray(out)[:, 3:], plain, n=_n_block(block, padded.shape[1]), paths=2, what="outputs")
     _, state_plain = block(x, return_state=True)
-    assert rel_err(state[0], state_plain[0]) <= 1e-5
+    assert_close(state[0], state_plain[0], n=_n_state(block, padded.shape[1]), paths=2, what="S")
 
 
 def test_encoder_padding_is_ignored(rng):
@@ -129,10 +213,12 @@ def test_encoder_padding_is_ignored(rng):
     block = _block(LinearTransformerEncoder)
     out = np.asarray(block(x, padding_mask=mask))
     alone = np.asarray(block(x[:1, :4]))
-    assert rel_err(out[0, :4], alone[0]) <= 1e-5
+    assert_close(out[0, :4], alone[0], n=_n_block(block, T), paths=2)  # both float32, S = T keys
     x2 = x.copy()
     x2[0, 4:] = 100.0
-    np.testing.assert_allclose(np.asarray(block(x2, padding_mask=mask))[0, :4], out[0, :4], rtol=0, atol=1e-6)
+    # Padded keys and values are replaced by zeros (`where`) before any
+    # reduction, so the junk changes no operand of the real outputs: bit-identical.
+    np.testing.assert_array_equal(np.asarray(block(x2, padding_mask=mask))[0, :4], out[0, :4])
 
 
 def test_keras_mask_is_used_as_padding_mask(rng):
@@ -141,13 +227,16 @@ def test_keras_mask_is_used_as_padding_mask(rng):
     block = _block(LinearTransformerEncoder)
     with_keras_mask = np.asarray(block(emb(ids)))
     explicit = np.asarray(block(emb(ids), padding_mask=ids != 0))
-    np.testing.assert_allclose(with_keras_mask, explicit, rtol=0, atol=1e-6)
+    # The same computation with the same mask: bit-identical.
+    np.testing.assert_array_equal(with_keras_mask, explicit)
 
 
 def test_dropout_only_in_training(rng):
     x = rng.normal(size=(2, T, DIM)).astype("float32")
     block = _block(LinearTransformerDecoder, dropout=0.5, seed=1)
     np.testing.assert_array_equal(block(x, training=False), block(x))
+    # Criterion: dropout at rate 0.5 changes the outputs by O(1) (|y| ~ 1 here);
+    # 1e-3 is far above float32 rounding and far below that.
     assert np.abs(np.asarray(block(x, training=True)) - np.asarray(block(x))).max() > 1e-3
 
 
@@ -161,7 +250,7 @@ def test_config_and_keras_saving(rng, tmp_path, cls):
     path = os.path.join(tmp_path, "block.keras")
     model.save(path)
     restored = keras.models.load_model(path)
-    np.testing.assert_allclose(restored(x), expected, rtol=0, atol=1e-6)
+    assert_close(restored(x), expected, n=_n_block(block, T), paths=2)  # two float32 runs
     config = block.get_config()
     assert cls.from_config(config).get_config() == config
 
@@ -173,6 +262,7 @@ def test_xla_fit_runs_and_reduces_loss(rng):
     model = keras.Model(inputs, _block(LinearTransformerDecoder)(inputs))
     model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse", jit_compile=True)
     history = model.fit(x, y, epochs=5, batch_size=8, verbose=0)
+    # Learning criterion (seeded): 5 epochs of Adam(1e-2) lower the training loss.
     assert history.history["loss"][-1] < history.history["loss"][0]
 
 
