@@ -313,7 +313,15 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._since_save += per_execution  # batch hooks run once per execution
         if self._since_save >= self.save_freq:
             self._since_save = 0
-            self._save(self._epoch, batch + 1)
+            steps = (self.params or {}).get("steps")
+            if steps and batch + per_execution >= steps:
+                # The epoch's last batch: resume at the next epoch. Recording
+                # (epoch, steps) would make the resumed fit replay a whole epoch
+                # without one training step, and Keras fails reading metrics
+                # that were never built.
+                self._save(self._epoch + 1, 0)
+            else:
+                self._save(self._epoch, batch + 1)
 
     def on_epoch_end(self, epoch, logs=None):
         if self.save_freq == "epoch":

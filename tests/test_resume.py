@@ -153,6 +153,26 @@ def test_mid_epoch_backup_resumes_exactly_with_dropout(tmp_path, rng):
     assert not hasattr(resumed.train_function, "_kla_original")  # the replaying wrapper is gone
 
 
+def test_backup_after_an_epochs_last_batch_resumes_at_the_next_epoch(tmp_path, rng):
+    """A backup taken after the last batch of an epoch records (epoch + 1, 0), not
+    (epoch, steps): resuming from (epoch, steps) replayed a whole epoch without a
+    training step and failed reading metrics that were never built."""
+    stream = _every_map_stream(rng)
+    reference = _every_map_model(maps=SMALL)
+    _fit(reference, stream, epochs=2, steps=4)
+    expected = [np.asarray(w) for w in reference.weights]
+
+    backup_dir = str(tmp_path / "backup")
+    model = _every_map_model(maps=SMALL)
+    with pytest.raises(KeyboardInterrupt):  # backups after batches 2 and 4, killed after batch 5
+        _fit(model, stream, BackupAndRestore(backup_dir, save_freq=2), interrupt_at=5, epochs=2, steps=4)
+    backup = BackupAndRestore(backup_dir, save_freq=2)
+    assert backup.resume_point() == (1, 0)
+    resumed = _every_map_model(maps=SMALL)
+    _fit(resumed, stream, backup, epochs=2, steps=4, skip=backup.initial_epoch * 4)
+    _assert_same_weights([np.asarray(w) for w in resumed.weights], expected, n=8 * 4 * 8, what="epoch end")
+
+
 def test_backup_files_are_complete_at_every_fault_point(tmp_path, rng):
     """A copy of the backup dir taken where a kill could land always restores a consistent state."""
     stream = _every_map_stream(rng)
