@@ -9,9 +9,8 @@ import tensorflow as tf
 
 from keras_linattn import feature_maps
 from keras_linattn import ops as lops
-from keras_linattn.feature_maps.random_features import RandomFeatureMap
 from keras_linattn.layers import LinearTransformerDecoder, LinearTransformerEncoder
-from tests._helpers import layer_conditioning, run_steps
+from tests._helpers import step_test_feature_map, layer_conditioning, run_steps
 from tests.conftest import TEST_SEED
 from tests.tolerance import assert_close
 
@@ -20,29 +19,12 @@ T = 7
 FEATURE_MAPS = feature_maps.available()
 
 
-def _feature_map(name):
-    """The registered map ``name``; random-projection maps get an explicit seed.
-
-    relu's floor is raised from 1e-6 to 0.1. relu passes a pre-activation's
-    absolute rounding error (~eps |q|) on unscaled, so a row whose only
-    positive pre-activation is tiny is ill-conditioned: with the default
-    floor, one at ~1e-5 put the language model at 3x the bound (default seed,
-    oneDNN off). A floor f bounds the row's sensitivity
-    ``|q| |z| / (phi(q).z)`` by ~1/f, ~10 here: worst 0.11 of the bound over
-    41 seeds with oneDNN on and off (f = 1e-2: 0.88 at 1 of 40 seeds).
-    """
-    if name == "relu":
-        return feature_maps.get(name, epsilon=0.1)
-    fm = feature_maps.get(name)
-    return feature_maps.get(name, seed=TEST_SEED) if isinstance(fm, RandomFeatureMap) else fm
-
-
 def _block(cls, feature_map="elu", **kwargs):
     kwargs.setdefault("num_heads", 2)
     kwargs.setdefault("intermediate_dim", 16)
     kwargs.setdefault("chunk_size", 3)
     if isinstance(feature_map, str):
-        feature_map = _feature_map(feature_map)
+        feature_map = step_test_feature_map(feature_map)
     block = cls(feature_map=feature_map, **kwargs)
     block.build((None, None, DIM))
     return block
