@@ -65,12 +65,12 @@ def oracle_forward(layer, query, value, key=None, causal=False, key_mask=None):
     return layer.output_dense(att)
 
 
-def layer_conditioning(layer, query, value, key=None, causal=False, key_mask=None):
+def layer_conditioning(layer, query, value, key=None, causal=False, key_mask=None, per_channel=False):
     """`tests.tolerance.normalizer_conditioning` of the layer's own features on these inputs."""
     q, k, _ = layer.project(query, value, key)
     qf = layer.feature_map(q, is_query=True, causal=causal)  # [B, T, H, C]
     kf = layer.feature_map(k, is_query=False, causal=causal)  # [B, S, H, C]
-    return normalizer_conditioning(qf, kf, causal=causal, key_mask=key_mask)
+    return normalizer_conditioning(qf, kf, causal=causal, key_mask=key_mask, per_channel=per_channel)
 
 
 def _outputs_and_gradients(fn, x, weights):

@@ -10,7 +10,7 @@ import tensorflow as tf
 from keras_linattn import feature_maps, samplers
 from keras_linattn.models import LinearCausalLM
 from tests._helpers import step_test_feature_map, layer_conditioning, run_steps
-from tests.tolerance import assert_close
+from tests.tolerance import assert_close, assert_rows_close
 
 VOCAB = 23
 FEATURE_MAPS = feature_maps.available()
@@ -42,7 +42,7 @@ def _n_logits(lm, t):
     return n
 
 
-def _conditioning(lm, ids):
+def _conditioning(lm, ids, per_channel=False):
     """Worst normalizer conditioning over the blocks' causal self-attention on
     what reaches it (the normalized hidden states of unpadded ``ids``); 1 for
     positive maps."""
@@ -50,7 +50,7 @@ def _conditioning(lm, ids):
     worst = 1.0
     for block in lm.decoder_blocks:
         h = block._attention_norm(x)  # [B, T, hidden]: the attention layer's input
-        worst = max(worst, layer_conditioning(block.attention, h, h, causal=True))
+        worst = max(worst, layer_conditioning(block.attention, h, h, causal=True, per_channel=per_channel))
         x = block(x)
     return worst
 
@@ -75,7 +75,8 @@ def test_step_matches_parallel_for_every_feature_map(rng, feature_map):
     parallel = np.asarray(lm(ids))
     stepped, _ = run_steps(lm, ids)
     # Step and parallel are both float32 (paths=2).
-    assert_close(stepped, parallel, n=_n_logits(lm, ids.shape[1]), conditioning=_conditioning(lm, ids), paths=2)
+    rows = [_conditioning(lm, ids[b : b + 1], per_channel=True) for b in range(ids.shape[0])]
+    assert_rows_close(stepped, parallel, n=_n_logits(lm, ids.shape[1]), row_conditioning=rows, paths=2)
 
 
 @pytest.mark.parametrize("max_sequence_length", [None, 16])

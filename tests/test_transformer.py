@@ -12,7 +12,7 @@ from keras_linattn import ops as lops
 from keras_linattn.layers import LinearTransformerDecoder, LinearTransformerEncoder
 from tests._helpers import step_test_feature_map, layer_conditioning, run_steps
 from tests.conftest import TEST_SEED
-from tests.tolerance import assert_close
+from tests.tolerance import assert_close, assert_rows_close
 
 DIM = 8
 T = 7
@@ -46,11 +46,11 @@ def _n_state(block, s):
     return 2 * DIM + block.attention.key_dim + s
 
 
-def _conditioning(block, x, causal, key_mask=None):
+def _conditioning(block, x, causal, key_mask=None, per_channel=False):
     """Normalizer conditioning of the block's self-attention on what reaches it
     (the normalized inputs); 1 for positive maps."""
     h = block._attention_norm(x)  # [B, T, DIM]
-    return layer_conditioning(block.attention, h, h, causal=causal, key_mask=key_mask)
+    return layer_conditioning(block.attention, h, h, causal=causal, key_mask=key_mask, per_channel=per_channel)
 
 
 def _reference_block(block, x, causal, key_mask=None):
@@ -104,8 +104,8 @@ def test_decoder_step_matches_parallel(rng, feature_map):
     parallel, (s, z) = block(x, return_state=True)
     stepped, (s_step, z_step) = run_steps(block, x)
     # Step and parallel are both float32 (paths=2).
-    conditioning = _conditioning(block, x, causal=True)
-    assert_close(stepped, parallel, n=_n_block(block, T), conditioning=conditioning, paths=2, what="outputs")
+    rows = [_conditioning(block, x[b : b + 1], causal=True, per_channel=True) for b in range(x.shape[0])]
+    assert_rows_close(stepped, parallel, n=_n_block(block, T), row_conditioning=rows, paths=2, what="outputs")
     assert_close(s_step, s, n=_n_state(block, T), paths=2, what="S")
     assert_close(z_step, z, n=_n_state(block, T), paths=2, what="z")
 

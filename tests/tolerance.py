@@ -110,28 +110,65 @@ def assert_close(actual, expected, *, n, dtype="float32", conditioning=1.0, path
     return err
 
 
-def normalizer_conditioning(q_features, k_features, causal=False, key_mask=None):
+def normalizer_conditioning(q_features, k_features, causal=False, key_mask=None, epsilon=1e-6, per_channel=False):
     """Condition number of ``out = A v / A 1`` for ``A = phi(q) phi(k)^T``.
 
-    ``max_t sum_s |A_ts| / |sum_s A_ts|`` over (batch, head, query) rows with at
-    least one key: 1 for positive kernels, large where a signed kernel's
-    denominator nearly cancels (favor_trig). Features ``[B, T, H, C]`` /
-    ``[B, S, H, C]``, computed in float64.
+    For each (batch, head, query) row with at least one key:
+    ``sum_s |A_ts| / max(|sum_s A_ts|, guard)``, the magnitude of what enters
+    the denominator over the denominator the layer divides by
+    (``guard = epsilon * sum_c |phi(q)_c|``, the layer's relative floor); 1
+    for positive kernels. The worst row is returned.
+
+    ``per_channel=True`` counts every product ``|phi(q)_c phi(k_s)_c|``
+    instead of ``|A_ts|``: the condition number of computing the dot
+    products themselves in floating point, which is what separates two
+    float32 evaluations (step and parallel). A signed kernel (favor_trig)
+    can cancel inside one dot product, even with a single key. Features
+    ``[B, T, H, C]`` / ``[B, S, H, C]``, computed in float64.
     """
     q = np.asarray(q_features, np.float64)
     k = np.asarray(k_features, np.float64)
     a = np.einsum("bthc,bshc->bhts", q, k)  # [B, H, T, S]
+    if per_channel:
+        magnitude = np.einsum("bthc,bshc->bhts", np.abs(q), np.abs(k))  # [B, H, T, S]
+    else:
+        magnitude = np.abs(a)
     allowed = np.ones(a.shape, bool)
     if causal:
         allowed &= np.tril(np.ones(a.shape[-2:], bool))
     if key_mask is not None:
         allowed &= np.asarray(key_mask, bool)[:, None, None, :]
     a = np.where(allowed, a, 0.0)
-    absolute = np.abs(a).sum(-1)
-    signed = np.abs(a.sum(-1))
+    magnitude = np.where(allowed, magnitude, 0.0)
+    guard = epsilon * np.abs(q).sum(-1).transpose(0, 2, 1)  # [B, H, T]
+    absolute = magnitude.sum(-1)
+    signed = np.maximum(np.abs(a.sum(-1)), guard)
     rows = allowed.any(-1)
     ratio = np.where(rows, absolute / np.maximum(signed, 1e-300), 1.0)
     return float(max(ratio.max(), 1.0))
+
+
+def assert_rows_close(actual, expected, *, n, row_conditioning, dtype="float32", paths=1, what=""):
+    """`assert_close` on each batch row (axis 0) with that row's conditioning.
+
+    A row whose bound would be vacuous (its denominator cancels below what
+    ``dtype`` resolves: the output there is fixed by rounding, see
+    `normalizer_conditioning`) is not compared; it must still be finite. At
+    least one row must be compared, or the check fails: it never passes
+    without comparing anything. Returns the number of rows compared.
+    """
+    actual = np.asarray(actual, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    compared = 0
+    for row, conditioning in enumerate(row_conditioning):
+        if paths * C_ROUND * eps(dtype) * math.sqrt(n) * conditioning >= VACUOUS:
+            assert np.isfinite(actual[row]).all(), f"{what}: non-finite output in row {row}"
+            continue
+        assert_close(actual[row], expected[row], n=n, dtype=dtype, conditioning=conditioning, paths=paths,
+                     what=f"{what} row {row}")
+        compared += 1
+    assert compared, f"{what}: every row is too ill-conditioned for {dtype}: {list(row_conditioning)}"
+    return compared
 
 
 def summarize(path, top=10):
