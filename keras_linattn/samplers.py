@@ -9,20 +9,24 @@ called with the logits::
     next_ids = sampler(logits, seed=seed)   # [B] int32
 
 Samplers are pure functions of ``(logits, seed)``: a ``seed`` is a ``[2]``
-int32 tensor (a stateless-random seed), so sampling inside an XLA-compiled
-decoding loop is deterministic for a given seed and needs no random state.
-(TensorFlow's stateless generators draw different numbers under XLA and in
-eager mode, so the same seed gives the same tokens within one of the two.)
-Random samplers draw with the Gumbel-max trick:
+int32 tensor (the user's seed and the position of the token being drawn),
+so sampling inside a compiled decoding loop is deterministic and needs no
+random state. The random numbers come from a counter-based integer hash
+(`uniform_noise`) written in `keras.ops`: TensorFlow (eager, graph, XLA),
+JAX, a SavedModel and an ONNX graph draw exactly the same numbers for the
+same seed, so they pick the same tokens for the same logits. Random
+samplers draw with the Gumbel-max trick:
 ``argmax(logits / temperature + Gumbel noise)`` over the allowed tokens is a
 sample of ``softmax(logits / temperature)`` restricted to them.
+
+Every built-in sampler is one call of `sample` (temperature, top-k, top-p),
+the kernel that the exported ``generate_sampled`` signatures run too.
 
 Names (`available()`): ``greedy``, ``random`` (temperature sampling),
 ``top_k``, ``top_p``.
 """
 
-import keras
-import tensorflow as tf
+import numpy as np
 from keras import ops
 
 from keras_linattn._registry import NameRegistry
@@ -72,6 +76,15 @@ class Sampler:
     def get_next_token(self, logits, seed):
         raise TypeError(f"{type(self).__name__} must define get_next_token(logits, seed).")
 
+    def sampling_params(self):
+        """``(temperature, top_k, top_p)`` of `sample` for this sampler, or None.
+
+        The exported ``generate_sampled`` signatures take these three values;
+        a custom sampler that is not one call of `sample` returns None (it
+        runs in Keras' `generate` only).
+        """
+        return None
+
     def get_config(self):
         return {"temperature": self.temperature}
 
@@ -84,14 +97,116 @@ class Sampler:
         return f"{type(self).__name__}({args})"
 
 
+# lowbias32 (a 32-bit integer finalizer), written with int32 arithmetic that
+# wraps on overflow; a logical right shift is an arithmetic one masked to the
+# low bits, which every backend and ONNX compute alike.
+_MIX_1 = 0x7FEB352D
+_MIX_2 = 0x846CA68B - 2**32  # as int32
+_GOLDEN = 0x9E3779B9 - 2**32  # as int32
+
+
+def _as_int32(value):
+    return ops.convert_to_tensor(np.int32(value))
+
+
+def _mix(x):
+    """lowbias32 finalizer on int32 tensors (wrapping arithmetic)."""
+    x = ops.bitwise_xor(x, ops.bitwise_and(ops.right_shift(x, 16), 0xFFFF))
+    x = ops.multiply(x, _as_int32(_MIX_1))
+    x = ops.bitwise_xor(x, ops.bitwise_and(ops.right_shift(x, 15), 0x1FFFF))
+    x = ops.multiply(x, _as_int32(_MIX_2))
+    x = ops.bitwise_xor(x, ops.bitwise_and(ops.right_shift(x, 16), 0xFFFF))
+    return x
+
+
+def uniform_noise(seed, shape):
+    """Uniform numbers in (0, 1) for a ``[2]`` int32 `seed` and a ``[B, V]`` shape.
+
+    A counter-based hash of (seed[0], seed[1], row, column): the same numbers
+    on every backend, in XLA, in an exported SavedModel and in ONNX. 24
+    random bits per number (float32 resolution), centred in their bins.
+    """
+    seed = ops.cast(seed, "int32")
+    rows, cols = shape[0], shape[1]
+    counter = ops.add(
+        ops.multiply(ops.arange(rows, dtype="int32")[:, None], ops.cast(cols, "int32")),
+        ops.arange(cols, dtype="int32")[None, :],
+    )  # [B, V]
+    key = _mix(ops.bitwise_xor(seed[0], _mix(ops.add(ops.multiply(seed[1], _as_int32(_GOLDEN)), 1))))  # []
+    bits = _mix(ops.bitwise_xor(_mix(counter), key))  # [B, V]
+    mantissa = ops.bitwise_and(ops.right_shift(bits, 8), 0xFFFFFF)  # [B, V], 24 bits
+    return (ops.cast(mantissa, "float32") + 0.5) * (1.0 / 2**24)  # [B, V]
+
+
+def argmax(x):
+    """First index of the largest value on the last axis, ``[B, V] -> [B]`` int32.
+
+    Written as a max and a min so that it lowers to the same plain ops on
+    every backend and in ONNX (`keras.ops.argmax` on TensorFlow bit-casts
+    floats to handle -0.0, which ONNX cannot express).
+    """
+    vocab = ops.shape(x)[-1]
+    top = ops.max(x, axis=-1, keepdims=True)  # [B, 1]
+    columns = ops.arange(vocab, dtype="int32")[None, :]  # [1, V]
+    return ops.min(ops.where(x >= top, columns, vocab), axis=-1)  # [B]
+
+
 def _gumbel_argmax(logits, seed):
     """A sample of softmax(logits) per row; -inf logits are never drawn."""
-    uniform = tf.random.stateless_uniform(
-        ops.shape(logits), seed=seed, minval=1e-20, maxval=1.0, dtype="float32"
-    )  # [B, V]
+    uniform = uniform_noise(seed, ops.shape(logits))  # [B, V]
     gumbel = -ops.log(-ops.log(uniform))  # [B, V]
-    return ops.argmax(logits + gumbel, axis=-1)  # [B]
+    return argmax(logits + gumbel)  # [B]
 
+
+def sample(logits, seed, temperature=1.0, top_k=0, top_p=1.0):
+    """The sampling kernel: temperature, then top-k, then top-p, then a draw.
+
+    Every argument may be a tensor, so one exported graph serves every
+    setting; built-in samplers call this with their own settings.
+
+    Args:
+        logits: ``[B, V]`` next-token logits.
+        seed: ``[2]`` int32 (the user's seed, the position of the token).
+        temperature: > 0; logits are divided by it. A tensor temperature
+            <= 0 means greedy (argmax), so one exported graph also decodes
+            greedily.
+        top_k: keep the `top_k` most likely tokens; 0 (or >= V) keeps all.
+        top_p: then keep the smallest set of most likely tokens whose
+            probability (renormalized over the top-k) reaches `top_p`;
+            >= 1 keeps all.
+
+    Returns:
+        ``[B]`` int32 token ids.
+    """
+    logits = ops.cast(logits, "float32")  # [B, V]
+    greedy = None
+    if isinstance(temperature, (int, float, np.number)):
+        if not temperature > 0:
+            raise ValueError(f"`temperature` must be > 0. Received: temperature={temperature!r}")
+    else:
+        temperature = original_temperature = ops.cast(temperature, "float32")
+        greedy = argmax(logits)  # [B]
+        temperature = ops.where(temperature > 0, temperature, 1.0)
+    logits = logits / temperature  # [B, V]
+    static_all = (
+        isinstance(top_k, (int, np.integer)) and top_k == 0 and isinstance(top_p, (int, float)) and top_p >= 1.0
+    )
+    if not static_all:
+        vocab = ops.shape(logits)[-1]
+        top_k = ops.cast(top_k, "int32")
+        k = ops.where(ops.logical_or(top_k <= 0, top_k > vocab), vocab, top_k)  # []
+        ranked = -ops.sort(-logits, axis=-1)  # [B, V], descending
+        in_top_k = ops.arange(vocab, dtype="int32")[None, :] < k  # [1, V]
+        probs = ops.softmax(ops.where(in_top_k, ranked, -float("inf")), axis=-1)  # [B, V]
+        before = ops.cumsum(probs, axis=-1) - probs  # [B, V]: mass of the more likely tokens
+        top_p = ops.cast(top_p, "float32")
+        keep = ops.logical_and(in_top_k, ops.logical_or(before < top_p, top_p >= 1.0))  # [B, V]
+        threshold = ops.min(ops.where(keep, ranked, float("inf")), axis=-1, keepdims=True)  # [B, 1]
+        logits = ops.where(logits >= threshold, logits, -float("inf"))  # [B, V]
+    drawn = ops.cast(_gumbel_argmax(logits, seed), "int32")  # [B]
+    if greedy is None:
+        return drawn
+    return ops.where(original_temperature > 0, drawn, greedy)
 
 
 _REGISTRY = NameRegistry("sampler", "sampler", Sampler)
@@ -114,7 +229,7 @@ class GreedySampler(Sampler):
         super().__init__(**kwargs)
 
     def get_next_token(self, logits, seed):
-        return ops.argmax(logits, axis=-1)  # [B]
+        return argmax(logits)  # [B]
 
 
 @_register("random")
@@ -127,7 +242,10 @@ class RandomSampler(Sampler):
     """
 
     def get_next_token(self, logits, seed):
-        return _gumbel_argmax(logits, seed)
+        return sample(logits, seed)
+
+    def sampling_params(self):
+        return (self.temperature, 0, 1.0)
 
 
 @_register("top_k")
@@ -150,11 +268,10 @@ class TopKSampler(Sampler):
         self.k = k
 
     def get_next_token(self, logits, seed):
-        k = min(self.k, logits.shape[-1]) if logits.shape[-1] is not None else self.k
-        top_logits, _ = ops.top_k(logits, k=k)  # [B, k]
-        threshold = top_logits[:, -1:]  # [B, 1]
-        masked = ops.where(logits >= threshold, logits, -float("inf"))  # [B, V]
-        return _gumbel_argmax(masked, seed)
+        return sample(logits, seed, top_k=self.k)
+
+    def sampling_params(self):
+        return (self.temperature, self.k, 1.0)
 
     def get_config(self):
         return {**super().get_config(), "k": self.k}
@@ -185,16 +302,10 @@ class TopPSampler(Sampler):
         self.k = k
 
     def get_next_token(self, logits, seed):
-        vocab = logits.shape[-1]
-        k = vocab if self.k is None else min(self.k, vocab)
-        sorted_logits, _ = ops.top_k(logits, k=k)  # [B, k], descending
-        probs = ops.softmax(sorted_logits, axis=-1)  # [B, k]
-        cumulative = ops.cumsum(probs, axis=-1)  # [B, k]
-        # Keep a token if the mass before it is < p: the first token always stays.
-        keep = (cumulative - probs) < self.p  # [B, k]
-        threshold = ops.min(ops.where(keep, sorted_logits, float("inf")), axis=-1, keepdims=True)  # [B, 1]
-        masked = ops.where(logits >= threshold, logits, -float("inf"))  # [B, V]
-        return _gumbel_argmax(masked, seed)
+        return sample(logits, seed, top_k=self.k or 0, top_p=self.p)
+
+    def sampling_params(self):
+        return (self.temperature, self.k or 0, self.p)
 
     def get_config(self):
         return {**super().get_config(), "p": self.p, "k": self.k}

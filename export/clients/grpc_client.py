@@ -109,7 +109,7 @@ def main(argv=None):
 
             print(greedy_with_step(call, description, prompt, args.max_length))
             return 0
-        inputs = {"prompt_ids": prompt, "max_length": np.int32(args.max_length)}
+        inputs = {"prompt_ids": prompt, "padding_mask": np.ones_like(prompt), "max_length": np.int32(args.max_length)}
         if not signature.startswith("generate"):
             inputs = {"token_ids": prompt}
     else:

@@ -109,6 +109,7 @@ def main(argv=None):
         signature = args.signature or "generate"
         inputs = {"prompt_ids": np.array([[int(t) for t in args.prompt.split(",")]], np.int32)}
         if signature.startswith("generate"):
+            inputs["padding_mask"] = np.ones_like(inputs["prompt_ids"])
             inputs["max_length"] = np.int32(args.max_length)
         else:
             inputs = {"token_ids": inputs["prompt_ids"]}

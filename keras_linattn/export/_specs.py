@@ -6,8 +6,9 @@ tensors, so that TF Serving signatures and ONNX graphs carry the same names:
 - ``serving_default``: the model's call, dynamic batch and length.
 - ``step`` (causal LMs): ``token_t [B]`` and every state tensor
   ``state_<i>`` in, ``logits [B, V]`` and ``new_state_<i>`` out.
-- ``generate`` / ``generate_sampled`` (causal LMs): a ``tf.while_loop`` over
-  ``step`` after a parallel prefill of the prompt.
+- ``generate`` / ``generate_sampled`` (causal LMs): the decode contract of
+  `keras_linattn.models.generation` (parallel prefill, then the one decoding
+  loop over ``step``), exactly what `LinearCausalLM.generate` runs.
 """
 
 import re
@@ -25,8 +26,11 @@ TOKEN_IDS = "token_ids"
 TOKEN_T = "token_t"
 LOGITS = "logits"
 PROMPT_IDS = "prompt_ids"
+PADDING_MASK = "padding_mask"
 MAX_LENGTH = "max_length"
 TEMPERATURE = "temperature"
+TOP_K = "top_k"
+TOP_P = "top_p"
 SEED = "seed"
 OUTPUT_IDS = "output_ids"
 
@@ -169,6 +173,12 @@ class ModelSpecs:
     # ------------------------------------------------------------- state
     @staticmethod
     def _state_specs(model):
+        spec = getattr(model, "state_spec", None)
+        if callable(spec):  # the model's decode contract (`models.generation`)
+            return [
+                tf.TensorSpec((None,) + tuple(s.shape), tf.as_dtype(s.dtype), name=state_name(i))
+                for i, s in enumerate(spec())
+            ]
         state = model.get_initial_state(1)
         specs = []
         for i, s in enumerate(keras.tree.flatten(state)):
@@ -206,62 +216,73 @@ class ModelSpecs:
     def step_signature(self):
         return [tf.TensorSpec((None,), tf.int32, name=TOKEN_T)] + list(self.state_specs)
 
-    def generate_fn(self, sampled):
+    def generate_fn(self, sampled, check_lengths=True):
+        """The ``generate`` (greedy) or ``generate_sampled`` function.
+
+        Both run `generation.generate_tokens`, the loop of
+        `LinearCausalLM.generate`. ``generate_sampled`` draws with
+        `samplers.sample` (``temperature``, ``top_k`` (0: all),
+        ``top_p`` (1: all)) and the stateless seed ``[seed, t]`` for token
+        t, so it gives Keras' tokens for the sampler with those settings and
+        the same seed. `check_lengths` adds a run-time assertion that
+        ``max_length >= prompt length`` (SavedModel; ONNX has no assertion
+        op and `OnnxGenerator` checks in Python instead).
+        """
+        from keras_linattn import samplers
+        from keras_linattn.models import generation
+
         model = self.model
 
-        def generate(prompt_ids, max_length, temperature=None, seed=None):
-            batch = tf.shape(prompt_ids)[0]
-            prompt_len = tf.shape(prompt_ids)[1]
-            num_new = tf.maximum(max_length - prompt_len, 0)
-            state = model.get_initial_state(batch)
-            logits, state = model.call_with_state(prompt_ids, state)
-            flat_state = [tf.convert_to_tensor(s) for s in keras.tree.flatten(state)]
-            next_logits = tf.cast(logits[:, -1], tf.float32)  # [B, V]
-            tokens = tf.TensorArray(tf.int32, size=num_new, element_shape=tf.TensorShape([None]))
-
-            def pick(step_logits, i):
-                if not sampled:
-                    return tf.argmax(step_logits, axis=-1, output_type=tf.int32)  # [B]
-                scaled = step_logits / tf.maximum(temperature, 1e-6)
-                pair = tf.stack([tf.cast(seed, tf.int64), tf.cast(i, tf.int64)])
-                drawn = tf.random.stateless_categorical(scaled, 1, seed=pair, dtype=tf.int32)
-                return drawn[:, 0]  # [B]
-
-            def body(i, step_logits, tokens, *flat):
-                token = pick(step_logits, i)
-                tokens = tokens.write(i, token)
-                new_logits, new_state = model.step(token, self._pack_state(flat))
-                new_flat = [tf.convert_to_tensor(s) for s in keras.tree.flatten(new_state)]
-                return (i + 1, tf.cast(new_logits, tf.float32), tokens, *new_flat)
-
-            loop = tf.while_loop(
-                lambda i, *_: i < num_new,
-                body,
-                (tf.constant(0), next_logits, tokens, *flat_state),
-            )
-            # An empty TensorArray with a dynamic element shape cannot be stacked.
-            stacked = tf.cond(
-                num_new > 0, loop[2].stack, lambda: tf.zeros((0, batch), tf.int32)
-            )  # [num_new, B]
-            generated = tf.transpose(stacked, [1, 0])  # [B, num_new]
-            generated = tf.reshape(generated, (batch, num_new))  # [B, num_new] (also when empty)
-            out = tf.concat([tf.cast(prompt_ids, tf.int32), generated], axis=1)  # [B, P + num_new]
-            return {OUTPUT_IDS: out[:, :max_length]}
+        def generate(prompt_ids, padding_mask, max_length, sampler, seed):
+            checks = []
+            if check_lengths:
+                checks.append(
+                    tf.debugging.assert_greater_equal(
+                        max_length,
+                        tf.shape(prompt_ids)[1],
+                        message="max_length must be >= the prompt length",
+                    )
+                )
+                limit = getattr(model, "max_sequence_length", None)
+                if limit is not None:
+                    checks.append(
+                        tf.debugging.assert_less_equal(
+                            max_length, limit, message=f"max_length must be <= max_sequence_length={limit}"
+                        )
+                    )
+            with tf.control_dependencies(checks):
+                seed_pair = tf.stack([tf.cast(tf.math.floormod(seed, 2**31 - 1), tf.int32), 0])  # [2]
+                out = generation.generate_tokens(model, sampler, prompt_ids, padding_mask, max_length, seed_pair)
+            return {OUTPUT_IDS: tf.identity(out)}
 
         if sampled:
-            return lambda prompt_ids, max_length, temperature, seed: generate(
-                prompt_ids, max_length, temperature, seed
-            )
-        return lambda prompt_ids, max_length: generate(prompt_ids, max_length)
+
+            def sampled_fn(prompt_ids, padding_mask, max_length, temperature, top_k, top_p, seed):
+                def sampler(logits, step_seed):
+                    return samplers.sample(logits, step_seed, temperature, top_k, top_p)
+
+                return generate(prompt_ids, padding_mask, max_length, sampler, seed)
+
+            return sampled_fn
+        greedy = samplers.get("greedy")
+        return lambda prompt_ids, padding_mask, max_length: generate(
+            prompt_ids, padding_mask, max_length, greedy, tf.constant(0, tf.int64)
+        )
 
     @staticmethod
     def generate_signature(sampled):
         sig = [
             tf.TensorSpec((None, None), tf.int32, name=PROMPT_IDS),
+            tf.TensorSpec((None, None), tf.int32, name=PADDING_MASK),
             tf.TensorSpec((), tf.int32, name=MAX_LENGTH),
         ]
         if sampled:
-            sig += [tf.TensorSpec((), tf.float32, name=TEMPERATURE), tf.TensorSpec((), tf.int64, name=SEED)]
+            sig += [
+                tf.TensorSpec((), tf.float32, name=TEMPERATURE),
+                tf.TensorSpec((), tf.int32, name=TOP_K),
+                tf.TensorSpec((), tf.float32, name=TOP_P),
+                tf.TensorSpec((), tf.int64, name=SEED),
+            ]
         return sig
 
     # ------------------------------------------------------ description
@@ -279,6 +300,9 @@ class ModelSpecs:
         }
         if self.causal_lm:
             desc["state"] = [spec(s) for s in self.state_specs]
+            if callable(getattr(self.model, "state_spec", None)):
+                for entry, s in zip(desc["state"], self.model.state_spec()):
+                    entry["role"] = s.name
             initial = self.initial_state(1)
             if any(np.any(s != 0) for s in initial):
                 desc["initial_state"] = [s.tolist() for s in initial]

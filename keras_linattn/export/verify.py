@@ -231,9 +231,12 @@ def _verify_decoding(specs, report, runner, onnx_step_path, shapes, sm_tol, onnx
             prompt = tokens[:, :2]
             max_length = 2 + steps
             keras_ids = np.asarray(model.generate(prompt, max_length=max_length))
-            sm_ids = runner.run(_specs.GENERATE, {_specs.PROMPT_IDS: prompt, _specs.MAX_LENGTH: np.int32(max_length)})[
-                _specs.OUTPUT_IDS
-            ]
+            feeds = {
+                _specs.PROMPT_IDS: prompt,
+                _specs.PADDING_MASK: np.ones_like(prompt),
+                _specs.MAX_LENGTH: np.int32(max_length),
+            }
+            sm_ids = runner.run(_specs.GENERATE, feeds)[_specs.OUTPUT_IDS]
             mismatches = float(np.sum(keras_ids != sm_ids)) if keras_ids.shape == sm_ids.shape else float("inf")
             row = report.add(Check("saved_model", f"{_specs.GENERATE}:output_ids", (batch, max_length), mismatches, mismatches, 0, exact=True))
             say(f"saved_model  generate {batch}x{max_length}: {int(mismatches) if np.isfinite(mismatches) else 'shape'} mismatching tokens")

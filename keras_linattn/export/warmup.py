@@ -54,16 +54,23 @@ def warmup_inputs(specs, batch_size=1, length=16, include_generate=True):
         requests.append((_specs.STEP, step_inputs))
         if include_generate:
             prompt = np.zeros((batch_size, 2), np.int32)
+            mask = np.ones_like(prompt)
             requests.append(
-                (_specs.GENERATE, {_specs.PROMPT_IDS: prompt, _specs.MAX_LENGTH: np.int32(4)})
+                (
+                    _specs.GENERATE,
+                    {_specs.PROMPT_IDS: prompt, _specs.PADDING_MASK: mask, _specs.MAX_LENGTH: np.int32(4)},
+                )
             )
             requests.append(
                 (
                     _specs.GENERATE_SAMPLED,
                     {
                         _specs.PROMPT_IDS: prompt,
+                        _specs.PADDING_MASK: mask,
                         _specs.MAX_LENGTH: np.int32(4),
                         _specs.TEMPERATURE: np.float32(1.0),
+                        _specs.TOP_K: np.int32(0),
+                        _specs.TOP_P: np.float32(1.0),
                         _specs.SEED: np.int64(0),
                     },
                 )

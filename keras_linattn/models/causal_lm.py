@@ -2,13 +2,27 @@
 
 import keras
 import numpy as np
-import tensorflow as tf
 from keras import ops
 
 from keras_linattn import feature_maps as feature_maps_lib
 from keras_linattn import samplers as samplers_lib
 from keras_linattn.layers.transformer_decoder import LinearTransformerDecoder
+from keras_linattn.models import generation
 from keras_linattn.ops import core as la_ops
+
+
+def _is_concrete(x):
+    """True for a tensor with values (eager), False inside a traced function."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return tf.executing_eagerly() and not isinstance(x, tf.__internal__.SymbolicTensor)
+    if backend == "jax":
+        import jax
+
+        return not isinstance(x, jax.core.Tracer)
+    return True
 
 
 class _FunctionCache:
@@ -33,6 +47,9 @@ class LinearCausalLM(keras.Model):
     The state is a flat list ``[S_0, z_0, S_1, z_1, ..., position]``: for
     each layer ``S [B, H, C, M]`` and ``z [B, H, C]`` (float32), then
     ``position [B]`` (int32), the number of real tokens consumed per row.
+    `state_spec` describes it (names, shapes, dtypes); everything that
+    decodes -- `generate`, the exported signatures, the ONNX generator --
+    follows that one description and `keras_linattn.models.generation`.
 
     Positions: with ``max_sequence_length=None`` (default) there is no
     positional embedding. Causal linear attention is order-aware through its
@@ -191,7 +208,7 @@ class LinearCausalLM(keras.Model):
             )
         if "int" not in str(token_ids.dtype):
             raise ValueError(f"`{name}` must be integer token ids. Received: {name}.dtype={token_ids.dtype}")
-        if tf.executing_eagerly() and ops.size(token_ids) > 0:
+        if _is_concrete(token_ids) and int(ops.size(token_ids)) > 0:
             # Concrete ids are checked (a negative id would silently wrap around
             # in the embedding lookup); inside a traced graph (fit, XLA) they
             # can't be without a per-step assertion.
@@ -246,34 +263,23 @@ class LinearCausalLM(keras.Model):
             )
         return padding_mask
 
-    def check_state(self, state, batch_size=None, name="state"):
-        """Raises ValueError (naming `name`) unless `state` has this model's layout."""
-        expected = 2 * self.num_layers + 1
-        if not isinstance(state, (list, tuple)) or len(state) != expected:
-            got = len(state) if isinstance(state, (list, tuple)) else type(state).__name__
-            raise ValueError(
-                f"`{name}` must be a list of {expected} tensors [S_0, z_0, ..., "
-                f"S_{self.num_layers - 1}, z_{self.num_layers - 1}, position] as returned by "
-                f"`get_initial_state`. Received: {name} with {got} entries"
-            )
-        for i, block in enumerate(self.decoder_blocks):
+    def state_spec(self):
+        """The decode state, described once: a list of `generation.StateSpec`.
+
+        Per layer ``<block>/S [H, C, M]`` and ``<block>/z [H, C]`` (float32),
+        then ``position []`` (int32). Shapes exclude the batch dim.
+        """
+        spec = []
+        for block in self.decoder_blocks:
             att = block.attention
-            la_ops.check_state(
-                (state[2 * i], state[2 * i + 1]),
-                att.num_heads,
-                att.feature_dim,
-                att.value_dim,
-                batch_size=batch_size,
-                name=f"{name}[{2 * i}:{2 * i + 2}]",
-            )
-        position = state[-1]
-        if len(position.shape) != 1 or (
-            batch_size is not None and position.shape[0] is not None and position.shape[0] != batch_size
-        ):
-            raise ValueError(
-                f"`{name}[-1]` (position) must have shape [{batch_size or 'B'}]. "
-                f"Received: {name}[-1].shape={tuple(position.shape)}"
-            )
+            spec.append(generation.StateSpec(f"{block.name}/S", (att.num_heads, att.feature_dim, att.value_dim), "float32"))
+            spec.append(generation.StateSpec(f"{block.name}/z", (att.num_heads, att.feature_dim), "float32"))
+        spec.append(generation.StateSpec("position", (), "int32"))
+        return spec
+
+    def check_state(self, state, batch_size=None, name="state"):
+        """Raises ValueError (naming `name`) unless `state` matches `state_spec`."""
+        generation.check_state(self.state_spec(), state, batch_size=batch_size, name=name)
 
     # ----------------------------------------------------------- parallel
     def call(self, token_ids, padding_mask=None, training=None):
@@ -323,12 +329,8 @@ class LinearCausalLM(keras.Model):
 
     # ---------------------------------------------------------- recurrent
     def get_initial_state(self, batch_size):
-        """Empty state: zeros for every ``(S, z)`` and a zero int32 position."""
-        state = []
-        for block in self.decoder_blocks:
-            state += list(block.get_initial_state(batch_size))
-        state.append(ops.zeros((batch_size,), "int32"))
-        return state
+        """Empty state (`state_spec`): zeros for every ``(S, z)`` and a zero int32 position."""
+        return generation.zeros_state(self.state_spec(), batch_size)
 
     def step(self, token_t, state, training=None):
         """One decoding step in recurrent form (constant time and memory).
@@ -352,51 +354,52 @@ class LinearCausalLM(keras.Model):
         return self._logits(x), new_state
 
     # --------------------------------------------------------- generation
-    def _prefill_function(self):
-        fn = self._generation.functions.get("prefill")
-        if fn is None:
+    def compile(self, *args, sampler="greedy", **kwargs):
+        """`keras.Model.compile`, plus the default `sampler` of `generate` (as in keras-hub)."""
+        super().compile(*args, **kwargs)
+        self._sampler = samplers_lib.get(sampler)
 
-            @tf.function(jit_compile=True, reduce_retracing=True, autograph=False)
-            def fn(token_ids, padding_mask, state):
-                logits, new_state = self._forward(token_ids, padding_mask, state, False, return_state=True)
-                return logits[:, -1], new_state  # [B, V]
+    def _compile(self, fn):
+        """XLA on TensorFlow; plain calls elsewhere (the loop is a `keras.ops.while_loop`)."""
+        if keras.backend.backend() == "tensorflow":
+            import tensorflow as tf
 
-            self._generation.functions["prefill"] = fn
+            return tf.function(fn, jit_compile=True, reduce_retracing=True, autograph=False)
         return fn
 
-    def _decode_function(self, sampler, stop_token_ids, pad_token_id):
-        key = ("decode", repr(sampler), type(sampler).__name__, stop_token_ids, pad_token_id)
-        fn = self._generation.functions.get(key)
-        if fn is not None:
-            return fn
+    def make_generate_function(self, sampler, stop_token_ids=None, pad_token_id=0):
+        """The compiled ``(prefill, decode)`` pair for one sampler, cached.
+
+        As in keras-hub: `generate` calls this and then the returned
+        functions. ``prefill(prompt_ids, padding_mask, state)`` returns the
+        last position's logits and the state; ``decode(tokens, logits,
+        state, finished, index, end, seed)`` runs
+        `generation.decode_loop`.
+        """
+        key = (repr(sampler), type(sampler).__name__, stop_token_ids, pad_token_id)
+        cached = self._generation.functions.get(key)
+        if cached is not None:
+            return cached
+        prefill = self._generation.functions.get("prefill")
+        if prefill is None:
+            prefill = self._compile(lambda ids, mask, state: generation.prefill(self, ids, mask, state))
+            self._generation.functions["prefill"] = prefill
         stop = None if not stop_token_ids else ops.convert_to_tensor(list(stop_token_ids), "int32")
 
-        @tf.function(jit_compile=True, autograph=False)
-        def fn(tokens, logits, state, finished, index, end, seed):
-            def cond(tokens, logits, state, finished, index):
-                return ops.logical_and(index < end, ops.logical_not(ops.all(finished)))
+        def decode(tokens, logits, state, finished, index, end, seed):
+            return generation.decode_loop(
+                self, sampler, tokens, logits, state, finished, index, end, seed, stop, pad_token_id
+            )
 
-            def body(tokens, logits, state, finished, index):
-                step_seed = seed + ops.stack([ops.zeros_like(index), index])  # [2]
-                next_ids = sampler(logits, seed=step_seed)  # [B]
-                next_ids = ops.where(finished, ops.full_like(next_ids, pad_token_id), next_ids)  # [B]
-                tokens = ops.slice_update(tokens, ops.stack([0, index]), next_ids[:, None])  # [B, L]
-                if stop is not None:
-                    hit = ops.any(next_ids[:, None] == stop[None, :], axis=1)  # [B]
-                    finished = ops.logical_or(finished, hit)
-                logits, state = self.step(next_ids, state)  # [B, V]
-                return tokens, logits, state, finished, index + 1
-
-            return ops.while_loop(cond, body, (tokens, logits, state, finished, index))
-
-        self._generation.functions[key] = fn
-        return fn
+        cached = (prefill, self._compile(decode))
+        self._generation.functions[key] = cached
+        return cached
 
     def generate(
         self,
         prompt_ids,
         max_length,
-        sampler="greedy",
+        sampler=None,
         seed=None,
         stop_token_ids=None,
         padding_mask=None,
@@ -416,7 +419,8 @@ class LinearCausalLM(keras.Model):
                 different lengths in one batch must be left-padded and given
                 a `padding_mask`.
             max_length: total length of the output, prompt included (>= P).
-            sampler: a `keras_linattn.samplers` name or `Sampler`.
+            sampler: a `keras_linattn.samplers` name or `Sampler`; default: the
+                sampler given to `compile(sampler=...)`, else ``"greedy"``.
             seed: int seed of random samplers (None: a fresh random seed).
             stop_token_ids: optional ids that end a row; once a row emits one,
                 its later positions are `pad_token_id`. Generation stops early
@@ -471,6 +475,8 @@ class LinearCausalLM(keras.Model):
                 )
         if stop_token_ids is not None:
             stop_token_ids = tuple(int(t) for t in np.atleast_1d(stop_token_ids))
+        if sampler is None:
+            sampler = getattr(self, "_sampler", None) or "greedy"
         sampler = samplers_lib.get(sampler)
         if block_size is None:
             block_size = 32 if verbose else max(max_length - prompt_length, 1)
@@ -483,11 +489,11 @@ class LinearCausalLM(keras.Model):
         tokens_np[:, :prompt_length] = prompt
         if max_length == prompt_length:
             return tokens_np
+        prefill, decode = self.make_generate_function(sampler, stop_token_ids, int(pad_token_id))
         state = self.get_initial_state(batch)
         prompt_t = ops.convert_to_tensor(prompt, "int32")
         mask_t = ops.ones_like(prompt_t, "bool") if mask is None else ops.convert_to_tensor(mask)
-        logits, state = self._prefill_function()(prompt_t, mask_t, state)  # [B, V]
-        decode = self._decode_function(sampler, stop_token_ids, int(pad_token_id))
+        logits, state = prefill(prompt_t, mask_t, state)  # [B, V]
         tokens = ops.convert_to_tensor(tokens_np)
         finished = ops.zeros((batch,), "bool")
         index = prompt_length
@@ -511,7 +517,7 @@ class LinearCausalLM(keras.Model):
                     progbar.update(max_length - prompt_length, finalize=True)
                 break
             index = new_index
-        return np.asarray(tokens)
+        return np.asarray(ops.convert_to_numpy(tokens))
 
     # ------------------------------------------------------------- config
     def get_config(self):

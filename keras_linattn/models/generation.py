@@ -1,0 +1,154 @@
+"""The decode contract: one state spec, one prefill, one decoding loop.
+
+Everything that generates tokens goes through this module:
+
+- `LinearCausalLM.generate` (Keras, any backend; XLA-compiled on TensorFlow),
+- the SavedModel ``generate`` / ``generate_sampled`` signatures,
+- the ONNX generate graph that `keras_linattn.export.OnnxGenerator` runs.
+
+Shape legend: B batch, P prompt length, L output length (``max_length``),
+V vocabulary size.
+
+The contract, shared by all three:
+
+- **Prompts** are ``[B, P]`` int32 ids with ``P >= 1``, optionally with a
+  ``padding_mask [B, P]`` (1 = real token). Rows of different lengths are
+  left-padded; every row has at least one real token.
+- **max_length** is the total output length, prompt included, and must be
+  ``>= P``. The output is ``[B, max_length]``: the prompt unchanged, then
+  the generated tokens.
+- **Prefill** runs the prompt through the model's parallel path
+  (`prefill`), which returns the logits of the last position and the
+  decode state.
+- **Decoding** (`decode_loop`) then draws a token from the logits with a
+  sampler, writes it, and feeds it to the model's recurrent ``step``, in a
+  ``keras.ops.while_loop``.
+- **Sampling** of token ``t`` (its index in the output) uses the stateless
+  seed ``[seed, t]``: the same seed gives the same tokens everywhere
+  (`keras_linattn.samplers.uniform_noise`).
+
+The decode state is described once, by the model's `state_spec` (a list of
+`StateSpec`: name, per-example shape, dtype); the initial state, the
+state checks and the exported signatures are all derived from it.
+"""
+
+import collections
+
+from keras import ops
+
+StateSpec = collections.namedtuple("StateSpec", ["name", "shape", "dtype"])
+StateSpec.__doc__ = """One tensor of a decode state: ``name``, per-example ``shape`` (no batch dim), ``dtype``."""
+
+
+def zeros_state(spec, batch_size):
+    """The initial decode state of a `state_spec`: zeros ``[batch_size, *shape]`` per entry."""
+    return [ops.zeros((batch_size,) + tuple(s.shape), dtype=s.dtype) for s in spec]
+
+
+def check_state(spec, state, batch_size=None, name="state"):
+    """Raises ValueError (naming `name` and the entry) unless `state` matches `spec`.
+
+    Static dims are compared; a ``None`` batch (a symbolic trace) is accepted.
+    """
+    if not isinstance(state, (list, tuple)) or len(state) != len(spec):
+        got = len(state) if isinstance(state, (list, tuple)) else type(state).__name__
+        names = ", ".join(s.name for s in spec)
+        raise ValueError(
+            f"`{name}` must be a list of {len(spec)} tensors [{names}] as returned by "
+            f"`get_initial_state`. Received: {name} with {got} entries"
+        )
+    for i, (s, x) in enumerate(zip(spec, state)):
+        shape = tuple(getattr(x, "shape", ()))
+        expected = ((batch_size,) if batch_size is not None else (None,)) + tuple(s.shape)
+        ok = len(shape) == len(expected) and all(
+            a is None or b is None or a == b for a, b in zip(shape, expected)
+        )
+        if not ok:
+            shown = tuple("B" if d is None else d for d in expected)
+            raise ValueError(
+                f"`{name}[{i}]` ({s.name}) must have shape {shown}. Received: {name}[{i}].shape={shape}"
+            )
+
+
+def prefill(model, prompt_ids, padding_mask, state):
+    """Parallel pass over the prompt: ``(logits of the last position [B, V] float32, state)``."""
+    logits, state = model._forward(prompt_ids, padding_mask, state, False, return_state=True)  # [B, P, V]
+    return ops.cast(logits[:, -1], "float32"), state
+
+
+def decode_loop(model, sampler, tokens, logits, state, finished, index, end, seed, stop_token_ids=None, pad_token_id=0):
+    """Draws tokens ``index .. end - 1`` into `tokens`, one recurrent step each.
+
+    Args:
+        model: a causal LM with ``step(token_t, state) -> (logits, state)``.
+        sampler: ``sampler(logits [B, V], seed [2]) -> [B] int32``.
+        tokens: ``[B, L]`` int32 output buffer (prompt, then anything).
+        logits: ``[B, V]`` float32 logits that predict token `index`.
+        state: the decode state after token ``index - 1``.
+        finished: ``[B]`` bool, rows that already emitted a stop token.
+        index, end: int32 scalars, ``index <= end <= L``.
+        seed: ``[2]`` int32; token ``t`` is drawn with ``seed + [0, t]``.
+        stop_token_ids: optional ``[K]`` int32; a row that emits one is
+            finished and gets `pad_token_id` afterwards. The loop ends early
+            when every row is finished.
+        pad_token_id: id written after a row's stop token.
+
+    Returns:
+        ``(tokens, logits, state, finished, index)``: the index reached is
+        `end`, or less when every row finished.
+    """
+    length = ops.shape(tokens)[1]
+    columns = ops.arange(length, dtype="int32")[None, :]  # [1, L]
+
+    def cond(tokens, logits, state, finished, index):
+        return ops.logical_and(index < end, ops.logical_not(ops.all(finished)))
+
+    def body(tokens, logits, state, finished, index):
+        step_seed = ops.cast(seed, "int32") + ops.stack([ops.zeros_like(index), index])  # [2]
+        next_ids = ops.cast(sampler(logits, step_seed), "int32")  # [B]
+        next_ids = ops.where(finished, ops.full_like(next_ids, pad_token_id), next_ids)  # [B]
+        # A where, not a slice update: it lowers to plain ops on every backend and in ONNX.
+        tokens = ops.where(columns == index, next_ids[:, None], tokens)  # [B, L]
+        if stop_token_ids is not None:
+            hit = ops.any(next_ids[:, None] == stop_token_ids[None, :], axis=1)  # [B]
+            finished = ops.logical_or(finished, hit)
+        logits, state = model.step(next_ids, state)  # [B, V]
+        return tokens, ops.cast(logits, "float32"), list(state), finished, index + 1
+
+    return ops.while_loop(cond, body, (tokens, logits, list(state), finished, index))
+
+
+def generate_tokens(model, sampler, prompt_ids, padding_mask, max_length, seed, stop_token_ids=None, pad_token_id=0):
+    """Prefill and decode in one call, for traced graphs (SavedModel, ONNX).
+
+    Args:
+        prompt_ids: ``[B, P]`` int32.
+        padding_mask: ``[B, P]`` (1 = real token).
+        max_length: int32 scalar ``>= P`` (a tensor is fine).
+        seed: ``[2]`` int32.
+
+    Returns:
+        ``[B, max_length]`` int32 token ids.
+    """
+    prompt_ids = ops.cast(prompt_ids, "int32")
+    batch, prompt_length = ops.shape(prompt_ids)[0], ops.shape(prompt_ids)[1]
+    max_length = ops.cast(max_length, "int32")
+    tail = ops.full((batch, ops.maximum(max_length - prompt_length, 0)), pad_token_id, dtype="int32")
+    tokens = ops.concatenate([prompt_ids, tail], axis=1)  # [B, L]
+    state = model.get_initial_state(batch)
+    logits, state = prefill(model, prompt_ids, ops.cast(padding_mask, "bool"), state)  # [B, V]
+    finished = ops.zeros((batch,), "bool")
+    tokens, *_ = decode_loop(
+        model,
+        sampler,
+        tokens,
+        logits,
+        state,
+        finished,
+        ops.cast(prompt_length, "int32"),
+        max_length,
+        seed,
+        stop_token_ids=stop_token_ids,
+        pad_token_id=pad_token_id,
+    )
+    return tokens
