@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	$(PIP) install -e ".[test,serving,bench]"
+	$(PIP) install -e ".[test,serving,bench,jax]"
 	touch $(STAMP)
 
 install: $(STAMP)

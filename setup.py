@@ -44,6 +44,8 @@ setup(
         "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.5", "hypothesis>=6", "tensorflow-serving-api>=2.21,<2.22"],
         # Benchmarks: plots, and tf-keras for TF Model Garden's KernelAttention anchor.
         "bench": ["matplotlib", "tf-keras>=2.21,<2.22", "psutil"],
+        # A second Keras backend: the layers and `generate` run on JAX (export stays on TensorFlow).
+        "jax": ["jax[cpu]>=0.4.36"],
     },
     entry_points={"console_scripts": ["keras-linattn=keras_linattn.cli:main"]},
     classifiers=[

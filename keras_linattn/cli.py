@@ -216,7 +216,7 @@ def _check_onnx(out_dir, entry):
         return None, None
     expected_id = entry.get("onnx_export_id")
     paths = {}
-    for kind, what in (("model", "ONNX model"), ("step", "ONNX step graph")):
+    for kind, what in (("model", "ONNX model"), ("step", "ONNX step graph"), ("generate", "ONNX generate graph")):
         if kind not in onnx:
             continue
         rel = onnx[kind]

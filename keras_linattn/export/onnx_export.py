@@ -23,6 +23,8 @@ from keras_linattn.export import _specs
 
 METADATA_KEY = "keras_linattn"
 DEFAULT_OPSET = 17
+# The generate graph's sampler hashes with BitwiseAnd/BitwiseXor (opset 18).
+GENERATE_MIN_OPSET = 18
 
 
 def _replace_with_sub(ctx, node, minuend, subtrahend):
@@ -145,23 +147,42 @@ def default_step_path(path):
     return f"{root}_step{ext or '.onnx'}"
 
 
-def export_onnx(model, path, opset=DEFAULT_OPSET, input_signature=None, step_path=None, include_step=True):
+def default_generate_path(path):
+    root, ext = os.path.splitext(os.fspath(path))
+    return f"{root}_generate{ext or '.onnx'}"
+
+
+def export_onnx(
+    model,
+    path,
+    opset=DEFAULT_OPSET,
+    input_signature=None,
+    step_path=None,
+    include_step=True,
+    generate_path=None,
+):
     """Exports a Keras model to ONNX.
 
     The main graph is the model's inference call with named inputs and
     outputs (the same names as the SavedModel's ``serving_default``) and
-    dynamic batch and length dims. For causal LMs a second graph, the decode
-    step (``token_t`` + ``state_<i>`` -> ``logits`` + ``new_state_<i>``), is
-    written to `step_path`; `keras_linattn.export.OnnxGenerator` drives it.
+    dynamic batch and length dims. For causal LMs two more graphs are
+    written: the decode step (``token_t`` + ``state_<i>`` -> ``logits`` +
+    ``new_state_<i>``) to `step_path`, and the whole of generation
+    (``prompt_ids``, ``padding_mask``, ``max_length``, ``temperature``,
+    ``top_k``, ``top_p``, ``seed`` -> ``output_ids``) to `generate_path`:
+    the decode contract of `keras_linattn.models.generation`, the loop that
+    `LinearCausalLM.generate` runs, converted to an ONNX Loop (opset >= 18).
+    `keras_linattn.export.OnnxGenerator` runs both.
 
-    The two graphs are published as a pair: both are converted and written
-    in full to staging directories first, then the step graph is renamed
-    into place and the model last. Both carry the same ``export_id`` in
-    their metadata, and the model names its step file, so `check_pair`
-    (and ``keras-linattn verify``) tell a complete pair from a step graph
-    that is missing or left from another export (a process killed between
-    the two renames). A killed export never leaves a partial file; its
-    staging directory is removed by the next export into the same place.
+    The graphs are published as a set: all are converted and written in
+    full to staging directories first, then the step and generate graphs
+    are renamed into place and the model last. All carry the same
+    ``export_id`` in their metadata, and the model names its companion
+    files, so `check_pair` (and ``keras-linattn verify``) tell a complete
+    set from a companion that is missing or left from another export (a
+    process killed between the renames). A killed export never leaves a
+    partial file; its staging directory is removed by the next export into
+    the same place.
 
     Args:
         model: a built `keras.Model`.
@@ -170,10 +191,14 @@ def export_onnx(model, path, opset=DEFAULT_OPSET, input_signature=None, step_pat
         input_signature: optional named `tf.TensorSpec` list (subclassed
             models).
         step_path: where the step graph goes; default ``<path>_step.onnx``.
-        include_step: whether to export the step graph of causal LMs.
+        include_step: whether to export the step and generate graphs of
+            causal LMs.
+        generate_path: where the generate graph goes; default
+            ``<path>_generate.onnx``.
 
     Returns:
-        dict: ``{"model": path}`` plus ``"step"`` for causal LMs.
+        dict: ``{"model": path}`` plus ``"step"`` and ``"generate"`` for
+        causal LMs.
     """
     import onnx
 
@@ -181,37 +206,52 @@ def export_onnx(model, path, opset=DEFAULT_OPSET, input_signature=None, step_pat
     specs = _specs.ModelSpecs(model, input_signature=input_signature)
     if step_path is not None:
         _check_path(step_path, "step_path")
+    if generate_path is not None:
+        _check_path(generate_path, "generate_path")
     description = specs.describe()
     export_id = uuid.uuid4().hex
     with_step = bool(specs.causal_lm and include_step)
-    if with_step:
-        step_path = os.fspath(step_path or default_step_path(path))
     model_meta = dict(description, graph=_specs.SERVING_DEFAULT, export_id=export_id)
+    companions = {}  # kind -> path
     if with_step:
-        model_meta["step_file"] = os.path.relpath(
-            os.path.abspath(step_path), os.path.dirname(os.path.abspath(path))
-        ).replace(os.sep, "/")
+        companions["step"] = os.fspath(step_path or default_step_path(path))
+        companions["generate"] = os.fspath(generate_path or default_generate_path(path))
+        for kind, companion in companions.items():
+            model_meta[f"{kind}_file"] = _relative(companion, path)
     model_proto = _convert(specs.serving_fn(), specs.input_specs, opset, model_meta)
-    step_proto = None
+    protos = {}
     if with_step:
-        step_meta = dict(description, graph=_specs.STEP, export_id=export_id)
-        step_proto = _convert(specs.step_fn(), specs.step_signature(), opset, step_meta)
+        links = {f"{kind}_file": _relative(p, companions["step"]) for kind, p in companions.items() if kind != "step"}
+        step_meta = dict(description, graph=_specs.STEP, export_id=export_id, **links)
+        protos["step"] = _convert(specs.step_fn(), specs.step_signature(), opset, step_meta)
+        generate_meta = dict(description, graph=_specs.GENERATE_SAMPLED, export_id=export_id)
+        protos["generate"] = _convert(
+            specs.generate_fn(sampled=True, check_lengths=False),
+            specs.generate_signature(sampled=True),
+            max(opset, GENERATE_MIN_OPSET),
+            generate_meta,
+        )
     with contextlib.ExitStack() as stack:
         staged_model = os.path.join(stack.enter_context(_atomic.staging_dir(_parent(path))), "model.onnx")
         onnx.save(model_proto, staged_model)
         _atomic.fault_point("onnx:model_staged")
-        if with_step:
-            staged_step = os.path.join(stack.enter_context(_atomic.staging_dir(_parent(step_path))), "step.onnx")
-            onnx.save(step_proto, staged_step)
-            _atomic.fault_point("onnx:step_staged")
-            _atomic.publish(staged_step, step_path)
-            _atomic.fault_point("onnx:step_published")
+        for kind, proto in protos.items():
+            target = companions[kind]
+            staged = os.path.join(stack.enter_context(_atomic.staging_dir(_parent(target))), f"{kind}.onnx")
+            onnx.save(proto, staged)
+            _atomic.fault_point(f"onnx:{kind}_staged")
+            _atomic.publish(staged, target)
+            _atomic.fault_point(f"onnx:{kind}_published")
         _atomic.publish(staged_model, path)
         _atomic.fault_point("onnx:model_published")
     written = {"model": path}
-    if with_step:
-        written["step"] = step_path
+    written.update(companions)
     return written
+
+
+def _relative(target, origin):
+    """`target`'s path relative to the directory of `origin`, with forward slashes."""
+    return os.path.relpath(os.path.abspath(target), _parent(origin)).replace(os.sep, "/")
 
 
 def _parent(path):
@@ -219,7 +259,10 @@ def _parent(path):
 
 
 def check_pair(model_path, step_path=None):
-    """Checks that an exported ONNX model and its step graph belong together.
+    """Checks that an exported ONNX model and its companion graphs belong together.
+
+    The companions are the step graph and the generate graph that the
+    model's metadata names (``step_file``, ``generate_file``).
 
     Args:
         model_path: the model ``.onnx`` file.
@@ -230,31 +273,39 @@ def check_pair(model_path, step_path=None):
         The step path that was checked, or None for a model without a step graph.
 
     Raises:
-        ValueError: naming the file, when the model or the step graph is
-            unreadable or missing, or when the two carry different export ids
-            (one half is left from another export).
+        ValueError: naming the file, when the model or a companion is
+            unreadable or missing, or when they carry different export ids
+            (one of them is left from another export).
     """
     model_meta = read_metadata(model_path)
-    expected = model_meta.get("step_file")
-    if step_path is None:
-        if expected is None:
-            return None
-        step_path = os.path.join(_parent(model_path), *expected.split("/"))
-    if not os.path.isfile(step_path):
+    checked = {}
+    for kind in ("step", "generate"):
+        expected = model_meta.get(f"{kind}_file")
+        path = step_path if kind == "step" else None
+        if path is None:
+            if expected is None:
+                continue
+            path = os.path.join(_parent(model_path), *expected.split("/"))
+        _check_companion(model_path, model_meta, kind, expected, path)
+        checked[kind] = path
+    return checked.get("step")
+
+
+def _check_companion(model_path, model_meta, kind, expected, path):
+    if not os.path.isfile(path):
         raise ValueError(
-            f"The ONNX step graph is missing: the model {model_path!r} was exported with its step graph "
-            f"{expected or os.path.basename(step_path)!r}, which is not there (a killed export?); "
-            f"export again. Received: path={step_path!r}"
+            f"The ONNX {kind} graph is missing: the model {model_path!r} was exported with its {kind} graph "
+            f"{expected or os.path.basename(path)!r}, which is not there (a killed export?); "
+            f"export again. Received: path={path!r}"
         )
-    step_meta = read_metadata(step_path)
-    model_id, step_id = model_meta.get("export_id"), step_meta.get("export_id")
-    if model_id != step_id:
+    meta = read_metadata(path)
+    model_id, companion_id = model_meta.get("export_id"), meta.get("export_id")
+    if model_id != companion_id:
         raise ValueError(
-            f"The ONNX step graph {step_path!r} comes from another export than the model {model_path!r} "
-            f"(export ids {step_id} and {model_id}): an export was interrupted between the two files; "
-            f"export again. Received: path={step_path!r}"
+            f"The ONNX {kind} graph {path!r} comes from another export than the model {model_path!r} "
+            f"(export ids {companion_id} and {model_id}): an export was interrupted between the files; "
+            f"export again. Received: path={path!r}"
         )
-    return step_path
 
 
 def read_metadata(path):

@@ -1,4 +1,6 @@
-"""OnnxGenerator: autoregressive decoding with the exported ONNX step graph."""
+"""OnnxGenerator: autoregressive decoding with the exported ONNX graphs."""
+
+import os
 
 import numpy as np
 
@@ -8,17 +10,27 @@ from keras_linattn.export.onnx_predictor import OnnxPredictor
 
 
 class OnnxGenerator:
-    """Greedy or sampled decoding of a causal LM exported with `export_onnx`.
+    """Generation with a causal LM exported by `export_onnx`.
 
-    Drives the step graph (``token_t`` + ``state_<i>`` -> ``logits`` +
-    ``new_state_<i>``) from Python: the prompt is fed token by token, then
-    each chosen token is fed back. The state never leaves the session's
-    device when I/O binding is on (the default on GPU): the ``new_state_<i>``
-    outputs of one step are bound as the ``state_<i>`` inputs of the next,
-    and only the logits are copied to the host.
+    `generate` runs the exported generate graph (``<model>_generate.onnx``,
+    found through the step graph's metadata): the decode contract of
+    `keras_linattn.models.generation` -- parallel prefill, then the one
+    decoding loop and sampling kernel of `LinearCausalLM.generate` -- as an
+    ONNX Loop, so it returns Keras' tokens for the same sampler and seed.
+    The whole loop runs inside onnxruntime; the state never leaves the
+    session's device.
+
+    `step` drives the step graph (``token_t`` + ``state_<i>`` -> ``logits``
+    + ``new_state_<i>``) one token at a time, for callers that run their
+    own loop (streaming, custom stopping). With I/O binding (the default on
+    GPU) the ``new_state_<i>`` outputs of one step are bound as the
+    ``state_<i>`` inputs of the next, and only the logits are copied to the
+    host.
 
     Args:
         step_path: the step ``.onnx`` file (``<model>_step.onnx``).
+        generate_path: the generate graph; default: the ``generate_file``
+            named in the step graph's metadata.
         **predictor_options: the session options of `OnnxPredictor`
             (`device`, `use_tensorrt`, `use_io_binding`,
             `intra_op_num_threads`, `allow_spinning`, `session_options`),
@@ -26,25 +38,30 @@ class OnnxGenerator:
 
     Call arguments (`generate`):
         prompt_ids: ``[B, P]`` integer token ids, ``P >= 1``.
-        max_length: total length of the returned sequences (prompt
-            included).
-        temperature: 0 (default) for greedy decoding; > 0 samples from
-            ``softmax(logits / temperature)`` with a numpy generator seeded
-            by `seed`.
-        seed: integer seed of the sampler.
+        max_length: total length of the returned sequences, prompt
+            included, ``>= P``.
+        sampler: a `keras_linattn.samplers` name or built-in `Sampler`
+            (greedy, random, top_k, top_p); default greedy.
+        seed: integer seed of random samplers (None: a fresh one).
+        padding_mask: optional ``[B, P]``, 1 for real tokens, each row
+            left-padded with at least one real token.
+        temperature: shorthand kept for older callers: 0 is greedy, > 0
+            samples from ``softmax(logits / temperature)``; cannot be
+            combined with `sampler`.
 
     Returns:
         ``[B, max_length]`` int32 token ids.
 
     Example:
 
-    >>> gen = OnnxGenerator("lm_step.onnx")
-    >>> gen.generate(np.array([[1, 2, 3]]), max_length=16).shape
+    >>> gen = OnnxGenerator("lm_step.onnx")  # doctest: +SKIP
+    >>> gen.generate(np.array([[1, 2, 3]]), max_length=16).shape  # doctest: +SKIP
     (1, 16)
     """
 
-    def __init__(self, step_path, **predictor_options):
+    def __init__(self, step_path, generate_path=None, **predictor_options):
         self.predictor = OnnxPredictor(step_path, **predictor_options)
+        self._predictor_options = predictor_options
         names = self.predictor.input_names
         if _specs.TOKEN_T not in names or _specs.LOGITS not in self.predictor.output_names:
             raise ValueError(
@@ -54,6 +71,12 @@ class OnnxGenerator:
         self.num_states = sum(1 for n in names if n.startswith("state_"))
         self.metadata = onnx_export.read_metadata(step_path)
         self._initial = self.metadata.get("initial_state")
+        if generate_path is None and self.metadata.get("generate_file"):
+            generate_path = os.path.join(
+                os.path.dirname(os.path.abspath(step_path)), *self.metadata["generate_file"].split("/")
+            )
+        self.generate_path = generate_path
+        self._generate_predictor = None
 
     @property
     def provider(self):
@@ -90,49 +113,60 @@ class OnnxGenerator:
         new_state = [out[_specs.new_state_name(i)] for i in range(self.num_states)]
         return logits, new_state
 
-    def generate(self, prompt_ids, max_length, temperature=0.0, seed=None):
-        prompt = np.asarray(prompt_ids)
-        if prompt.ndim != 2 or _kind(prompt.dtype) != "integer":
-            raise ValueError(
-                "`prompt_ids` must be a rank-2 integer array [batch, prompt_length]. "
-                f"Received: prompt_ids.shape={prompt.shape}, dtype={prompt.dtype}"
-            )
-        if prompt.shape[1] < 1:
-            raise ValueError(f"`prompt_ids` needs at least one token. Received: prompt_ids.shape={prompt.shape}")
-        if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)) or max_length < 1:
-            raise ValueError(f"`max_length` must be a positive integer. Received: max_length={max_length!r}")
-        if (
-            isinstance(temperature, bool)
-            or not isinstance(temperature, (int, float, np.floating))
-            or not 0 <= temperature < float("inf")
-        ):
-            raise ValueError(f"`temperature` must be a finite number >= 0. Received: temperature={temperature!r}")
-        batch, prompt_len = prompt.shape
-        if max_length <= prompt_len:
-            return prompt[:, :max_length].astype(np.int32)
-        rng = np.random.default_rng(seed)
-        state = self.initial_state(batch)
-        logits = None
-        for t in range(prompt_len):
-            logits, state = self.step(prompt[:, t], state)
-        tokens = [prompt.astype(np.int32)]
-        for t in range(max_length - prompt_len):
-            token = self._pick(logits, temperature, rng)  # [B]
-            tokens.append(token[:, None])
-            if t + 1 < max_length - prompt_len:
-                logits, state = self.step(token, state)
-        return np.concatenate(tokens, axis=1)
+    def generate(self, prompt_ids, max_length, sampler=None, seed=None, padding_mask=None, temperature=None):
+        from keras_linattn import samplers as samplers_lib
+        from keras_linattn.models import generation
 
-    @staticmethod
-    def _pick(logits, temperature, rng):
-        logits = np.asarray(logits, dtype=np.float64)
-        if temperature == 0:
-            return np.argmax(logits, axis=-1).astype(np.int32)
-        scaled = logits / temperature
-        scaled -= scaled.max(axis=-1, keepdims=True)
-        probs = np.exp(scaled)
-        probs /= probs.sum(axis=-1, keepdims=True)
-        return np.array([rng.choice(probs.shape[-1], p=p) for p in probs], dtype=np.int32)
+        if temperature is not None:
+            if sampler is not None:
+                raise ValueError(
+                    "Pass `sampler` or the shorthand `temperature`, not both. "
+                    f"Received: sampler={sampler!r}, temperature={temperature!r}"
+                )
+            if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.floating)) or not (
+                0 <= temperature < float("inf")
+            ):
+                raise ValueError(f"`temperature` must be a finite number >= 0. Received: temperature={temperature!r}")
+            sampler = "greedy" if temperature == 0 else samplers_lib.get("random", temperature=float(temperature))
+        sampler = samplers_lib.get(sampler or "greedy")
+        if isinstance(sampler, samplers_lib.GreedySampler):
+            params = (0.0, 0, 1.0)
+        else:
+            params = sampler.sampling_params()
+            if params is None:
+                raise ValueError(
+                    "The exported generate graph runs the built-in samplers (greedy, random, top_k, top_p); "
+                    f"a custom sampler runs in Keras' `generate` only. Received: sampler={sampler!r}"
+                )
+        vocab = self.metadata.get("vocabulary_size")
+        prompt, mask, max_length = generation.check_generate_arguments(
+            prompt_ids, max_length, padding_mask, vocab if vocab else np.iinfo(np.int32).max
+        )
+        if seed is None:
+            seed = int(np.random.randint(0, 2**31 - 1))
+        temperature, top_k, top_p = params
+        feeds = {
+            _specs.PROMPT_IDS: prompt.astype(np.int32),
+            _specs.PADDING_MASK: (np.ones(prompt.shape, np.int32) if mask is None else mask.astype(np.int32)),
+            _specs.MAX_LENGTH: np.array(max_length, np.int32),
+            _specs.TEMPERATURE: np.array(temperature, np.float32),
+            _specs.TOP_K: np.array(top_k, np.int32),
+            _specs.TOP_P: np.array(top_p, np.float32),
+            _specs.SEED: np.array(int(seed), np.int64),
+        }
+        return self._generate_graph().predict(feeds)[_specs.OUTPUT_IDS].astype(np.int32)
+
+    def _generate_graph(self):
+        if self._generate_predictor is None:
+            if self.generate_path is None or not os.path.isfile(self.generate_path):
+                raise ValueError(
+                    "This export has no ONNX generate graph (exported by an older version, or the file is "
+                    "missing): export the model again, or drive `step` yourself. "
+                    f"Received: generate_path={self.generate_path!r}"
+                )
+            options = dict(self._predictor_options, use_io_binding=False)
+            self._generate_predictor = OnnxPredictor(self.generate_path, **options)
+        return self._generate_predictor
 
 
 def _kind(dtype):

@@ -435,44 +435,10 @@ class LinearCausalLM(keras.Model):
         Returns:
             ``[B, max_length]`` int32 numpy array of token ids.
         """
-        prompt = np.asarray(prompt_ids)
-        if prompt.ndim != 2 or prompt.shape[0] == 0 or prompt.shape[1] == 0:
-            raise ValueError(
-                "`prompt_ids` must be a non-empty [batch, length] array of token ids. "
-                f"Received: prompt_ids.shape={prompt.shape}"
-            )
-        if not np.issubdtype(prompt.dtype, np.integer):
-            raise ValueError(f"`prompt_ids` must hold integer token ids. Received: dtype={prompt.dtype}")
-        if prompt.min() < 0 or prompt.max() >= self.vocabulary_size:
-            raise ValueError(
-                f"`prompt_ids` must be in [0, {self.vocabulary_size}). "
-                f"Received: min={prompt.min()}, max={prompt.max()}"
-            )
+        prompt, mask, max_length = generation.check_generate_arguments(
+            prompt_ids, max_length, padding_mask, self.vocabulary_size, self.max_sequence_length
+        )
         batch, prompt_length = prompt.shape
-        if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)) or max_length < prompt_length:
-            raise ValueError(
-                f"`max_length` must be an integer >= the prompt length {prompt_length}. "
-                f"Received: max_length={max_length!r}"
-            )
-        max_length = int(max_length)
-        if self.max_sequence_length is not None and max_length > self.max_sequence_length:
-            raise ValueError(
-                f"`max_length` exceeds the model's max_sequence_length={self.max_sequence_length}. "
-                f"Received: max_length={max_length}"
-            )
-        mask = None
-        if padding_mask is not None:
-            mask = np.asarray(padding_mask).astype(bool)
-            if mask.shape != prompt.shape:
-                raise ValueError(
-                    f"`padding_mask` must have the prompt's shape {prompt.shape}. "
-                    f"Received: padding_mask.shape={mask.shape}"
-                )
-            if not mask.any(axis=1).all() or (mask[:, 1:] < mask[:, :-1]).any():
-                raise ValueError(
-                    "`padding_mask` rows must be left-padded (zeros then ones) with at least one "
-                    f"real token. Received: padding_mask={mask.astype(int).tolist()}"
-                )
         if stop_token_ids is not None:
             stop_token_ids = tuple(int(t) for t in np.atleast_1d(stop_token_ids))
         if sampler is None:

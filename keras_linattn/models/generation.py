@@ -34,6 +34,7 @@ state checks and the exported signatures are all derived from it.
 
 import collections
 
+import numpy as np
 from keras import ops
 
 StateSpec = collections.namedtuple("StateSpec", ["name", "shape", "dtype"])
@@ -68,6 +69,59 @@ def check_state(spec, state, batch_size=None, name="state"):
             raise ValueError(
                 f"`{name}[{i}]` ({s.name}) must have shape {shown}. Received: {name}[{i}].shape={shape}"
             )
+
+
+def check_generate_arguments(prompt_ids, max_length, padding_mask, vocabulary_size, max_sequence_length=None):
+    """The contract's checks on a generate call, in NumPy (before any tracing).
+
+    Returns:
+        ``(prompt [B, P] int array, mask [B, P] bool or None, max_length int)``.
+
+    Raises:
+        ValueError: naming the argument, for an empty or non-integer prompt,
+            ids outside ``[0, vocabulary_size)``, ``max_length`` below the
+            prompt length or above `max_sequence_length`, or a padding mask
+            that is not left-padded with at least one real token per row.
+    """
+    prompt = np.asarray(prompt_ids)
+    if prompt.ndim != 2 or prompt.shape[0] == 0 or prompt.shape[1] == 0:
+        raise ValueError(
+            "`prompt_ids` must be a non-empty [batch, length] array of token ids. "
+            f"Received: prompt_ids.shape={prompt.shape}"
+        )
+    if not np.issubdtype(prompt.dtype, np.integer):
+        raise ValueError(f"`prompt_ids` must hold integer token ids. Received: dtype={prompt.dtype}")
+    if prompt.min() < 0 or prompt.max() >= vocabulary_size:
+        raise ValueError(
+            f"`prompt_ids` must be in [0, {vocabulary_size}). "
+            f"Received: min={prompt.min()}, max={prompt.max()}"
+        )
+    prompt_length = prompt.shape[1]
+    if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)) or max_length < prompt_length:
+        raise ValueError(
+            f"`max_length` must be an integer >= the prompt length {prompt_length}. "
+            f"Received: max_length={max_length!r}"
+        )
+    max_length = int(max_length)
+    if max_sequence_length is not None and max_length > max_sequence_length:
+        raise ValueError(
+            f"`max_length` exceeds the model's max_sequence_length={max_sequence_length}. "
+            f"Received: max_length={max_length}"
+        )
+    mask = None
+    if padding_mask is not None:
+        mask = np.asarray(padding_mask).astype(bool)
+        if mask.shape != prompt.shape:
+            raise ValueError(
+                f"`padding_mask` must have the prompt's shape {prompt.shape}. "
+                f"Received: padding_mask.shape={mask.shape}"
+            )
+        if not mask.any(axis=1).all() or (mask[:, 1:] < mask[:, :-1]).any():
+            raise ValueError(
+                "`padding_mask` rows must be left-padded (zeros then ones) with at least one "
+                f"real token. Received: padding_mask={mask.astype(int).tolist()}"
+            )
+    return prompt, mask, max_length
 
 
 def prefill(model, prompt_ids, padding_mask, state):

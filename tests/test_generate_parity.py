@@ -1,0 +1,202 @@
+"""One decode contract: Keras `generate`, the SavedModel signatures and the ONNX
+generate graph give the same tokens, greedy and seeded, from the same weights."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+
+from keras_linattn import export, samplers
+from keras_linattn.models import LinearCausalLM, generation
+from tests._helpers import step_test_feature_map
+
+VOCAB = 48
+FEATURE_MAPS = ["elu", "favor+", "oglu"]
+SAMPLERS = [
+    ("greedy", samplers.get("greedy")),
+    ("top_k", samplers.get("top_k", k=5, temperature=0.9)),
+    ("top_p", samplers.get("top_p", p=0.8, temperature=1.1)),
+    ("random", samplers.get("random", temperature=0.7)),
+]
+
+
+def _lm(feature_map):
+    lm = LinearCausalLM(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        hidden_dim=16,
+        num_heads=2,
+        intermediate_dim=32,
+        feature_map=step_test_feature_map(feature_map),
+    )
+    # Logits spread well apart (the default init gives near-ties, which any
+    # rounding difference can flip): deterministic weights of scale 0.5.
+    rng = np.random.default_rng(7)
+    for w in lm.trainable_weights:
+        w.assign((rng.standard_normal(w.shape) * 0.5).astype(w.dtype))
+    return lm
+
+
+@pytest.fixture(scope="module", params=FEATURE_MAPS)
+def exported(request, tmp_path_factory):
+    keras.utils.set_random_seed(1234)
+    lm = _lm(request.param)
+    out = tmp_path_factory.mktemp(f"gen_{request.param.replace('+', 'p')}")
+    version_dir = export.export_saved_model(lm, str(out / "sm"))
+    paths = export.export_onnx(lm, str(out / "lm.onnx"))
+    return lm, export.SavedModelRunner(version_dir), export.OnnxGenerator(paths["step"], device="cpu"), paths
+
+
+def _prompts():
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(1, VOCAB, size=(3, 5)).astype("int32")
+    mask = np.ones_like(prompt)
+    mask[1, :2] = 0  # a left-padded row
+    prompt[1, :2] = 0
+    return prompt, mask
+
+
+def _saved_model_tokens(runner, prompt, mask, max_length, sampler, seed):
+    feeds = {"prompt_ids": prompt, "padding_mask": mask, "max_length": np.int32(max_length)}
+    if isinstance(sampler, samplers.GreedySampler):
+        return runner.run("generate", feeds)["output_ids"]
+    temperature, top_k, top_p = sampler.sampling_params()
+    feeds.update(
+        temperature=np.float32(temperature), top_k=np.int32(top_k), top_p=np.float32(top_p), seed=np.int64(seed)
+    )
+    return runner.run("generate_sampled", feeds)["output_ids"]
+
+
+@pytest.mark.parametrize("name,sampler", SAMPLERS, ids=[name for name, _ in SAMPLERS])
+def test_keras_saved_model_and_onnx_give_identical_tokens(exported, name, sampler):
+    lm, runner, generator, _ = exported
+    prompt, mask = _prompts()
+    for seed in (0, 11):
+        keras_ids = lm.generate(prompt, max_length=14, sampler=sampler, seed=seed, padding_mask=mask)
+        sm_ids = _saved_model_tokens(runner, prompt, mask, 14, sampler, seed)
+        onnx_ids = generator.generate(prompt, max_length=14, sampler=sampler, seed=seed, padding_mask=mask)
+        np.testing.assert_array_equal(keras_ids[:, :5], prompt)
+        np.testing.assert_array_equal(sm_ids, keras_ids, err_msg=f"SavedModel, seed {seed}")
+        np.testing.assert_array_equal(onnx_ids, keras_ids, err_msg=f"ONNX, seed {seed}")
+        if name == "greedy":
+            break
+
+
+def test_seeded_sampling_differs_between_seeds_and_repeats_for_one(exported):
+    lm, _, generator, _ = exported
+    prompt, mask = _prompts()
+    sampler = samplers.get("random", temperature=1.5)
+    a = generator.generate(prompt, 20, sampler=sampler, seed=1, padding_mask=mask)
+    b = generator.generate(prompt, 20, sampler=sampler, seed=1, padding_mask=mask)
+    c = generator.generate(prompt, 20, sampler=sampler, seed=2, padding_mask=mask)
+    np.testing.assert_array_equal(a, b)
+    assert (a[:, 5:] != c[:, 5:]).any()
+
+
+def test_max_length_and_prompt_rules_agree(exported):
+    lm, runner, generator, _ = exported
+    prompt, mask = _prompts()
+    # max_length == P: the prompt itself, everywhere.
+    np.testing.assert_array_equal(lm.generate(prompt, max_length=5, padding_mask=mask), prompt)
+    np.testing.assert_array_equal(generator.generate(prompt, max_length=5, padding_mask=mask), prompt)
+    np.testing.assert_array_equal(_saved_model_tokens(runner, prompt, mask, 5, samplers.get("greedy"), 0), prompt)
+    # max_length < P: refused everywhere (ValueError in Python, an assertion in the SavedModel).
+    with pytest.raises(ValueError, match="max_length"):
+        lm.generate(prompt, max_length=4)
+    with pytest.raises(ValueError, match="max_length"):
+        generator.generate(prompt, max_length=4)
+    with pytest.raises(Exception, match="max_length must be >= the prompt length"):
+        _saved_model_tokens(runner, prompt, mask, 4, samplers.get("greedy"), 0)
+    # Right padding is refused by both Python front ends.
+    bad = np.ones_like(mask)
+    bad[0, -1] = 0
+    for fn in (lm.generate, generator.generate):
+        with pytest.raises(ValueError, match="left-padded"):
+            fn(prompt, max_length=8, padding_mask=bad)
+
+
+def test_onnx_generator_refuses_custom_samplers_and_mixed_arguments(exported):
+    _, _, generator, _ = exported
+    prompt, _ = _prompts()
+
+    class Custom(samplers.Sampler):
+        def get_next_token(self, logits, seed):
+            return keras.ops.argmax(logits, axis=-1)
+
+    with pytest.raises(ValueError, match="custom sampler"):
+        generator.generate(prompt, 8, sampler=Custom())
+    with pytest.raises(ValueError, match="not both"):
+        generator.generate(prompt, 8, sampler="greedy", temperature=0.5)
+
+
+def test_state_spec_describes_the_state(exported):
+    lm = exported[0]
+    spec = lm.state_spec()
+    state = lm.get_initial_state(3)
+    assert [s.name for s in spec][-1] == "position"
+    assert len(spec) == len(state) == 2 * lm.num_layers + 1
+    for s, x in zip(spec, state):
+        assert tuple(x.shape) == (3,) + tuple(s.shape) and keras.backend.standardize_dtype(x.dtype) == s.dtype
+    with pytest.raises(ValueError, match=r"state\[1\]"):
+        generation.check_state(spec, [state[0], state[0]] + state[2:], batch_size=3)
+
+
+def test_one_decode_loop_in_the_package():
+    """`git grep`-style: a while loop over decoding steps exists only in models/generation.py."""
+    root = os.path.join(os.path.dirname(__file__), "..", "keras_linattn")
+    hits = []
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                text = open(path).read()
+                if "while_loop(" in text or "tf.while_loop" in text:
+                    hits.append(os.path.relpath(path, root))
+    assert hits == [os.path.join("models", "generation.py")], hits
+
+
+JAX_SCRIPT = textwrap.dedent(
+    """
+    import sys, numpy as np
+    from keras_linattn.models import LinearCausalLM
+    from keras_linattn import samplers
+    lm = LinearCausalLM(vocabulary_size={vocab}, num_layers=2, hidden_dim=16, num_heads=2,
+                        intermediate_dim=32, feature_map="elu")
+    lm.load_weights(sys.argv[1])
+    prompt = np.load(sys.argv[2])
+    greedy = lm.generate(prompt, max_length=14)
+    top_k = lm.generate(prompt, max_length=14, sampler=samplers.get("top_k", k=5, temperature=0.9), seed=11)
+    np.save(sys.argv[3], np.stack([greedy, top_k]))
+    """
+)
+
+
+def test_jax_backend_generates_tensorflows_tokens(tmp_path):
+    pytest.importorskip("jax", reason="the `jax` extra (make test installs it)")
+    keras.utils.set_random_seed(1234)
+    lm = _lm("elu")
+    weights = str(tmp_path / "lm.weights.h5")
+    lm.save_weights(weights)
+    prompt, _ = _prompts()
+    np.save(tmp_path / "prompt.npy", prompt)
+    script = tmp_path / "run.py"
+    script.write_text(JAX_SCRIPT.format(vocab=VOCAB))
+    env = dict(os.environ, KERAS_BACKEND="jax", JAX_PLATFORMS="cpu")
+    done = subprocess.run(
+        [sys.executable, str(script), weights, str(tmp_path / "prompt.npy"), str(tmp_path / "out.npy")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=os.path.join(os.path.dirname(__file__), ".."),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    greedy, top_k = np.load(tmp_path / "out.npy")
+    np.testing.assert_array_equal(greedy, lm.generate(prompt, max_length=14))
+    np.testing.assert_array_equal(
+        top_k, lm.generate(prompt, max_length=14, sampler=samplers.get("top_k", k=5, temperature=0.9), seed=11)
+    )
