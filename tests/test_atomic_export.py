@@ -50,7 +50,7 @@ def server_view(out):
     for v in saved_model.existing_versions(base):
         versions[v] = export.check_integrity(os.path.join(base, str(v)))  # raises on a partial version
     onnx_ids = {}
-    for kind, fname in (("model", f"{NAME}.onnx"), ("step", f"{NAME}_step.onnx")):
+    for kind, fname in (("model", f"{NAME}.onnx"), ("step", f"{NAME}_step.onnx"), ("generate", f"{NAME}_generate.onnx")):
         path = os.path.join(out, "onnx", fname)
         if os.path.exists(path):
             onnx_ids[kind] = onnx_export.read_metadata(path)["export_id"]  # a complete, parseable graph
@@ -102,7 +102,8 @@ def test_export_killed_at_every_point_leaves_complete_versions(tmp_path, lm_file
     capsys.readouterr()
     points = [p for p, _ in snapshots]
     for expected in ("saved_model:written", "saved_model:staged", "saved_model:published", "onnx:model_staged",
-                     "onnx:step_staged", "onnx:step_published", "onnx:model_published", "cli:keras_copied",
+                     "onnx:step_staged", "onnx:step_published", "onnx:generate_staged", "onnx:generate_published",
+                     "onnx:model_published", "cli:keras_copied",
                      "cli:manifest_published"):
         assert expected in points, points
 
@@ -112,9 +113,13 @@ def test_export_killed_at_every_point_leaves_complete_versions(tmp_path, lm_file
         published = points.index(point) >= points.index("saved_model:published")
         assert list(versions) == ([1, 2] if published else [1]), (point, list(versions))
         # The ONNX graphs present are whole; model and step differ only between the two renames.
-        assert set(onnx_ids) == {"model", "step"}
-        pair_torn = point == "onnx:step_published"
-        assert (onnx_ids["model"] != onnx_ids["step"]) == pair_torn, point
+        assert set(onnx_ids) == {"model", "step", "generate"}
+        # The step graph is renamed first, then the generate graph, then the model.
+        step_new = point in ("onnx:step_published", "onnx:generate_staged", "onnx:generate_published")
+        generate_new = point == "onnx:generate_published"
+        assert (onnx_ids["model"] != onnx_ids["step"]) == step_new, point
+        assert (onnx_ids["model"] != onnx_ids["generate"]) == generate_new, point
+        pair_torn = step_new
         if pair_torn:
             with pytest.raises(ValueError, match="comes from another export"):
                 onnx_export.check_pair(os.path.join(snap, "onnx", f"{NAME}.onnx"))

@@ -128,14 +128,17 @@ def test_rest_generate_body_reproduces_keras_generate(lm_export):
     model, version_dir = lm_export
     rest = load_client("rest_client")
     prompt = np.array([[1, 2, 3], [4, 5, 6]], np.int32)
-    body = rest.predict_body({"prompt_ids": prompt, "max_length": np.int32(10)}, "generate", "inputs")
+    body = rest.predict_body({"prompt_ids": prompt, "padding_mask": np.ones_like(prompt), "max_length": np.int32(10)}, "generate", "inputs")
     body = json.loads(json.dumps(body))
-    assert body == {"signature_name": "generate", "inputs": {"prompt_ids": prompt.tolist(), "max_length": 10}}
+    assert body == {
+        "signature_name": "generate",
+        "inputs": {"prompt_ids": prompt.tolist(), "padding_mask": [[1, 1, 1], [1, 1, 1]], "max_length": 10},
+    }
     with export.SavedModelRunner(version_dir) as runner:
         out = runner.run("generate", decode_rest_body(body, runner.input_info("generate")))
     np.testing.assert_array_equal(out["output_ids"], model.generate(prompt, max_length=10))
     with pytest.raises(ValueError, match="use request_format='inputs'"):
-        rest.predict_body({"prompt_ids": prompt, "max_length": np.int32(10)}, "generate", "instances")
+        rest.predict_body({"prompt_ids": prompt, "padding_mask": np.ones_like(prompt), "max_length": np.int32(10)}, "generate", "instances")
 
 
 def test_rest_multi_input_instances_and_url():
@@ -150,7 +153,10 @@ def test_rest_client_dry_run_prints_the_body(capsys):
     rest = load_client("rest_client")
     assert rest.main(["--model", "lm", "--prompt", "1,2,3", "--max-length", "8", "--dry-run"]) == 0
     body = json.loads(capsys.readouterr().out)
-    assert body == {"signature_name": "generate", "inputs": {"prompt_ids": [[1, 2, 3]], "max_length": 8}}
+    assert body == {
+        "signature_name": "generate",
+        "inputs": {"prompt_ids": [[1, 2, 3]], "padding_mask": [[1, 1, 1]], "max_length": 8},
+    }
 
 
 # --------------------------------------------------------------------- gRPC
@@ -186,7 +192,7 @@ def test_grpc_step_decoding_reproduces_keras_generate(lm_export):
 
         tokens = grpc_client.greedy_with_step(call, description, prompt, max_length=9)
         generate_request = grpc_client.predict_request(
-            "lm", {"prompt_ids": prompt, "max_length": np.int32(9)}, "generate"
+            "lm", {"prompt_ids": prompt, "padding_mask": np.ones_like(prompt), "max_length": np.int32(9)}, "generate"
         )
         generated = runner.run(
             "generate", {k: tf.make_ndarray(v) for k, v in generate_request.inputs.items()}
