@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from keras_linattn import ops as lops
 from keras_linattn.layers import EfficientAttention
 from tests.conftest import rel_err
 from tests.tolerance import assert_close, bound
@@ -25,52 +26,26 @@ def reduction_length(layer, s, input_dim):
     return input_dim + attention + layer.key_dim + layer.num_heads * layer.value_dim
 
 
-def _softmax(x, axis):
-    x = x - tf.reduce_max(x, axis=axis, keepdims=True)
-    e = tf.exp(x)
-    return e / tf.reduce_sum(e, axis=axis, keepdims=True)
-
-
 def _dense(x, kernel, bias, equation):
     y = tf.einsum(equation, x, tf.cast(kernel, tf.float64))
     return y if bias is None else y + tf.cast(bias, tf.float64)
 
 
 def reference(layer, query, value, key=None, key_mask=None):
-    """The layer's formula computed left to right, one batch row at a time, in float64.
+    """The layer in float64: its projections, then `ops.efficient_attention_reference`.
 
-    Without a projection it forms the T x S matrix ``softmax_f(Q) softmax_seq(K)^T``
-    over the unmasked keys only; with one, the T x k matrix
-    ``softmax_f(Q) softmax_k(E K)^T`` with the columns of E and F of the unmasked
-    keys. Differentiable (tf ops) for the gradient checks.
+    The reference forms the T x S matrix ``softmax_f(Q) softmax_seq(K)^T`` over
+    the unmasked keys (or the T x k matrix ``softmax_f(Q) softmax_k(E K)^T``)
+    left to right. Differentiable (tf ops) for the gradient checks.
     """
     key = value if key is None else key
-    q_all = _dense(tf.cast(query, tf.float64), layer.query_dense.kernel, layer.query_dense.bias, "btd,dhk->bthk")
-    k_all = _dense(tf.cast(key, tf.float64), layer.key_dense.kernel, layer.key_dense.bias, "btd,dhk->bthk")
-    v_all = _dense(tf.cast(value, tf.float64), layer.value_dense.kernel, layer.value_dense.bias, "btd,dhk->bthk")
-    outs = []
-    for b in range(query.shape[0]):
-        q = _softmax(q_all[b], axis=-1)  # [T, H, D]
-        k, v = k_all[b], v_all[b]  # [S, H, D], [S, H, M]
-        keep = np.ones(key.shape[1], bool) if key_mask is None else np.asarray(key_mask[b], bool)
-        idx = np.flatnonzero(keep)
-        k = tf.gather(k, idx)  # [S', H, D]
-        v = tf.gather(v, idx)  # [S', H, M]
-        if layer.projection is None:
-            if len(idx) == 0:
-                outs.append(tf.zeros(q.shape[:2] + (layer.value_dim,), tf.float64))
-                continue
-            ks = _softmax(k, axis=0)  # [S', H, D]
-            attn = tf.einsum("thd,shd->hts", q, ks)  # [H, T, S']
-            outs.append(tf.einsum("hts,shm->thm", attn, v))  # [T, H, M]
-        else:
-            e = tf.gather(tf.cast(layer.projection_key, tf.float64), idx, axis=1)  # [K, S']
-            f = tf.gather(tf.cast(layer.projection_value, tf.float64), idx, axis=1)  # [K, S']
-            kp = _softmax(tf.einsum("ks,shd->khd", e, k), axis=0)  # [K, H, D]
-            vp = tf.einsum("ks,shm->khm", f, v)  # [K, H, M]
-            attn = tf.einsum("thd,khd->htk", q, kp)  # [H, T, K]
-            outs.append(tf.einsum("htk,khm->thm", attn, vp))  # [T, H, M]
-    attended = tf.stack(outs)  # [B, T, H, M]
+    q = _dense(tf.cast(query, tf.float64), layer.query_dense.kernel, layer.query_dense.bias, "btd,dhk->bthk")
+    k = _dense(tf.cast(key, tf.float64), layer.key_dense.kernel, layer.key_dense.bias, "btd,dhk->bthk")
+    v = _dense(tf.cast(value, tf.float64), layer.value_dense.kernel, layer.value_dense.bias, "btd,dhk->bthk")
+    projections = {}
+    if layer.projection is not None:
+        projections = dict(projection_key=layer.projection_key, projection_value=layer.projection_value)
+    attended = lops.efficient_attention_reference(q, k, v, key_mask=key_mask, **projections)  # [B, T, H, M]
     return _dense(attended, layer.output_dense.kernel, layer.output_dense.bias, "bthk,hkd->btd")
 
 
@@ -302,7 +277,7 @@ def test_mixed_precision_matches_float32(rng):
     out16 = layer16(query, value, key=key, key_mask=mask)
     assert out16.dtype == "bfloat16"
     # The projections round in bfloat16: the input projection over D_in and the
-    # output projection over H*M; the attention runs in float32 (`_attend`),
+    # output projection over H*M; the attention runs in float32 (`ops.efficient_attention`),
     # and so does the whole float32 layer, the reference (2^16 times smaller errors).
     n = query.shape[-1] + layer32.num_heads * layer32.value_dim
     assert_close(out16, out32, n=n, dtype="mixed_bfloat16")

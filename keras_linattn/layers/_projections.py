@@ -1,14 +1,19 @@
-"""The multi-head projections and arguments shared by the attention layers.
+"""The shared body of the attention layers: projections, masks, output, and one hook.
 
 `LinearAttention` and `EfficientAttention` both derive from
 `ProjectedAttention`: they take `keras.layers.MultiHeadAttention`'s
 arguments, check and store them here, and project like it (same kernel
 shapes ``[dim, H, D]`` and ``[H, M, dim]``), so weights can be copied
-between the three. Each subclass adds its own arguments and its attention
-between the projections.
+between the three. As in `MultiHeadAttention`, everything between the
+inputs and the projected heads and between the attended heads and the
+output lives here; a subclass overrides `_compute_attention` and nothing
+else on the call path (it may extend `build` for weights of its own).
+
+Shapes: B batch, T query length, S key length, H heads, D key dim, M value dim.
 """
 
 import keras
+from keras import ops
 
 from keras_linattn._docstrings import fill
 from keras_linattn.ops import core as la_ops
@@ -44,16 +49,33 @@ def _check_output_shape(output_shape):
     return output_shape
 
 
+class _ProjectionDense(keras.layers.EinsumDense):
+    """An `EinsumDense` that consumes the Keras mask of its input.
+
+    The attention layer reads the inputs' Keras masks itself (as key
+    padding, and the query's for the output); the projected heads carry no
+    mask, and the projection does not warn that it drops one.
+    """
+
+    def compute_mask(self, inputs, previous_mask=None):
+        return None
+
+
 class ProjectedAttention(keras.layers.Layer):
-    """Base of the attention layers: MultiHeadAttention's arguments and projections.
+    """Base of the attention layers: MultiHeadAttention's arguments, projections and call.
 
     Checks and stores `num_heads`, `key_dim`, `value_dim`, `dropout`,
     `use_bias`, `output_shape`, the initializers, regularizers and
-    constraints of the projections and `seed`; builds
-    ``{query,key,value,output}_dense`` (`build_projections`); applies
-    dropout and the output projection (`project_output`); and serializes
-    all of these (`get_config`). Not registered and not meant to be used
-    directly.
+    constraints of the projections and `seed`, and serializes them
+    (`get_config`). `build` builds ``{query,key,value,output}_dense``.
+    `call` checks the inputs, resolves the key padding (`key_mask`, else the
+    Keras mask of `key`, else of `value`), projects to heads, hands them to
+    `_compute_attention`, casts its result to the compute dtype, applies
+    dropout and the output projection, and gives the output the query's
+    Keras mask. Not registered and not meant to be used directly.
+
+    Subclasses override `_compute_attention` (see its contract) and, for
+    weights of their own, extend `build`.
     """
 
     def __init__(
@@ -121,7 +143,7 @@ class ProjectedAttention(keras.layers.Layer):
         # A fresh initializer per weight: an initializer instance reuses its seed.
         kernel_init = self.kernel_initializer.__class__.from_config(self.kernel_initializer.get_config())
         bias_init = self.bias_initializer.__class__.from_config(self.bias_initializer.get_config())
-        return keras.layers.EinsumDense(
+        return _ProjectionDense(
             equation,
             output_shape=output_shape,
             bias_axes=bias_axes if self.use_bias else None,
@@ -135,13 +157,8 @@ class ProjectedAttention(keras.layers.Layer):
             name=name,
         )
 
-    def build_projections(self, query_shape, value_shape, key_shape):
-        """Validates the input shapes and builds ``self.{query,key,value,output}_dense``.
-
-        Raises:
-            ValueError: for inputs that are not rank 3 or keys and values of
-                different lengths.
-        """
+    # ------------------------------------------------------------------ build
+    def _check_shapes(self, query_shape, value_shape, key_shape):
         for name, shape in (("query", query_shape), ("value", value_shape), ("key", key_shape)):
             if len(shape) != 3:
                 raise ValueError(
@@ -153,6 +170,19 @@ class ProjectedAttention(keras.layers.Layer):
                 "`key` and `value` must have the same length. "
                 f"Received: key.shape={tuple(key_shape)}, value.shape={tuple(value_shape)}"
             )
+
+    def build(self, query_shape, value_shape, key_shape=None):
+        """Builds ``self.{query,key,value,output}_dense``.
+
+        Subclasses with weights of their own extend this (``super().build(...)``
+        first).
+
+        Raises:
+            ValueError: for inputs that are not rank 3 or keys and values of
+                different lengths.
+        """
+        key_shape = value_shape if key_shape is None else key_shape
+        self._check_shapes(query_shape, value_shape, key_shape)
         self._input_dims = {"query": query_shape[-1], "value": value_shape[-1], "key": key_shape[-1]}
         h, d, m = self.num_heads, self.key_dim, self.value_dim
         out_dim = self.output_shape_ or query_shape[-1]
@@ -165,6 +195,7 @@ class ProjectedAttention(keras.layers.Layer):
         self.output_dense = self._einsum_dense("bthk,hkd->btd", (None, out_dim), "d", "attention_output")
         self.output_dense.build((query_shape[0], query_shape[1], h, m))
 
+    # ------------------------------------------------------------------- call
     def check_call_inputs(self, query, value, key):
         """Ranks, and last dims against those the projections were built for."""
         for name, x in (("query", query), ("value", value), ("key", key)):
@@ -179,10 +210,125 @@ class ProjectedAttention(keras.layers.Layer):
                     f"Received: {name}.shape={tuple(x.shape)}"
                 )
 
+    def project(self, query, value, key=None):
+        """Per-head projections.
+
+        Returns ``(q [B, T, H, D], k [B, S, H, D], v [B, S, H, M])``, what
+        `_compute_attention` receives; used by attention distillation and by
+        anyone who wants to inspect the attention this layer computes.
+        """
+        if key is None:
+            key = value
+        q = self.query_dense(query)  # [B, T, H, D]
+        k = self.key_dense(key)  # [B, S, H, D]
+        v = self.value_dense(value)  # [B, S, H, M]
+        return q, k, v
+
     def project_output(self, attended, training):
         """Dropout, then the output projection: ``[B, T, H, M] -> [B, T, out_dim]``."""
         attended = self._dropout_layer(attended, training=training)  # [B, T, H, M]
         return self.output_dense(attended)  # [B, T, out_dim]
+
+    def call(
+        self,
+        query,
+        value,
+        key=None,
+        query_mask=None,
+        value_mask=None,
+        key_mask=None,
+        attention_mask=None,
+        use_causal_mask=False,
+        training=None,
+        return_state=False,
+        initial_state=None,
+    ):
+        key, key_mask = self.resolve_keys(
+            value, key, value_mask, key_mask, attention_mask,
+            "`key_mask` ([B, S]) for padding (and `use_causal_mask=True` for causal attention, "
+            "where the layer supports it)",
+        )
+        self.check_call_inputs(query, value, key)
+        if use_causal_mask and query.shape[1] is not None and key.shape[1] is not None and query.shape[1] != key.shape[1]:
+            raise ValueError(
+                "`use_causal_mask=True` needs query and key of the same length. "
+                f"Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}"
+            )
+        if key_mask is not None:
+            la_ops._check_rank("key_mask", key_mask, 2)
+            if key_mask.shape[1] is not None and key.shape[1] is not None and key_mask.shape[1] != key.shape[1]:
+                raise ValueError(
+                    "`key_mask` must have shape [B, S] matching the keys. "
+                    f"Received: key_mask.shape={tuple(key_mask.shape)}, key length S={key.shape[1]}"
+                )
+            key_mask = ops.cast(key_mask, "bool")  # [B, S]
+        q, k, v = self.project(query, value, key)  # [B, T, H, D], [B, S, H, D], [B, S, H, M]
+        attended, state = self._compute_attention(
+            q, k, v,
+            key_mask=key_mask,
+            use_causal_mask=use_causal_mask,
+            training=training,
+            initial_state=initial_state,
+        )  # [B, T, H, M], state or None
+        output = self.project_output(ops.cast(attended, self.compute_dtype), training)  # [B, T, out_dim]
+        if not return_state:
+            return output
+        if state is None:
+            raise ValueError(
+                f"{type(self).__name__} keeps no state to return. Received: return_state={return_state!r}"
+            )
+        return output, state
+
+    def _compute_attention(self, query, key, value, key_mask=None, use_causal_mask=False, training=None,
+                           initial_state=None):
+        """The attention between the projections: the one method a subclass overrides.
+
+        Args:
+            query: projected queries ``[B, T, H, D]``, in the compute dtype.
+            key: projected keys ``[B, S, H, D]``, in the compute dtype. Padded
+                keys are as projected (possibly junk): mask them.
+            value: projected values ``[B, S, H, M]``, in the compute dtype,
+                likewise unmasked.
+            key_mask: None, or a boolean ``[B, S]`` (True = real key) already
+                checked against S: the `key_mask` argument, else the Keras
+                mask of `key`, else of `value`. Zero what belongs to padded
+                keys with `keras_linattn.ops.core._mask_keys` (`where`, so
+                NaN/Inf junk cannot leak).
+            use_causal_mask: whether query i may attend to keys ``0..i`` only
+                (``S == T`` was checked where the lengths are static). An
+                attention that cannot be causal raises ``ValueError``.
+            training: Python boolean or None, for training-only behaviour.
+            initial_state: None, or the state a previous call returned, to
+                continue from. An attention without state raises
+                ``ValueError`` for a state.
+
+        Returns:
+            ``(attended, state)``: ``attended [B, T, H, M]`` in any float
+            dtype (the caller casts it to the compute dtype before dropout
+            and the output projection); ``state`` the attention's state after
+            these keys, or None if it keeps none (then ``return_state=True``
+            raises ``ValueError``). It is computed whether or not the caller
+            asked for it (unused, it is pruned from compiled graphs).
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement `_compute_attention`.")
+
+    def compute_mask(self, query, previous_mask=None):
+        """The output's Keras mask: the query's (keys' masks are consumed as padding)."""
+        return previous_mask
+
+    def compute_output_shape(self, query_shape, value_shape, key_shape=None):
+        """``[B, T, output_shape or query dim]``: the shape of `call`'s output (without state)."""
+        key_shape = value_shape if key_shape is None else key_shape
+        self._check_shapes(query_shape, value_shape, key_shape)
+        return tuple(query_shape[:-1]) + (self.output_shape_ or query_shape[-1],)
+
+    def compute_output_spec(self, *args, **kwargs):
+        # Symbolic calls trace `call`, as Keras does for a layer without
+        # `compute_output_shape` (`Layer.compute_output_spec` would switch to
+        # `compute_output_shape`, which knows neither the state of
+        # ``return_state=True`` nor the call's argument checks). Skipping
+        # `Layer` in the MRO reaches `Operation.compute_output_spec`: that trace.
+        return super(keras.layers.Layer, self).compute_output_spec(*args, **kwargs)
 
     def get_config(self):
         return {

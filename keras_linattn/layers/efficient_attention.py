@@ -6,10 +6,7 @@ from keras import ops
 
 from keras_linattn.layers import _projections
 from keras_linattn.ops import core as la_ops
-
-# Finite stand-in for -inf before the softmax over the sequence: an all-padded
-# row then gives exp(0) * 0 = 0 instead of NaN.
-_NEG_LARGE = -1e30
+from keras_linattn.ops import efficient as efficient_ops
 
 # Sequence projections: name -> whether E and F are trainable.
 _PROJECTIONS = {"random": False, "learned": True}
@@ -29,7 +26,8 @@ class EfficientAttention(_projections.ProjectedAttention):
     and ``softmax_seq`` normalizes each key feature over the (projected)
     sequence. The product is evaluated right to left: ``(E K)^T (F V)`` is a
     ``D x M`` context per head, so the cost is ``O(S * k * (D + M) + T * D * M)``
-    and no ``T x S`` (or ``T x k``) matrix is ever formed.
+    and no ``T x S`` (or ``T x k``) matrix is ever formed
+    (`keras_linattn.ops.efficient_attention`, in float32 under any policy).
 
     - ``projection="random"`` ("Revisiting Linformer"): ``E = delta * R`` and
       ``F = exp(-delta) * R`` with ``R`` a fixed ``k x n`` Gaussian matrix,
@@ -79,9 +77,11 @@ class EfficientAttention(_projections.ProjectedAttention):
         attention_mask: not supported (``ValueError``); use `key_mask`.
         use_causal_mask: must be False: this layer is non-causal.
         training: Python boolean, for dropout.
+        return_state, initial_state: not supported (``ValueError``): this
+            attention keeps no state.
 
     Returns:
-        ``[B, T, output_dim]``.
+        ``[B, T, output_dim]``, with the query's Keras mask.
 
     Example:
 
@@ -135,12 +135,8 @@ class EfficientAttention(_projections.ProjectedAttention):
         return r.astype("float32")  # [K, N]
 
     def build(self, query_shape, value_shape, key_shape=None):
-        key_shape = value_shape if key_shape is None else key_shape
-        self.build_projections(query_shape, value_shape, key_shape)
-        self._check_length(key_shape[1])
-        for dense in (self.query_dense, self.key_dense, self.value_dense):
-            # Inputs may carry a Keras mask; it is consumed by `call`, not lost.
-            dense.supports_masking = True
+        super().build(query_shape, value_shape, key_shape)
+        self._check_length((value_shape if key_shape is None else key_shape)[1])
         if self.projection is not None:
             r = self._random_matrix()  # [K, N]
             trainable = _PROJECTIONS[self.projection]
@@ -158,7 +154,6 @@ class EfficientAttention(_projections.ProjectedAttention):
                 trainable=trainable,
                 dtype="float32",
             )  # F [K, N]
-        self.built = True
 
     def _check_length(self, length):
         if self.projection is not None and length is not None and length > self.max_length:
@@ -168,18 +163,9 @@ class EfficientAttention(_projections.ProjectedAttention):
             )
 
     # ------------------------------------------------------------------- call
-    def call(
-        self,
-        query,
-        value,
-        key=None,
-        query_mask=None,
-        value_mask=None,
-        key_mask=None,
-        attention_mask=None,
-        use_causal_mask=False,
-        training=None,
-    ):
+    def _compute_attention(self, query, key, value, key_mask=None, use_causal_mask=False, training=None,
+                           initial_state=None):
+        """`keras_linattn.ops.efficient_attention` with this layer's E and F; no state."""
         if use_causal_mask:
             raise ValueError(
                 "EfficientAttention is non-causal: every query attends to every key "
@@ -187,49 +173,19 @@ class EfficientAttention(_projections.ProjectedAttention):
                 "`LinearAttention` for causal attention. "
                 f"Received: use_causal_mask={use_causal_mask!r}"
             )
-        key, key_mask = self.resolve_keys(
-            value, key, value_mask, key_mask, attention_mask, "`key_mask` ([B, S]) for padding"
-        )
-        self.check_call_inputs(query, value, key)
-        self._check_length(key.shape[1])
-        if key_mask is not None and len(key_mask.shape) != 2:
+        if initial_state is not None:
             raise ValueError(
-                f"`key_mask` must have shape [B, S]. Received: key_mask.shape={tuple(key_mask.shape)}"
+                "EfficientAttention keeps no state between calls: `initial_state` only applies to "
+                f"`LinearAttention`. Received: initial_state={initial_state!r}"
             )
-        q = self.query_dense(query)  # [B, T, H, D]
-        k = self.key_dense(key)  # [B, S, H, D]
-        v = self.value_dense(value)  # [B, S, H, M]
-        attended = self._attend(q, k, v, key_mask)  # [B, T, H, M]
-        return self.project_output(attended, training)  # [B, T, out_dim]
-
-    def _attend(self, q, k, v, key_mask):
-        """Right-to-left efficient attention on projected heads, in float32."""
-        out_dtype = v.dtype
-        q = ops.softmax(ops.cast(q, "float32"), axis=-1)  # [B, T, H, D]
-        k = ops.cast(k, "float32")  # [B, S, H, D]
-        v = ops.cast(v, "float32")  # [B, S, H, M]
-        keep = None if key_mask is None else ops.cast(key_mask, "bool")[:, :, None, None]  # [B, S, 1, 1]
-        if keep is not None:
-            # `where`, not a product: 0 * NaN is NaN, so junk at a padded
-            # position would reach every output through the sums over S.
-            k = ops.where(keep, k, ops.zeros_like(k))  # [B, S, H, D]
-            v = ops.where(keep, v, ops.zeros_like(v))  # [B, S, H, M]
+        self._check_length(key.shape[1])
         if self.projection is None:
-            weights = _masked_softmax_over_sequence(k, keep)  # [B, S, H, D]
-            context = ops.einsum("bshd,bshm->bhdm", weights, v)  # [B, H, D, M]
+            attended = efficient_ops.efficient_attention(query, key, value, key_mask)  # [B, T, H, M]
         else:
-            length = ops.shape(k)[1]
-            e = self.projection_key[:, :length]  # [K, S]
-            f = self.projection_value[:, :length]  # [K, S]
-            kp = ops.einsum("ks,bshd->bkhd", e, k)  # [B, K, H, D]
-            vp = ops.einsum("ks,bshm->bkhm", f, v)  # [B, K, H, M]
-            weights = ops.softmax(kp, axis=1)  # [B, K, H, D]
-            context = ops.einsum("bkhd,bkhm->bhdm", weights, vp)  # [B, H, D, M]
-        out = ops.einsum("bthd,bhdm->bthm", q, context)  # [B, T, H, M]
-        return ops.cast(out, out_dtype)
-
-    def compute_mask(self, query, value, key=None, query_mask=None, value_mask=None, key_mask=None, **kwargs):
-        return query_mask
+            attended = efficient_ops.efficient_attention(
+                query, key, value, key_mask, self.projection_key, self.projection_value
+            )  # [B, T, H, M]
+        return attended, None
 
     # ----------------------------------------------------------------- config
     def get_config(self):
@@ -241,18 +197,3 @@ class EfficientAttention(_projections.ProjectedAttention):
             "delta": self.delta,
         }
 
-
-def _masked_softmax_over_sequence(k, keep):
-    """Softmax of ``k [B, S, H, D]`` over S; masked keys get weight 0.
-
-    ``keep`` is a boolean ``[B, S, 1, 1]`` (True = real key) or None. A batch
-    row whose keys are all masked gets all-zero weights (so a zero context),
-    never NaN.
-    """
-    if keep is None:
-        return ops.softmax(k, axis=1)  # [B, S, H, D]
-    logits = ops.where(keep, k, ops.full_like(k, _NEG_LARGE))  # [B, S, H, D]
-    peak = ops.stop_gradient(ops.max(logits, axis=1, keepdims=True))  # [B, 1, H, D]
-    expd = ops.where(keep, ops.exp(logits - peak), ops.zeros_like(logits))  # [B, S, H, D]
-    total = ops.sum(expd, axis=1, keepdims=True)  # [B, 1, H, D]
-    return expd / ops.where(total > 0, total, ops.ones_like(total))

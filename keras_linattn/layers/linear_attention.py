@@ -1,8 +1,6 @@
 """LinearAttention: multi-head kernelized attention in O(N) time and memory."""
 
 import keras
-from keras import ops
-from keras.src.backend.common.masking import set_keras_mask
 
 from keras_linattn import feature_maps as feature_maps_lib
 from keras_linattn.layers import _projections
@@ -55,7 +53,8 @@ class LinearAttention(_projections.ProjectedAttention):
             previous piece of a long sequence with ``return_state=True``).
 
     Returns:
-        ``[B, T, output_dim]``, and the state if `return_state`.
+        ``[B, T, output_dim]`` with the query's Keras mask, and the state if
+        `return_state`.
 
     Example:
 
@@ -94,98 +93,40 @@ class LinearAttention(_projections.ProjectedAttention):
 
     # ------------------------------------------------------------------ build
     def build(self, query_shape, value_shape, key_shape=None):
-        key_shape = value_shape if key_shape is None else key_shape
-        self.build_projections(query_shape, value_shape, key_shape)
-        h, d = self.num_heads, self.key_dim
+        super().build(query_shape, value_shape, key_shape)
         if not self.feature_map.built:
-            self.feature_map.build((None, None, h, d))
-        self.built = True
+            self.feature_map.build((None, None, self.num_heads, self.key_dim))
 
     # ------------------------------------------------------------------- call
-    def project(self, query, value, key=None):
-        """Per-head projections before the feature map.
-
-        Returns ``(q [B, T, H, D], k [B, S, H, D], v [B, S, H, M])``; used by
-        attention distillation and by anyone who wants to inspect the
-        attention this layer computes.
-        """
-        if key is None:
-            key = value
-        q = self.query_dense(query)  # [B, T, H, D]
-        k = self.key_dense(key)  # [B, S, H, D]
-        v = self.value_dense(value)  # [B, S, H, M]
-        return q, k, v
-
-    def _features(self, query, value, key, causal, training, key_mask=None):
-        """Projects and feature-maps: ([B,T,H,C], [B,S,H,C], [B,S,H,M])."""
-        q, k, v = self.project(query, value, key)
-        if key_mask is not None:
-            la_ops._check_rank("key_mask", key_mask, 2)
-            if key_mask.shape[1] is not None and k.shape[1] is not None and key_mask.shape[1] != k.shape[1]:
-                raise ValueError(
-                    "`key_mask` must have shape [B, S] matching the keys. "
-                    f"Received: key_mask.shape={tuple(key_mask.shape)}, key length S={k.shape[1]}"
-                )
-            # Padded keys enter the map as zeros, so maps with statistics over
-            # keys (the non-causal stabilizers of favor+/favor_trig) never see
-            # padded junk; their features are still masked after the map.
-            # `where`, not a product: 0 * NaN is NaN, and a NaN padded key
-            # would reach every real key through such a statistic.
-            keep = ops.cast(key_mask, "bool")[:, :, None, None]  # [B, S, 1, 1]
-            k = ops.where(keep, k, ops.zeros_like(k))  # [B, S, H, D]
+    def _features(self, q, k, causal, training):
+        """Feature-maps projected heads: ``q [B, T, H, D], k [B, S, H, D]`` -> ``[B, T, H, C], [B, S, H, C]``."""
         qf = self.feature_map(q, is_query=True, causal=causal, training=training)  # [B, T, H, C]
         kf = self.feature_map(k, is_query=False, causal=causal, training=training)  # [B, S, H, C]
-        return qf, kf, v
+        return qf, kf
 
-    def call(
-        self,
-        query,
-        value,
-        key=None,
-        query_mask=None,
-        value_mask=None,
-        key_mask=None,
-        attention_mask=None,
-        use_causal_mask=False,
-        training=None,
-        return_state=False,
-        initial_state=None,
-    ):
-        key, key_mask = self.resolve_keys(
-            value, key, value_mask, key_mask, attention_mask,
-            "`key_mask` ([B, S]) for padding and `use_causal_mask=True` for causal attention",
-        )
-        self.check_call_inputs(query, value, key)
-        # Masks are consumed here (as key padding); the projections must not
-        # see them. The output gets the query's mask back through
-        # `supports_masking` (Layer.compute_mask returns the query mask).
-        for tensor in (query, value, key):
-            set_keras_mask(tensor, None)
-        if use_causal_mask and query.shape[1] is not None and key.shape[1] is not None and query.shape[1] != key.shape[1]:
-            raise ValueError(
-                "`use_causal_mask=True` needs query and key of the same length. "
-                f"Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}"
-            )
+    def _compute_attention(self, query, key, value, key_mask=None, use_causal_mask=False, training=None,
+                           initial_state=None):
+        """Feature maps, then `keras_linattn.ops.linear_attention`; returns ``(out, (S, z))``."""
         if initial_state is not None:
             la_ops.check_state(
                 initial_state, self.num_heads, self.feature_dim, self.value_dim, name="initial_state"
             )
-        qf, kf, v = self._features(query, value, key, use_causal_mask, training, key_mask)
-        result = la_ops.linear_attention(
+        # Padded keys enter the map as zeros, so maps with statistics over
+        # keys (the non-causal stabilizers of favor+/favor_trig) never see
+        # padded junk; their features are masked again after the map.
+        key = la_ops._mask_keys(key, key_mask)  # [B, S, H, D]
+        qf, kf = self._features(query, key, use_causal_mask, training)  # [B, T, H, C], [B, S, H, C]
+        return la_ops.linear_attention(
             qf,
             kf,
-            v,
+            value,
             causal=use_causal_mask,
             key_mask=key_mask,
             chunk_size=self.chunk_size,
             initial_state=initial_state,
-            return_state=return_state,
+            return_state=True,
             eps=self.epsilon,
-        )
-        if return_state:
-            attended, state = result
-            return self.project_output(attended, training), state
-        return self.project_output(result, training)
+        )  # [B, T, H, M], (S [B, H, C, M], z [B, H, C])
 
     # -------------------------------------------------------- recurrent API
     def get_initial_state(self, batch_size):
@@ -220,9 +161,8 @@ class LinearAttention(_projections.ProjectedAttention):
             self.build(
                 (None, None, query_t.shape[-1]), (None, None, value_t.shape[-1]), (None, None, key_t.shape[-1])
             )
-        qf, kf, v = self._features(
-            query_t[:, None], value_t[:, None], key_t[:, None], True, training
-        )  # [B, 1, H, C], [B, 1, H, C], [B, 1, H, M]
+        q, k, v = self.project(query_t[:, None], value_t[:, None], key_t[:, None])  # [B, 1, H, D|D|M]
+        qf, kf = self._features(q, k, True, training)  # [B, 1, H, C], [B, 1, H, C]
         out, new_state = la_ops.linear_attention_step(qf[:, 0], kf[:, 0], v[:, 0], state, eps=self.epsilon)
         out = self.project_output(out[:, None], training)  # [B, 1, out_dim]
         return out[:, 0], new_state

@@ -1,4 +1,4 @@
-"""Pure attention functions (no weights): linear attention and exact references."""
+"""Pure attention functions (no weights): linear and efficient attention, and exact references."""
 
 from keras_linattn.ops.core import (
     DEFAULT_EPSILON,
@@ -7,7 +7,9 @@ from keras_linattn.ops.core import (
     linear_attention_step,
     zero_state,
 )
+from keras_linattn.ops.efficient import efficient_attention
 from keras_linattn.ops.reference import (
+    efficient_attention_reference,
     kernel_attention_reference,
     kernel_attention_weights,
     softmax_attention,
@@ -17,6 +19,8 @@ from keras_linattn.ops.reference import (
 __all__ = [
     "DEFAULT_EPSILON",
     "check_state",
+    "efficient_attention",
+    "efficient_attention_reference",
     "kernel_attention_reference",
     "kernel_attention_weights",
     "linear_attention",

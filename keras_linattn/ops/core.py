@@ -134,15 +134,22 @@ def _fmt(shape):
 
 
 def _mask_keys(x, key_mask):
-    """Zeroes padded keys' features (after the feature map) or values.
+    """Zeroes what belongs to padded keys: keys, key features or values.
+
+    The one implementation of key padding in the package (the attention
+    functions, the recurrent step and the attention layers all call it).
+    ``key_mask`` has the leading dims of ``x`` (``[B, S]`` for ``x [B, S, H, X]``,
+    ``[B]`` for one step's ``x [B, H, X]``); nonzero / True marks a real key.
 
     `where`, not a product: a NaN or Inf at a padded position must not
     reach the real outputs (0 * NaN is NaN).
     """
     if key_mask is None:
         return x
-    m = ops.cast(key_mask, "bool")[:, :, None, None]  # [B, S, 1, 1]
-    return ops.where(m, x, ops.zeros_like(x))
+    keep = ops.cast(key_mask, "bool")  # [B, S] (or [B])
+    for _ in range(len(x.shape) - len(keep.shape)):
+        keep = ops.expand_dims(keep, -1)  # ends as [B, S, 1, 1] (or [B, 1, 1])
+    return ops.where(keep, x, ops.zeros_like(x))
 
 
 def _heads_first(x):
@@ -300,11 +307,8 @@ def linear_attention_step(q_t, k_t, v_t, state, key_mask_t=None, eps=DEFAULT_EPS
     q = ops.cast(q_t, "float32")  # [B, H, C]
     k = ops.cast(k_t, "float32")  # [B, H, C]
     v = ops.cast(v_t, "float32")  # [B, H, M]
-    if key_mask_t is not None:
-        # `where` on keys and values, as in `linear_attention` (0 * NaN is NaN).
-        keep = ops.cast(key_mask_t, "bool")[:, None, None]  # [B, 1, 1]
-        k = ops.where(keep, k, ops.zeros_like(k))  # [B, H, C]
-        v = ops.where(keep, v, ops.zeros_like(v))  # [B, H, M]
+    k = _mask_keys(k, key_mask_t)  # [B, H, C]
+    v = _mask_keys(v, key_mask_t)  # [B, H, M]
     s, z = state
     s = ops.cast(s, "float32") + k[..., :, None] * v[..., None, :]  # [B, H, C, M]
     z = ops.cast(z, "float32") + k  # [B, H, C]

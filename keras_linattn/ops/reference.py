@@ -1,12 +1,13 @@
 """Exact quadratic-time attention, the oracles that the fast paths are tested against.
 
 Shape legend: B batch, T query length, S key length, H heads, D key dim,
-C feature dim, M value dim.
+C feature dim, M value dim, K projected length.
 """
 
 from keras import ops
 
 from keras_linattn.ops.core import validate_inputs
+from keras_linattn.ops.efficient import check_projections
 
 
 def _pair_mask(batch_t, batch_s, causal, key_mask, t, s):
@@ -95,3 +96,50 @@ def softmax_attention(q, k, v, causal=False, key_mask=None, scale=None, compute_
     weights = softmax_attention_weights(q, k, causal, key_mask, scale, compute_dtype)  # [B, H, T, S]
     out = ops.einsum("bhts,bshm->bthm", weights, ops.cast(v, compute_dtype))
     return ops.cast(out, v.dtype)
+
+
+def efficient_attention_reference(
+    q, k, v, key_mask=None, projection_key=None, projection_value=None, compute_dtype="float64"
+):
+    """Efficient attention the obvious way: the attention matrix, then its product with the values.
+
+    Same contract as `keras_linattn.ops.efficient_attention` (queries ``[B, T, H, D]``,
+    keys ``[B, S, H, D]``, values ``[B, S, H, M]``, projections ``E, F [K, N]``),
+    evaluated left to right: ``A = softmax_D(q) softmax_S(k)^T`` (``[B, H, T, S]``)
+    or ``A = softmax_D(q) softmax_K(E k)^T`` (``[B, H, T, K]``), then ``A v`` or
+    ``A (F v)``. Padded keys are left out of the softmax over S (weight 0); with
+    projections, padded keys and values are zeroed, so their columns of E and F
+    contribute nothing. Computed in ``compute_dtype`` (float64: an oracle) and
+    returned in ``v``'s dtype; a row with no real key gives 0.
+    """
+    validate_inputs(q, k, v, key_mask, names=("q", "k", "v"))
+    check_projections(k, projection_key, projection_value)
+    out_dtype = v.dtype
+    q = ops.softmax(ops.cast(q, compute_dtype), axis=-1)  # [B, T, H, D]
+    k = ops.cast(k, compute_dtype)  # [B, S, H, D]
+    v = ops.cast(v, compute_dtype)  # [B, S, H, M]
+    allowed = None if key_mask is None else ops.cast(key_mask, "bool")[:, :, None, None]  # [B, S, 1, 1]
+    if allowed is not None:
+        v = ops.where(allowed, v, ops.zeros_like(v))  # [B, S, H, M]
+    if projection_key is None:
+        if allowed is None:
+            weights = ops.softmax(k, axis=1)  # [B, S, H, D]
+        else:
+            peak = ops.max(ops.where(allowed, k, ops.full_like(k, -float("inf"))), axis=1, keepdims=True)
+            peak = ops.stop_gradient(ops.where(ops.isfinite(peak), peak, ops.zeros_like(peak)))  # [B, 1, H, D]
+            expd = ops.where(allowed, ops.exp(ops.where(allowed, k, peak) - peak), ops.zeros_like(k))  # [B, S, H, D]
+            total = ops.sum(expd, axis=1, keepdims=True)  # [B, 1, H, D]
+            weights = expd / ops.where(total > 0, total, ops.ones_like(total))  # [B, S, H, D]
+        attn = ops.einsum("bthd,bshd->bhts", q, weights)  # [B, H, T, S]
+        out = ops.einsum("bhts,bshm->bthm", attn, v)  # [B, T, H, M]
+    else:
+        if allowed is not None:
+            k = ops.where(allowed, k, ops.zeros_like(k))  # [B, S, H, D]
+        length = k.shape[1]
+        e = ops.cast(projection_key[:, :length], compute_dtype)  # [K, S]
+        f = ops.cast(projection_value[:, :length], compute_dtype)  # [K, S]
+        kp = ops.softmax(ops.einsum("ks,bshd->bkhd", e, k), axis=1)  # [B, K, H, D]
+        vp = ops.einsum("ks,bshm->bkhm", f, v)  # [B, K, H, M]
+        attn = ops.einsum("bthd,bkhd->bhtk", q, kp)  # [B, H, T, K]
+        out = ops.einsum("bhtk,bkhm->bthm", attn, vp)  # [B, T, H, M]
+    return ops.cast(out, out_dtype)
