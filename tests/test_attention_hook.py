@@ -251,11 +251,6 @@ def test_efficient_op_rejects_bad_projections(rng):
 
 
 # ------------------------------------------------------ no private Keras API
-# Files outside this work's reach that still import `keras.src`, each with why.
-KNOWN_PRIVATE_IMPORTS = {
-    "export/saved_model.py": "isinstance check against keras.src.models.functional.Functional (export/ is "
-    "owned elsewhere; remove this entry when it goes)",
-}
 
 
 def _private_keras_imports(path):
@@ -277,5 +272,4 @@ def test_no_module_imports_private_keras():
         str(p.relative_to(root)): _private_keras_imports(p) for p in sorted(root.rglob("*.py"))
     }
     offenders = {p: names for p, names in offenders.items() if names}
-    assert not [p for p in offenders if p.startswith(("layers/", "ops/"))], offenders
-    assert set(offenders) <= set(KNOWN_PRIVATE_IMPORTS), offenders
+    assert not offenders, offenders

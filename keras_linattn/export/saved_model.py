@@ -58,9 +58,10 @@ def _resolve_version(base_dir, version):
 
 
 def _is_functional(model):
-    from keras.src.models.functional import Functional
-
-    return isinstance(model, Functional) or getattr(model, "_functional", None) is not None
+    """A functional model (or a Sequential, which wraps one); checked by class name
+    so that no private `keras.src` module is imported."""
+    functional = any(cls.__name__ == "Functional" for cls in type(model).__mro__)
+    return functional or getattr(model, "_functional", None) is not None
 
 
 def _track(archive, model):
