@@ -1,20 +1,6 @@
 """Base class of feature maps ``phi: [B, T, H, D] -> [B, T, H, C]``."""
 
 import keras
-import numpy as np
-
-
-def check_seed(seed):
-    """Checks a map's integer base seed; returns it as a Python int (or None)."""
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
-        raise ValueError(f"`seed` must be None or a non-negative int. Received: seed={seed!r}")
-    return None if seed is None else int(seed)
-
-
-def check_bool(name, value):
-    """Raises a ValueError naming `name` unless `value` is a bool."""
-    if not isinstance(value, bool):
-        raise ValueError(f"`{name}` must be a bool. Received: {name}={value!r}")
 
 
 class FeatureMap(keras.layers.Layer):
