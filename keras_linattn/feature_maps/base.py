@@ -2,6 +2,8 @@
 
 import keras
 
+from keras_linattn._validation import check_rank
+
 
 class FeatureMap(keras.layers.Layer):
     """A feature map for kernelized attention, ``sim(q, k) = phi(q) . phi(k)``.
@@ -72,11 +74,7 @@ class FeatureMap(keras.layers.Layer):
 
     def check_heads(self, inputs):
         """Checks that call inputs are ``[B, T, H, D]`` with the built ``H, D``."""
-        if len(inputs.shape) != 4:
-            raise ValueError(
-                f"{type(self).__name__} expects inputs of rank 4 [B, T, H, D]. "
-                f"Received: inputs.shape={tuple(inputs.shape)}"
-            )
+        check_rank("inputs", inputs, 4)  # [B, T, H, D]
         if tuple(inputs.shape[-2:]) != self.heads_dim:
             num_heads, dim = self.heads_dim
             raise ValueError(
