@@ -8,7 +8,7 @@ import shutil
 import keras
 
 from keras_linattn import _atomic
-from keras_linattn.ops.core import _check_positive_int
+from keras_linattn._validation import check_bool, check_positive_int
 
 # Set on the model by `BackupAndRestore` while it replays the batches of a
 # resumed epoch that the backup already contains: ``(epoch, batch)``, the
@@ -74,8 +74,7 @@ class RedrawRandomFeatures(keras.callbacks.Callback):
 
     def __init__(self, every_n_steps=1000):
         super().__init__()
-        _check_positive_int("every_n_steps", every_n_steps)
-        self.every_n_steps = every_n_steps
+        self.every_n_steps = check_positive_int("every_n_steps", every_n_steps)
         self.redraw_count = 0
         self._epoch = 0
         self._counted = 0
@@ -201,7 +200,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             raise ValueError(f"`backup_dir` must be a non-empty path. Received: backup_dir={backup_dir!r}")
         if save_freq != "epoch":
             try:
-                _check_positive_int("save_freq", save_freq)
+                save_freq = check_positive_int("save_freq", save_freq)
             except ValueError:
                 raise ValueError(
                     f'`save_freq` must be "epoch" or a positive integer. Received: save_freq={save_freq!r}'
@@ -212,7 +211,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"`backup_dir` must be a directory; a file exists there. Received: backup_dir={backup_dir!r}"
             )
         self.save_freq = save_freq
-        self.delete_checkpoint = bool(delete_checkpoint)
+        self.delete_checkpoint = check_bool("delete_checkpoint", delete_checkpoint)
         self._epoch = 0
         self._since_save = 0
         self._sequence = 0

@@ -41,6 +41,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
+from keras_linattn._validation import check_bool, check_one_of, check_optional_positive_int, check_positive_int
 from keras_linattn.layers.linear_attention import LinearAttention
 from keras_linattn.ops import reference
 
@@ -206,21 +207,13 @@ def _as_dataset(data, batch_size):
             "Pass a tf.data.Dataset or arrays; a PyDataset is not supported. "
             f"Received: data={type(data).__name__}"
         )
-    if batch_size is None or isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-        raise ValueError(f"`batch_size` must be a positive integer. Received: batch_size={batch_size!r}")
+    batch_size = check_positive_int("batch_size", batch_size)
     return tf.data.Dataset.from_tensor_slices(data).batch(batch_size)
 
 
 def _inputs_of(batch):
     x, _, _ = keras.utils.unpack_x_y_sample_weight(batch)
     return x
-
-
-def _check_count(name, value, allow_none=True):
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"`{name}` must be a positive integer{' or None' if allow_none else ''}. Received: {name}={value!r}")
 
 
 def _select_layers(model, layers):
@@ -304,7 +297,7 @@ def attention_kl(model, data, steps=None, batch_size=32, causal=None, layers=Non
         A dict ``{layer name: KL}`` (nats per query row, averaged over
         batch, heads and unpadded query rows).
     """
-    _check_count("steps", steps)
+    steps = check_optional_positive_int("steps", steps)
     chosen = _select_layers(model, layers)
     values = _evaluate(model, chosen, _as_dataset(data, batch_size), steps, causal)
     return dict(zip(_layer_names(chosen), (float(v) for v in values)))
@@ -387,13 +380,12 @@ def distill_attention(
     >>> history = distill_attention(model, x_train, epochs=2, learning_rate=1e-2)
     >>> history.kl_before, history.kl_after
     """
-    _check_count("epochs", epochs, allow_none=False)
-    _check_count("steps_per_epoch", steps_per_epoch)
-    _check_count("validation_steps", validation_steps)
-    if verbose not in (0, 1, 2):
-        raise ValueError(f"`verbose` must be 0, 1 or 2. Received: verbose={verbose!r}")
-    if causal is not None and not isinstance(causal, bool):
-        raise ValueError(f"`causal` must be None or a bool. Received: causal={causal!r}")
+    epochs = check_positive_int("epochs", epochs)
+    steps_per_epoch = check_optional_positive_int("steps_per_epoch", steps_per_epoch)
+    validation_steps = check_optional_positive_int("validation_steps", validation_steps)
+    check_one_of("verbose", verbose, (0, 1, 2))
+    if causal is not None:
+        check_bool("causal", causal)
     dataset = _as_dataset(data, batch_size)
     eval_dataset = dataset if validation_data is None else _as_dataset(validation_data, batch_size)
     eval_steps = validation_steps if validation_steps is not None else steps_per_epoch

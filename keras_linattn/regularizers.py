@@ -1,9 +1,9 @@
 """Weight regularizers: the Frobenius orthogonality penalty for head-wise kernels."""
 
-import math
-
 import keras
 from keras import ops
+
+from keras_linattn._validation import check_non_negative_float
 
 
 @keras.saving.register_keras_serializable(package="keras_linattn")
@@ -41,16 +41,7 @@ class OrthogonalRegularizer(keras.regularizers.Regularizer):
     """
 
     def __init__(self, factor=0.01):
-        if (
-            isinstance(factor, bool)
-            or not isinstance(factor, (int, float))
-            or not math.isfinite(factor)
-            or factor < 0
-        ):
-            raise ValueError(
-                f"`factor` must be a non-negative finite number. Received: factor={factor!r}"
-            )
-        self.factor = float(factor)
+        self.factor = check_non_negative_float("factor", factor)
 
     def __call__(self, x):
         rank = len(x.shape)

@@ -52,7 +52,7 @@ def test_identity_initialization_and_definition(rng):
 @pytest.mark.parametrize("use_bias", [False, True])
 def test_matches_numpy_with_trained_weights(rng, share_qk, use_bias):
     x = rng.normal(size=(2, 4, 3, 8)).astype("float32")
-    fm = HedgehogFeatureMap(feature_size=5, share_qk=share_qk, use_bias=use_bias)
+    fm = HedgehogFeatureMap(feature_dim=10, share_qk=share_qk, use_bias=use_bias)
     fm.build(x.shape)
     assert fm.feature_dim(8) == 10
     assert len(fm.trainable_weights) == (1 if share_qk else 2) * (2 if use_bias else 1)
@@ -60,12 +60,10 @@ def test_matches_numpy_with_trained_weights(rng, share_qk, use_bias):
     np.testing.assert_array_equal(fm.trainable_weights[0].numpy()[1], np.eye(8, 5))
     for w in fm.trainable_weights:
         w.assign(rng.normal(size=w.shape).astype("float32"))
-    prefix = "" if share_qk else "query_"
     for is_query in (True, False):
-        if not share_qk:
-            prefix = "query_" if is_query else "key_"
-        kernel = fm._kernels[prefix + "kernel"].numpy()
-        bias = fm._biases[prefix + "kernel"].numpy() if use_bias else None
+        branch = fm._branches["qk" if share_qk else ("query" if is_query else "key")]
+        kernel = branch["kernel"].numpy()
+        bias = branch["bias"].numpy() if use_bias else None
         got = np.asarray(fm(x, is_query=is_query))
         # D = 8 inputs of the kernel + F = 5 softmax terms; float64 oracle
         assert_close(got, _np_hedgehog(x, kernel, bias), n=8 + 5, what=f"{is_query=}")
@@ -79,9 +77,9 @@ def test_matches_numpy_with_trained_weights(rng, share_qk, use_bias):
 
 def test_separate_kernels_are_independent(rng):
     x = rng.normal(size=(1, 4, 2, 6)).astype("float32")
-    fm = HedgehogFeatureMap()
+    fm = HedgehogFeatureMap(share_qk=False)
     before = np.asarray(fm(x, is_query=True))
-    fm._kernels["key_kernel"].assign(rng.normal(size=(2, 6, 6)).astype("float32"))
+    fm._branches["key"]["kernel"].assign(rng.normal(size=(2, 6, 6)).astype("float32"))
     np.testing.assert_array_equal(np.asarray(fm(x, is_query=True)), before)
     assert not np.allclose(np.asarray(fm(x, is_query=False)), before)
 
@@ -109,7 +107,7 @@ def test_positive_finite_and_normalized_for_large_inputs(rng, dtype):
 @pytest.mark.parametrize("share_qk", [False, True])
 def test_layer_matches_oracle_outputs_and_gradients(rng, causal, share_qk):
     x = tf.constant(rng.normal(size=(2, 21, 8)).astype("float32"))
-    fm = HedgehogFeatureMap(feature_size=6, share_qk=share_qk)
+    fm = HedgehogFeatureMap(feature_dim=12, share_qk=share_qk)
     layer = LinearAttention(num_heads=2, key_dim=4, feature_map=fm, chunk_size=8)
     layer(x, x)
     for w in fm.trainable_weights:  # move away from the identity
@@ -128,7 +126,7 @@ def test_causal_outputs_never_see_the_future(rng):
 
 
 def test_fit_with_xla_trains_the_kernels(rng):
-    fm = HedgehogFeatureMap(feature_size=6)
+    fm = HedgehogFeatureMap(feature_dim=12)
     model = causal_attention_model(fm)
     initial = [w.numpy().copy() for w in fm.trainable_weights]
     assert_fits_with_xla(model, rng)
@@ -138,7 +136,7 @@ def test_fit_with_xla_trains_the_kernels(rng):
 
 def test_keras_save_load_with_non_default_arguments(tmp_path, rng):
     x = rng.normal(size=(2, 16, 8)).astype("float32")
-    fm = HedgehogFeatureMap(feature_size=6, share_qk=True, use_bias=False)
+    fm = HedgehogFeatureMap(feature_dim=12, share_qk=False, use_bias=False)
     model = causal_attention_model(fm)
     for w in fm.trainable_weights:
         w.assign(w.numpy() + 0.3 * rng.normal(size=w.shape).astype("float32"))
@@ -146,16 +144,17 @@ def test_keras_save_load_with_non_default_arguments(tmp_path, rng):
     loaded = save_and_load(model, tmp_path)
     loaded_fm = loaded.layers[1].feature_map
     assert isinstance(loaded_fm, HedgehogFeatureMap)
-    assert (loaded_fm.feature_size, loaded_fm.share_qk, loaded_fm.use_bias) == (6, True, False)
+    assert (loaded_fm.feature_dim(8), loaded_fm.share_qk, loaded_fm.use_bias) == (12, False, False)
     np.testing.assert_array_equal(loaded.predict(x, verbose=0), expected)
 
 
 def test_get_config_round_trip():
-    fm = feature_maps.get("hedgehog", feature_size=5, share_qk=True, use_bias=False)
+    fm = feature_maps.get("hedgehog", feature_dim=10, share_qk=False, use_bias=False, seed=3)
     clone = feature_maps.deserialize(feature_maps.serialize(fm))
     assert type(clone) is HedgehogFeatureMap
     assert clone.get_config() == fm.get_config()
-    assert clone.get_config()["feature_size"] == 5
+    assert clone.get_config()["feature_dim"] == 10
+    assert "feature_size" not in clone.get_config()
 
 
 @pytest.mark.parametrize(
@@ -164,6 +163,10 @@ def test_get_config_round_trip():
         (dict(feature_size=0), "feature_size"),
         (dict(feature_size=-4), "feature_size"),
         (dict(feature_size=2.0), "feature_size"),
+        (dict(feature_dim=0), "feature_dim"),
+        (dict(feature_dim=7), "feature_dim=7"),
+        (dict(feature_dim=8, feature_size=4), "feature_size"),
+        (dict(seed=-1), "seed"),
         (dict(share_qk="yes"), "share_qk"),
         (dict(use_bias=1), "use_bias"),
     ],
@@ -175,3 +178,59 @@ def test_bad_arguments(kwargs, arg):
 
 def test_bad_input_rank_and_shape():
     assert_rejects_bad_input_rank_and_shape(HedgehogFeatureMap(), other_shape=(1, 3, 3, 4))
+
+
+# Configs as `get_config` wrote them before Hedgehog stood on the trainable-map
+# base (`feature_size` = F, an explicit `share_qk`, no `feature_dim`/`seed`).
+_OLD_DTYPE = {"module": "keras", "class_name": "DTypePolicy", "config": {"name": "float32"}, "registered_name": None}
+
+
+@pytest.mark.parametrize("share_qk", [False, True])
+@pytest.mark.parametrize("use_bias", [False, True])
+def test_old_config_with_feature_size_and_explicit_share_qk_loads_the_same(rng, share_qk, use_bias):
+    old = {"name": "hh", "trainable": True, "dtype": _OLD_DTYPE,
+           "feature_size": 3, "share_qk": share_qk, "use_bias": use_bias}
+    with pytest.warns(DeprecationWarning, match="feature_dim=6"):
+        fm = HedgehogFeatureMap.from_config(old)
+    assert (fm.feature_dim(4), fm.share_qk, fm.use_bias) == (6, share_qk, use_bias)
+    config = fm.get_config()
+    assert config["feature_dim"] == 6 and "feature_size" not in config
+    x = rng.normal(size=(2, 5, 2, 4)).astype("float32")
+    fm.build(x.shape)
+    # the weights the old map had: eye(D, F) kernels (+ zero biases), one set or one per branch
+    assert len(fm.trainable_weights) == (1 if share_qk else 2) * (2 if use_bias else 1)
+    for w in fm.trainable_weights:
+        assert w.dtype == "float32"
+        w.assign(rng.normal(size=w.shape).astype("float32"))
+    # ... and the old map's function of them
+    for is_query in (True, False):
+        branch = fm._branches["qk" if share_qk else ("query" if is_query else "key")]
+        bias = branch["bias"].numpy() if use_bias else None
+        want = _np_hedgehog(x, branch["kernel"].numpy(), bias)
+        assert_close(np.asarray(fm(x, is_query=is_query)), want, n=4 + 3, what=f"{is_query=}")
+    # re-saved, the config has the new name and gives the same map
+    clone = HedgehogFeatureMap.from_config(config)
+    clone.build(x.shape)
+    clone.set_weights(fm.get_weights())
+    np.testing.assert_array_equal(np.asarray(clone(x, is_query=False)), np.asarray(fm(x, is_query=False)))
+
+
+def test_share_qk_defaults_to_true_like_the_other_trainable_maps():
+    for name in ("hedgehog", "ffn", "glu", "oglu", "aoglu"):
+        assert feature_maps.get(name).share_qk is True, name
+
+
+@pytest.mark.parametrize("dtype", ["float64", "mixed_bfloat16", "bfloat16"])
+def test_weights_are_float32_whatever_the_dtype_like_the_other_trainable_maps(dtype):
+    for fm in (HedgehogFeatureMap(dtype=dtype), feature_maps.get("glu", dtype=dtype)):
+        fm.build((1, 3, 2, 4))
+        assert fm.weights and all(w.dtype == "float32" for w in fm.weights), type(fm).__name__
+
+
+def test_feature_size_and_feature_dim_give_the_same_map(rng):
+    x = rng.normal(size=(1, 3, 2, 4)).astype("float32")
+    with pytest.warns(DeprecationWarning):
+        old = HedgehogFeatureMap(feature_size=3)
+    new = HedgehogFeatureMap(feature_dim=6)
+    np.testing.assert_array_equal(np.asarray(old(x)), np.asarray(new(x)))
+    assert old.get_config()["feature_dim"] == new.get_config()["feature_dim"] == 6

@@ -13,6 +13,8 @@ import os
 import shutil
 import subprocess
 
+from keras_linattn._validation import check_one_of
+
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
 TENSORRT = "TensorrtExecutionProvider"
@@ -87,8 +89,7 @@ def select_providers(device="auto", use_tensorrt=False):
     """
     import onnxruntime as ort
 
-    if device not in ("auto", "cpu", "gpu"):
-        raise ValueError(f"`device` must be 'auto', 'cpu' or 'gpu'. Received: device={device!r}")
+    check_one_of("device", device, ("auto", "cpu", "gpu"))
     if device == "cpu":
         return [CPU]
     available = set(ort.get_available_providers())

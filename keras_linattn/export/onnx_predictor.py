@@ -4,6 +4,7 @@ import os
 
 import numpy as np
 
+from keras_linattn._validation import check_non_negative_int
 from keras_linattn.export import _providers
 
 _ORT_TO_NUMPY = {
@@ -89,13 +90,8 @@ class OnnxPredictor:
         self.device = device
         self.use_tensorrt = use_tensorrt
         self.requested_providers = _providers.select_providers(device, use_tensorrt=use_tensorrt)
-        if intra_op_num_threads is not None and (
-            isinstance(intra_op_num_threads, bool) or not isinstance(intra_op_num_threads, int) or intra_op_num_threads < 0
-        ):
-            raise ValueError(
-                "`intra_op_num_threads` must be a non-negative integer (0 = onnxruntime's default). "
-                f"Received: intra_op_num_threads={intra_op_num_threads!r}"
-            )
+        if intra_op_num_threads is not None:  # 0 = onnxruntime's default
+            intra_op_num_threads = check_non_negative_int("intra_op_num_threads", intra_op_num_threads)
         self.intra_op_num_threads = intra_op_num_threads
         self.allow_spinning = bool(allow_spinning)
         options = session_options

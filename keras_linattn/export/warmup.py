@@ -11,6 +11,7 @@ import re
 import numpy as np
 import tensorflow as tf
 
+from keras_linattn._validation import check_positive_int
 from keras_linattn.export import _specs
 
 WARMUP_FILE = "tf_serving_warmup_requests"
@@ -87,9 +88,8 @@ def write_warmup_requests(path, specs, model_name, batch_size=1, length=16, incl
     """
     if not isinstance(model_name, str) or not model_name:
         raise ValueError(f"`model_name` must be a non-empty string. Received: model_name={model_name!r}")
-    for name, value in (("batch_size", batch_size), ("length", length)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+    batch_size = check_positive_int("batch_size", batch_size)
+    length = check_positive_int("length", length)
     _, prediction_log_pb2 = _serving_apis()
     with tf.io.TFRecordWriter(path) as writer:
         for signature_name, inputs in warmup_inputs(specs, batch_size, length, include_generate):

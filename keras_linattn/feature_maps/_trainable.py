@@ -1,15 +1,20 @@
-"""Shared machinery of the trainable, head-wise feature maps (ffn, glu, oglu, aoglu).
+"""Shared machinery of the trainable, head-wise feature maps (hedgehog, ffn, glu, oglu, aoglu).
 
 Shape legend: B batch, T length, H heads, D input (key) dim, C feature dim,
 r rank of a low-rank factor.
 """
 
-import math
-
 from keras import ops
 
 from keras_linattn._docstrings import fill
-from keras_linattn.feature_maps.base import FeatureMap, check_bool, check_seed
+from keras_linattn._validation import (
+    check_bool,
+    check_int_in_range,
+    check_one_of,
+    check_optional_positive_int,
+    check_seed,
+)
+from keras_linattn.feature_maps.base import FeatureMap
 from keras_linattn.regularizers import OrthogonalRegularizer
 
 # The arguments and call contract every trainable map shares, documented once
@@ -46,39 +51,6 @@ HIDDEN_ACTIVATIONS = {
     "sigmoid": ops.sigmoid,
     "tanh": ops.tanh,
 }
-
-
-def check_int_range(name, value, low, high):
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ValueError(
-            f"`{name}` must be an integer in [{low}, {high}]. Received: {name}={value!r}"
-        )
-
-
-def check_optional_positive_int(name, value):
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"`{name}` must be a positive integer or None. Received: {name}={value!r}")
-
-
-def check_activation(name, value):
-    if value not in HIDDEN_ACTIVATIONS:
-        raise ValueError(
-            f"Unknown `{name}`. Expected one of {sorted(HIDDEN_ACTIVATIONS)}. "
-            f"Received: {name}={value!r}"
-        )
-
-
-def check_penalty(name, value):
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value < 0
-    ):
-        raise ValueError(f"`{name}` must be a non-negative finite number. Received: {name}={value!r}")
-    return float(value)
 
 
 def headwise_matmul(x, w):
@@ -127,39 +99,37 @@ class HeadwiseInitializer:
 class TrainableFeatureMap(FeatureMap):
     """Base of the trainable head-wise maps: one set of weights per branch.
 
-    With ``share_qk=True`` queries and keys go through the same weights
-    (branch ``"qk"``); otherwise queries use branch ``"query"`` and keys
-    branch ``"key"``. The shared arguments (`depth`, `feature_dim`,
-    `hidden_activation`, `share_qk`, `seed`) are keyword-only and checked
-    here. Subclasses implement `build_branch(prefix, num_heads,
-    input_dim)` returning the branch's weights, and
-    `apply_branch(inputs, weights)`.
+    Every trainable map (`hedgehog`, `ffn`, `glu`, `oglu`, `aoglu`) stands
+    on it. With ``share_qk=True`` (the default of every trainable map)
+    queries and keys go through the same weights (branch ``"qk"``);
+    otherwise queries use branch ``"query"`` and keys branch ``"key"``.
+    Weights are float32 ``[H, rows, cols]`` tensors initialized head by head
+    (`add_headwise_weight`), whatever the compute dtype.
+
+    The arguments `feature_dim`, `share_qk` and `seed` are keyword-only and
+    checked here. ``feature_dim(D)`` returns the feature dim ``C``: the
+    `feature_dim` argument when given, else `default_feature_dim(D)`
+    (``D`` unless a subclass says otherwise). Subclasses implement
+    `build_branch(prefix, num_heads, input_dim)` returning the branch's
+    weights, and `apply_branch(inputs, weights)`.
     """
 
-    def __init__(
-        self,
-        *,
-        depth=1,
-        feature_dim=None,
-        hidden_activation="sigmoid",
-        share_qk=True,
-        seed=None,
-        **kwargs,
-    ):
+    def __init__(self, *, feature_dim=None, share_qk=True, seed=None, **kwargs):
         super().__init__(**kwargs)
-        check_int_range("depth", depth, 1, 3)
-        check_optional_positive_int("feature_dim", feature_dim)
-        check_activation("hidden_activation", hidden_activation)
-        check_bool("share_qk", share_qk)
-        self.depth = depth
-        # `feature_dim` is the FeatureMap method giving C; the argument lives here.
-        self.feature_dim_ = feature_dim
-        self.hidden_activation = hidden_activation
-        self.share_qk = share_qk
-        self.seed = check_seed(seed)
+        # `feature_dim(input_dim)` is the FeatureMap method giving C, so the
+        # argument is kept under a private name and read through the method.
+        self._feature_dim = check_optional_positive_int("feature_dim", feature_dim)
+        self.share_qk = check_bool("share_qk", share_qk)
+        self.seed = check_seed("seed", seed)
+
+    def default_feature_dim(self, input_dim):
+        """``C`` when no `feature_dim` argument is given: ``D``."""
+        return input_dim
 
     def feature_dim(self, input_dim):
-        return self.feature_dim_ if self.feature_dim_ is not None else input_dim
+        if self._feature_dim is not None:
+            return self._feature_dim
+        return self.default_feature_dim(input_dim)
 
     def add_headwise_weight(self, name, shape, initializer, regularizer=None):
         """A float32 ``[H, rows, cols]`` weight initialized head by head."""
@@ -189,6 +159,7 @@ class TrainableFeatureMap(FeatureMap):
 
     def call(self, inputs, is_query=True, causal=False):
         # Token-wise map: causal needs no special treatment.
+        self.check_heads(inputs)
         if self.share_qk:
             branch = "qk"
         else:
@@ -198,11 +169,32 @@ class TrainableFeatureMap(FeatureMap):
     def get_config(self):
         return {
             **super().get_config(),
-            "depth": self.depth,
-            "feature_dim": self.feature_dim_,
-            "hidden_activation": self.hidden_activation,
+            "feature_dim": self._feature_dim,
             "share_qk": self.share_qk,
             "seed": self.seed,
+        }
+
+
+class StackedFeatureMap(TrainableFeatureMap):
+    """A trainable map made of `depth` head-wise layers or units (ffn, the GLU family).
+
+    Adds the keyword-only `depth` (1 to 3) and `hidden_activation` (a key of
+    `HIDDEN_ACTIVATIONS`) to the `TrainableFeatureMap` arguments; every
+    hidden layer or unit has width ``C``.
+    """
+
+    def __init__(self, *, depth=1, hidden_activation="sigmoid", **kwargs):
+        super().__init__(**kwargs)
+        self.depth = check_int_in_range("depth", depth, 1, 3)
+        self.hidden_activation = check_one_of(
+            "hidden_activation", hidden_activation, tuple(sorted(HIDDEN_ACTIVATIONS))
+        )
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "depth": self.depth,
+            "hidden_activation": self.hidden_activation,
         }
 
 

@@ -1,5 +1,6 @@
 """AOGLU trainable kernel: OGLU with low-rank gates (Yorsh & Kovalenko 2022)."""
 
+from keras_linattn._validation import check_optional_positive_int
 from keras_linattn.feature_maps import _trainable
 from keras_linattn.feature_maps.oglu import OGLUFeatureMap
 from keras_linattn.feature_maps.registry import register
@@ -43,10 +44,9 @@ class AOGLUFeatureMap(OGLUFeatureMap):
 
     def __init__(self, *, rank=None, **kwargs):
         super().__init__(**kwargs)
-        _trainable.check_optional_positive_int("rank", rank)
-        self.rank = rank
-        if self.feature_dim_ is not None:
-            self.gate_rank(self.feature_dim_)
+        self.rank = check_optional_positive_int("rank", rank)
+        if self._feature_dim is not None:
+            self.gate_rank(self._feature_dim)
 
     def gate_rank(self, width):
         rank = self.rank if self.rank is not None else max(1, width // 4)

@@ -1,20 +1,8 @@
 """Base class of feature maps ``phi: [B, T, H, D] -> [B, T, H, C]``."""
 
 import keras
-import numpy as np
 
-
-def check_seed(seed):
-    """Checks a map's integer base seed; returns it as a Python int (or None)."""
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
-        raise ValueError(f"`seed` must be None or a non-negative int. Received: seed={seed!r}")
-    return None if seed is None else int(seed)
-
-
-def check_bool(name, value):
-    """Raises a ValueError naming `name` unless `value` is a bool."""
-    if not isinstance(value, bool):
-        raise ValueError(f"`{name}` must be a bool. Received: {name}={value!r}")
+from keras_linattn._validation import check_rank
 
 
 class FeatureMap(keras.layers.Layer):
@@ -86,11 +74,7 @@ class FeatureMap(keras.layers.Layer):
 
     def check_heads(self, inputs):
         """Checks that call inputs are ``[B, T, H, D]`` with the built ``H, D``."""
-        if len(inputs.shape) != 4:
-            raise ValueError(
-                f"{type(self).__name__} expects inputs of rank 4 [B, T, H, D]. "
-                f"Received: inputs.shape={tuple(inputs.shape)}"
-            )
+        check_rank("inputs", inputs, 4)  # [B, T, H, D]
         if tuple(inputs.shape[-2:]) != self.heads_dim:
             num_heads, dim = self.heads_dim
             raise ValueError(

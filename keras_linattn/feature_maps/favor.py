@@ -4,15 +4,8 @@ import math
 
 from keras import ops
 
-from keras_linattn.feature_maps.random_features import RandomFeatureMap
+from keras_linattn.feature_maps.random_features import KEY_EXPONENT_CAP, RandomFeatureMap
 from keras_linattn.feature_maps.registry import register
-
-# Upper bound of a causal key's exponent. ``w.x' - |x'|^2/2 <= |w|^2/2`` for
-# every x', so with D <= 64 the bound is never reached in practice; it only
-# keeps a key lying almost exactly on a random direction of a large-D
-# projection from overflowing float32 (exp(50) ~ 5e21, leaving room to sum
-# ~1e16 such keys).
-KEY_EXPONENT_CAP = 50.0
 
 
 @register("favor+")
@@ -52,7 +45,8 @@ class FavorPlusFeatureMap(RandomFeatureMap):
     mixed-precision policy. ``C = m``.
 
     Args:
-        num_features: m, the number of random features per head. Default 256.
+        num_features: m, the number of random features per head; the feature
+            dim is ``C = m``. Default 256.
         kind: ``"orthogonal"`` (default; blocks of D orthogonal rows from the
             QR of Gaussian matrices, lower variance) or ``"iid"``.
         scaling: ``"chi"`` (default; chi(D) row norms, unbiased) or ``"sqrt"``

@@ -4,11 +4,8 @@ import math
 
 from keras import ops
 
-from keras_linattn.feature_maps.random_features import RandomFeatureMap
+from keras_linattn.feature_maps.random_features import KEY_EXPONENT_CAP, RandomFeatureMap
 from keras_linattn.feature_maps.registry import register
-
-# Upper bound of a causal key's amplitude exponent |k'|^2 / 2 (see `call`).
-KEY_EXPONENT_CAP = 50.0
 
 
 @register("favor_trig")

@@ -3,13 +3,14 @@
 import keras
 from keras import ops
 
+from keras_linattn._validation import check_non_negative_float
 from keras_linattn.feature_maps import _trainable
 from keras_linattn.feature_maps.registry import register
 
 
 @register("ffn")
 @_trainable.document
-class FFNFeatureMap(_trainable.TrainableFeatureMap):
+class FFNFeatureMap(_trainable.StackedFeatureMap):
     """Trainable feedforward kernel ``phi(x) = softplus(h_{k-1} W_k)``.
 
     From Yorsh & Kovalenko 2022, "Linear Self-Attention Approximation via
@@ -45,7 +46,7 @@ class FFNFeatureMap(_trainable.TrainableFeatureMap):
     def __init__(self, *, kernel_initializer="orthogonal", orthogonal_penalty=0.0, **kwargs):
         super().__init__(**kwargs)
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
-        self.orthogonal_penalty = _trainable.check_penalty("orthogonal_penalty", orthogonal_penalty)
+        self.orthogonal_penalty = check_non_negative_float("orthogonal_penalty", orthogonal_penalty)
 
     def build_branch(self, prefix, num_heads, input_dim):
         dims = _trainable.layer_dims(input_dim, self.feature_dim(input_dim), self.depth)

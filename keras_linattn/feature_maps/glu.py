@@ -3,11 +3,12 @@
 import keras
 from keras import ops
 
+from keras_linattn._validation import check_non_negative_float
 from keras_linattn.feature_maps import _trainable
 from keras_linattn.feature_maps.registry import register
 
 
-class GLUStack(_trainable.TrainableFeatureMap):
+class GLUStack(_trainable.StackedFeatureMap):
     """A head-wise stack of GLU units; the logic shared by `glu`, `oglu`, `aoglu`.
 
     Unit ``i`` maps ``u_{i-1}`` (``u_0 = x``) to
@@ -25,7 +26,7 @@ class GLUStack(_trainable.TrainableFeatureMap):
     Args:
         filter_initializer, gate_initializer: initializers, applied head by head.
         filter_penalty: `OrthogonalRegularizer` factor on the filters (0: none).
-        **kwargs: the shared arguments of `TrainableFeatureMap` (`depth`,
+        **kwargs: the shared arguments of `StackedFeatureMap` (`depth`,
             `feature_dim`, `hidden_activation`, `share_qk`, `seed`) and
             `FeatureMap` arguments.
     """
@@ -34,7 +35,7 @@ class GLUStack(_trainable.TrainableFeatureMap):
         super().__init__(**kwargs)
         self._filter_initializer = keras.initializers.get(filter_initializer)
         self._gate_initializer = keras.initializers.get(gate_initializer)
-        self._filter_penalty = _trainable.check_penalty("orthogonal_penalty", filter_penalty)
+        self._filter_penalty = check_non_negative_float("orthogonal_penalty", filter_penalty)
 
     def gate_rank(self, width):
         """Rank of the gates of units of width `width`; None: full-rank gates."""

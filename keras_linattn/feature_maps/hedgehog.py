@@ -1,22 +1,17 @@
 """Hedgehog trainable feature map (Zhang et al. 2024, "The Hedgehog & the Porcupine")."""
 
-import numpy as np
+import warnings
+
+import keras
 from keras import ops
 
-from keras_linattn.feature_maps.base import FeatureMap, check_bool
+from keras_linattn._validation import check_bool, check_optional_positive_int
+from keras_linattn.feature_maps import _trainable
 from keras_linattn.feature_maps.registry import register
-from keras_linattn.ops.core import _check_positive_int
-
-
-def _headwise_identity(num_heads, input_dim, feature_size):
-    """Initializer of a head-wise kernel ``[H, D, F]``: ``eye(D, F)`` for every head."""
-    eye = np.eye(input_dim, feature_size, dtype="float32")  # [D, F]
-    initial = np.broadcast_to(eye, (num_heads, input_dim, feature_size)).copy()  # [H, D, F]
-    return lambda shape, dtype=None: ops.convert_to_tensor(initial, dtype=dtype)
 
 
 @register("hedgehog")
-class HedgehogFeatureMap(FeatureMap):
+class HedgehogFeatureMap(_trainable.TrainableFeatureMap):
     """Hedgehog: ``phi(x) = [softmax(x W + b), softmax(-(x W + b))]``, W trainable.
 
     The Hedgehog map is ``[exp(x W), exp(-x W)]`` with a trainable head-wise
@@ -35,15 +30,34 @@ class HedgehogFeatureMap(FeatureMap):
       factor reweights keys); it is the kernel being trained, and it is the
       same for queries and keys, for causal and non-causal attention.
 
-    ``C = 2F`` (``F = D`` by default).
+    The feature dim is ``C = 2F``: `feature_dim` (an even number) sets it,
+    and ``F = C / 2``; by default ``F = D`` (``C = 2D``). Like the other
+    trainable maps (`keras_linattn.feature_maps.FFNFeatureMap` and the GLU
+    family) it stands on `TrainableFeatureMap`: float32 weights whatever the
+    compute dtype, and ``share_qk=True`` by default.
+
+    Changed defaults and names (older configs load unchanged):
+
+    - ``share_qk`` now defaults to True, like the other trainable maps
+      (it was False, as in the paper). Saved configs always hold an explicit
+      ``share_qk`` and load with the value they were saved with; pass
+      ``share_qk=False`` for the paper's separate kernels.
+    - ``feature_size=F`` is deprecated: use ``feature_dim=2F``. It is still
+      accepted (with a `DeprecationWarning`), so configs saved with it load
+      to the same map; `get_config` writes ``feature_dim``.
 
     Args:
-        feature_size: F, the output size of ``W`` per half; None means the
-            key dim D (square W). ``W`` starts as ``eye(D, F)`` per head.
-        share_qk: True: one kernel for queries and keys; False (default, as in
-            the paper): separate query and key kernels.
+        feature_dim: the feature dim ``C = 2F``, an even positive integer;
+            None (default) means ``C = 2D`` (square W). ``W`` starts as
+            ``eye(D, F)`` per head.
+        share_qk: True (default): one kernel for queries and keys; False (as
+            in the paper): separate query and key kernels.
         use_bias: whether to add a trainable head-wise bias ``b [H, F]``
             (zeros-initialized) before the softmax. Default True.
+        seed: accepted for symmetry with the other trainable maps (the
+            identity and zeros initializers draw nothing). Default None.
+        feature_size: deprecated, ``F``; ``feature_size=F`` is
+            ``feature_dim=2F``.
         **kwargs: standard `keras.layers.Layer` arguments.
 
     Call arguments:
@@ -52,67 +66,66 @@ class HedgehogFeatureMap(FeatureMap):
         causal: unused (the map is per-token).
 
     Returns:
-        ``[B, T, H, 2F]`` positive float32 features.
+        ``[B, T, H, C]`` (``C = 2F``) positive float32 features.
 
     Example:
 
-    >>> fm = HedgehogFeatureMap(feature_size=8)
+    >>> fm = HedgehogFeatureMap(feature_dim=16)
     >>> fm(np.zeros((1, 4, 2, 16)), is_query=False).shape
     (1, 4, 2, 16)
     """
 
-    def __init__(self, feature_size=None, share_qk=False, use_bias=True, **kwargs):
-        super().__init__(**kwargs)
+    def __init__(self, *, feature_dim=None, share_qk=True, use_bias=True, seed=None, feature_size=None, **kwargs):
+        feature_size = check_optional_positive_int("feature_size", feature_size)
         if feature_size is not None:
-            _check_positive_int("feature_size", feature_size)
-        check_bool("share_qk", share_qk)
-        check_bool("use_bias", use_bias)
-        self.feature_size = feature_size
-        self.share_qk = share_qk
-        self.use_bias = use_bias
-
-    def feature_dim(self, input_dim):
-        return 2 * (self.feature_size or input_dim)
-
-    def build(self, input_shape):
-        heads_dim = self.build_heads(input_shape)
-        if heads_dim is None:
-            return
-        self._num_heads, self._dim = heads_dim
-        size = self.feature_size or self._dim
-        names = ("kernel",) if self.share_qk else ("query_kernel", "key_kernel")
-        self._kernels, self._biases = {}, {}
-        for name in names:
-            self._kernels[name] = self.add_weight(
-                name=name,
-                shape=(self._num_heads, self._dim, size),
-                initializer=_headwise_identity(self._num_heads, self._dim, size),
-                trainable=True,
-            )
-            if self.use_bias:
-                self._biases[name] = self.add_weight(
-                    name=name.replace("kernel", "bias"),
-                    shape=(self._num_heads, size),
-                    initializer="zeros",
-                    trainable=True,
+            if feature_dim is not None:
+                raise ValueError(
+                    "Pass `feature_dim` (C = 2F) only; `feature_size` (F) is its deprecated "
+                    f"old form. Received: feature_dim={feature_dim!r}, feature_size={feature_size!r}"
                 )
+            warnings.warn(
+                "`HedgehogFeatureMap(feature_size=F)` is deprecated: pass `feature_dim=2F` "
+                f"(here feature_dim={2 * feature_size}). Re-saving a model updates its config.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            feature_dim = 2 * feature_size
+        super().__init__(feature_dim=feature_dim, share_qk=share_qk, seed=seed, **kwargs)
+        if self._feature_dim is not None and self._feature_dim % 2:
+            raise ValueError(
+                "`feature_dim` must be an even positive integer (C = 2F). "
+                f"Received: feature_dim={feature_dim!r}"
+            )
+        self.use_bias = check_bool("use_bias", use_bias)
 
-    def call(self, inputs, is_query=True, causal=False):
-        self.check_heads(inputs)
-        name = "kernel" if self.share_qk else ("query_kernel" if is_query else "key_kernel")
-        x = ops.cast(inputs, self.compute_dtype)  # [B, T, H, D]
-        kernel = ops.cast(self._kernels[name], self.compute_dtype)  # [H, D, F]
-        logits = ops.einsum("bthd,hdf->bthf", x, kernel)  # [B, T, H, F]
+    def default_feature_dim(self, input_dim):
+        """``C = 2D`` when no `feature_dim` is given (``W`` square)."""
+        return 2 * input_dim
+
+    def build_branch(self, prefix, num_heads, input_dim):
+        size = self.feature_dim(input_dim) // 2  # F
+        weights = {
+            "kernel": self.add_headwise_weight(
+                f"{prefix}_kernel", (num_heads, input_dim, size), keras.initializers.Identity()
+            )  # [H, D, F], eye(D, F) per head
+        }
         if self.use_bias:
-            logits = logits + ops.cast(self._biases[name], self.compute_dtype)  # [B, T, H, F]
+            weights["bias"] = self.add_weight(
+                name=f"{prefix}_bias",
+                shape=(num_heads, size),
+                initializer="zeros",
+                trainable=True,
+                dtype="float32",
+            )  # [H, F]
+        return weights
+
+    def apply_branch(self, inputs, weights):
+        logits = _trainable.headwise_matmul(inputs, weights["kernel"])  # [B, T, H, F]
+        if self.use_bias:
+            logits = logits + weights["bias"]  # [B, T, H, F]
         return ops.concatenate(
             [ops.softmax(logits, axis=-1), ops.softmax(-logits, axis=-1)], axis=-1
         )  # [B, T, H, 2F]
 
     def get_config(self):
-        return {
-            **super().get_config(),
-            "feature_size": self.feature_size,
-            "share_qk": self.share_qk,
-            "use_bias": self.use_bias,
-        }
+        return {**super().get_config(), "use_bias": self.use_bias}

@@ -11,21 +11,20 @@ Shape legend: H heads, m random features, D key dim.
 import numpy as np
 from keras import ops
 
-from keras_linattn.feature_maps.base import FeatureMap, check_seed
-from keras_linattn.ops.core import _check_positive_int
+from keras_linattn._validation import check_one_of, check_positive_float, check_positive_int, check_seed
+from keras_linattn.feature_maps.base import FeatureMap
 
 KINDS = ("orthogonal", "iid")
 SCALINGS = ("chi", "sqrt")
 
-
-def check_kind(kind):
-    if kind not in KINDS:
-        raise ValueError(f"`kind` must be one of {KINDS}. Received: kind={kind!r}")
-
-
-def check_scaling(scaling):
-    if scaling not in SCALINGS:
-        raise ValueError(f"`scaling` must be one of {SCALINGS}. Received: scaling={scaling!r}")
+# Upper bound of the exponent of a causal key's features, shared by FAVOR+
+# (``w.x' - |x'|^2/2``) and FAVOR-trig (the amplitude ``|x'|^2/2``). For
+# FAVOR+ ``w.x' - |x'|^2/2 <= |w|^2/2`` for every x', so with D <= 64 the
+# bound is never reached in practice; it only keeps a key lying almost
+# exactly on a random direction of a large-D projection (or a huge key for
+# FAVOR-trig) from overflowing float32 (exp(50) ~ 5e21, leaving room to sum
+# ~1e16 such keys).
+KEY_EXPONENT_CAP = 50.0
 
 
 def make_rng(seed, draw_index=0):
@@ -73,10 +72,10 @@ def gaussian_projection(rng, num_features, dim, kind="orthogonal", scaling="chi"
     Returns:
         float32 array ``[m, D]``.
     """
-    _check_positive_int("num_features", num_features)
-    _check_positive_int("dim", dim)
-    check_kind(kind)
-    check_scaling(scaling)
+    num_features = check_positive_int("num_features", num_features)
+    dim = check_positive_int("dim", dim)
+    check_one_of("kind", kind, KINDS)
+    check_one_of("scaling", scaling, SCALINGS)
     if kind == "orthogonal":
         num_blocks = -(-num_features // dim)
         blocks = [orthogonal_block(rng, dim) for _ in range(num_blocks)]  # each [D, D]
@@ -95,7 +94,7 @@ def gaussian_projection(rng, num_features, dim, kind="orthogonal", scaling="chi"
 
 def headwise_projection(rng, num_heads, num_features, dim, kind="orthogonal", scaling="chi"):
     """Independent projections for each head: float32 ``[H, m, D]``."""
-    _check_positive_int("num_heads", num_heads)
+    check_positive_int("num_heads", num_heads)
     return np.stack(
         [gaussian_projection(rng, num_features, dim, kind, scaling) for _ in range(num_heads)]
     )  # [H, m, D]
@@ -117,7 +116,10 @@ class RandomFeatureMap(FeatureMap):
     with ``draw_index = 0``.
 
     Args:
-        num_features: m, the number of random features per head.
+        num_features: m, the number of random features per head. It is not
+            the feature dim C itself: each map says how C follows from m
+            (FAVOR+: ``C = m``; FAVOR-trig: ``C = 2m``), and
+            ``feature_dim(D)`` returns C.
         kind: ``"orthogonal"`` (blocks of orthogonal rows, lower variance) or
             ``"iid"`` (independent Gaussian rows).
         scaling: ``"chi"`` (chi(D)-distributed row norms, unbiased) or
@@ -132,19 +134,11 @@ class RandomFeatureMap(FeatureMap):
 
     def __init__(self, num_features=256, kind="orthogonal", scaling="chi", scale=None, seed=None, **kwargs):
         super().__init__(**kwargs)
-        _check_positive_int("num_features", num_features)
-        check_kind(kind)
-        check_scaling(scaling)
-        if scale is not None and (
-            isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0
-        ):
-            raise ValueError(f"`scale` must be a positive number or None. Received: scale={scale!r}")
-        seed = check_seed(seed)
-        self.num_features = num_features
-        self.kind = kind
-        self.scaling = scaling
-        self.scale = None if scale is None else float(scale)
-        self.seed = seed
+        self.num_features = check_positive_int("num_features", num_features)
+        self.kind = check_one_of("kind", kind, KINDS)
+        self.scaling = check_one_of("scaling", scaling, SCALINGS)
+        self.scale = check_positive_float("scale", scale, allow_none=True)
+        self.seed = check_seed("seed", seed)
 
     def build(self, input_shape):
         heads_dim = self.build_heads(input_shape)
@@ -198,7 +192,7 @@ class RandomFeatureMap(FeatureMap):
             index = int(self.draw_index.numpy()) + 1
             rng = make_rng(self.seed, index)
         else:
-            check_seed(seed)
+            seed = check_seed("seed", seed)
             index = None  # an explicit seed leaves the sequence where it is
             rng = make_rng(seed, 0)
         new = headwise_projection(rng, self._num_heads, self.num_features, self._dim, self.kind, self.scaling)

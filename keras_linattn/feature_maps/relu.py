@@ -2,6 +2,7 @@
 
 from keras import ops
 
+from keras_linattn._validation import check_epsilon
 from keras_linattn.feature_maps.base import FeatureMap
 from keras_linattn.feature_maps.registry import register
 
@@ -11,17 +12,13 @@ class ReluFeatureMap(FeatureMap):
     """``phi(x) = relu(x) + epsilon``: non-negative, ``C = D``, no weights.
 
     Args:
-        epsilon: non-negative constant added to every feature so that no
+        epsilon: finite non-negative constant added to every feature so that no
             query has an all-zero feature vector. Default 1e-6.
     """
 
     def __init__(self, epsilon=1e-6, **kwargs):
         super().__init__(**kwargs)
-        if not isinstance(epsilon, (int, float)) or epsilon < 0:
-            raise ValueError(
-                f"`epsilon` must be a non-negative number. Received: epsilon={epsilon!r}"
-            )
-        self.epsilon = float(epsilon)
+        self.epsilon = check_epsilon("epsilon", epsilon, allow_zero=True)
 
     def feature_dim(self, input_dim):
         return input_dim

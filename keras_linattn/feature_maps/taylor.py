@@ -4,6 +4,7 @@ import math
 
 from keras import ops
 
+from keras_linattn._validation import check_positive_float
 from keras_linattn.feature_maps.base import FeatureMap
 from keras_linattn.feature_maps.registry import register
 
@@ -24,9 +25,7 @@ class TaylorFeatureMap(FeatureMap):
 
     def __init__(self, scale=None, **kwargs):
         super().__init__(**kwargs)
-        if scale is not None and (not isinstance(scale, (int, float)) or scale <= 0):
-            raise ValueError(f"`scale` must be a positive number or None. Received: scale={scale!r}")
-        self.scale = None if scale is None else float(scale)
+        self.scale = check_positive_float("scale", scale, allow_none=True)
 
     def feature_dim(self, input_dim):
         return 1 + input_dim + input_dim * input_dim

@@ -9,8 +9,15 @@ import keras
 
 from keras_linattn import feature_maps as feature_maps_lib
 from keras_linattn._docstrings import fill
+from keras_linattn._validation import (
+    check_bool,
+    check_epsilon,
+    check_optional_positive_int,
+    check_positive_int,
+    check_rate,
+    check_seed,
+)
 from keras_linattn.layers.linear_attention import LinearAttention
-from keras_linattn.ops import core as la_ops
 
 
 # The constructor arguments of both blocks, documented once (see
@@ -64,35 +71,21 @@ class _LinearTransformerBlock(keras.layers.Layer):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        la_ops._check_positive_int("num_heads", num_heads)
-        la_ops._check_positive_int("intermediate_dim", intermediate_dim)
-        if key_dim is not None:
-            la_ops._check_positive_int("key_dim", key_dim)
-        if value_dim is not None:
-            la_ops._check_positive_int("value_dim", value_dim)
-        la_ops._check_positive_int("chunk_size", chunk_size)
-        if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-            raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
-        if not isinstance(layer_norm_epsilon, (int, float)) or layer_norm_epsilon <= 0:
-            raise ValueError(
-                "`layer_norm_epsilon` must be a positive number. "
-                f"Received: layer_norm_epsilon={layer_norm_epsilon!r}"
-            )
-        self.num_heads = num_heads
-        self.intermediate_dim = intermediate_dim
-        self.key_dim = key_dim
-        self.value_dim = value_dim
+        self.num_heads = check_positive_int("num_heads", num_heads)
+        self.intermediate_dim = check_positive_int("intermediate_dim", intermediate_dim)
+        self.key_dim = check_optional_positive_int("key_dim", key_dim)
+        self.value_dim = check_optional_positive_int("value_dim", value_dim)
         # A template (each attention layer owns a copy with the weights): kept
         # out of Keras' layer tracking so it is not listed as an unbuilt sublayer.
         object.__setattr__(self, "feature_map", feature_maps_lib.get(feature_map))
-        self.chunk_size = chunk_size
-        self.dropout = float(dropout)
+        self.chunk_size = check_positive_int("chunk_size", chunk_size)
+        self.dropout = check_rate("dropout", dropout)
         self.activation = keras.activations.get(activation)
-        self.layer_norm_epsilon = float(layer_norm_epsilon)
-        self.use_bias = use_bias
+        self.layer_norm_epsilon = check_epsilon("layer_norm_epsilon", layer_norm_epsilon)
+        self.use_bias = check_bool("use_bias", use_bias)
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
-        self.seed = seed
+        self.seed = check_seed("seed", seed)
         self.supports_masking = True
 
     def _init(self, initializer):

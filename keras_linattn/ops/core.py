@@ -20,7 +20,11 @@ contraction is a batched matmul (measured 2-3x faster than the equivalent
 einsums on CPU, forward and backward).
 """
 
+import numbers
+
 from keras import ops
+
+from keras_linattn._validation import check_epsilon, check_non_negative_int, check_positive_int, check_rank
 
 DEFAULT_EPSILON = 1e-6
 # Added to the denominator guard so that a zero query feature vector with no
@@ -28,18 +32,11 @@ DEFAULT_EPSILON = 1e-6
 _TINY = 1e-30
 
 
-def _check_rank(name, x, rank):
-    if len(x.shape) != rank:
-        raise ValueError(
-            f"`{name}` must have rank {rank}. Received: {name}.shape={tuple(x.shape)}"
-        )
-
-
-def _check_positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(
-            f"`{name}` must be a positive integer. Received: {name}={value!r}"
-        )
+# Kept importable under their old names: layers that other work owns still
+# call `la_ops._check_positive_int` and `la_ops._check_rank`. New code calls
+# `keras_linattn._validation` directly.
+_check_rank = check_rank
+_check_positive_int = check_positive_int
 
 
 def validate_inputs(q, k, v=None, key_mask=None, causal=False, names=("q_features", "k_features", "v")):
@@ -54,10 +51,10 @@ def validate_inputs(q, k, v=None, key_mask=None, causal=False, names=("q_feature
         ValueError: naming the argument and the shape received.
     """
     q_name, k_name, v_name = names
-    _check_rank(q_name, q, 4)
-    _check_rank(k_name, k, 4)
+    check_rank(q_name, q, 4)
+    check_rank(k_name, k, 4)
     if v is not None:
-        _check_rank(v_name, v, 4)
+        check_rank(v_name, v, 4)
     if q.shape[3] is not None and k.shape[3] is not None and q.shape[3] != k.shape[3]:
         raise ValueError(
             f"`{q_name}` and `{k_name}` must have the same feature dim C. "
@@ -77,7 +74,7 @@ def validate_inputs(q, k, v=None, key_mask=None, causal=False, names=("q_feature
             f"Received: {k_name}.shape={tuple(k.shape)}, {v_name}.shape={tuple(v.shape)}"
         )
     if key_mask is not None:
-        _check_rank("key_mask", key_mask, 2)
+        check_rank("key_mask", key_mask, 2)
         if ks is not None and key_mask.shape[1] is not None and key_mask.shape[1] != ks:
             raise ValueError(
                 f"`key_mask` must have shape [B, S] matching `{k_name}`. "
@@ -122,11 +119,6 @@ def check_state(state, num_heads, feature_dim, value_dim, batch_size=None, name=
             f"`{name}` S and z must have the same batch size. "
             f"Received: S.shape={tuple(s.shape)}, z.shape={tuple(z.shape)}"
         )
-
-
-def _check_eps(eps):
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-        raise ValueError(f"`eps` must be a non-negative number. Received: eps={eps!r}")
 
 
 def _fmt(shape):
@@ -202,8 +194,8 @@ def linear_attention(
         check_state(
             initial_state, q_features.shape[2], q_features.shape[3], v.shape[3], name="initial_state"
         )
-    _check_positive_int("chunk_size", chunk_size)
-    _check_eps(eps)
+    chunk_size = check_positive_int("chunk_size", chunk_size)
+    check_epsilon("eps", eps, allow_zero=True)
     out_dtype = v.dtype
     q = _heads_first(ops.cast(q_features, "float32"))  # [B, H, T, C]
     k = _heads_first(_mask_keys(ops.cast(k_features, "float32"), key_mask))  # [B, H, S, C]
@@ -298,11 +290,11 @@ def linear_attention_step(q_t, k_t, v_t, state, key_mask_t=None, eps=DEFAULT_EPS
     Returns:
         ``(out_t [B, H, M], (S, z))`` with the state in float32.
     """
-    _check_rank("q_t", q_t, 3)
-    _check_rank("k_t", k_t, 3)
-    _check_rank("v_t", v_t, 3)
+    check_rank("q_t", q_t, 3)
+    check_rank("k_t", k_t, 3)
+    check_rank("v_t", v_t, 3)
     check_state(state, q_t.shape[1], q_t.shape[2], v_t.shape[2])
-    _check_eps(eps)
+    check_epsilon("eps", eps, allow_zero=True)
     out_dtype = v_t.dtype
     q = ops.cast(q_t, "float32")  # [B, H, C]
     k = ops.cast(k_t, "float32")  # [B, H, C]
@@ -320,10 +312,11 @@ def linear_attention_step(q_t, k_t, v_t, state, key_mask_t=None, eps=DEFAULT_EPS
 
 def zero_state(batch_size, num_heads, feature_dim, value_dim):
     """An empty state ``(S, z)``: zeros of ``[B, H, C, M]`` and ``[B, H, C]``."""
-    if isinstance(batch_size, int) and (isinstance(batch_size, bool) or batch_size < 0):
-        raise ValueError(f"`batch_size` must be a non-negative integer. Received: batch_size={batch_size!r}")
-    for name, value in (("num_heads", num_heads), ("feature_dim", feature_dim), ("value_dim", value_dim)):
-        _check_positive_int(name, value)
+    if isinstance(batch_size, numbers.Integral):  # a symbolic batch size passes through
+        batch_size = check_non_negative_int("batch_size", batch_size)
+    num_heads = check_positive_int("num_heads", num_heads)
+    feature_dim = check_positive_int("feature_dim", feature_dim)
+    value_dim = check_positive_int("value_dim", value_dim)
     return (
         ops.zeros((batch_size, num_heads, feature_dim, value_dim), dtype="float32"),
         ops.zeros((batch_size, num_heads, feature_dim), dtype="float32"),

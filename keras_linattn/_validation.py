@@ -1,0 +1,240 @@
+"""The argument rules of the package: one function per kind of argument.
+
+Every constructor and function of `keras_linattn` checks its arguments with
+these rules, so that the same bad value is refused the same way everywhere,
+with a message in the Keras style naming the argument::
+
+    ValueError: `num_heads` must be a positive integer. Received: num_heads=0
+
+Each rule takes the argument's name first and its value second, raises
+`ValueError` when the value is refused, and returns the value normalized to
+a plain Python type (a NumPy integer becomes an `int`, a number a `float`),
+which is what a layer should store and serialize in its config.
+
+Common conventions:
+
+- `bool` is never a number: ``True`` is refused wherever an int or a float
+  is expected (``dropout=True`` is a mistake, not a rate of 1).
+- NumPy integers (``np.int64(3)``) are accepted wherever an int is, and
+  NumPy floats wherever a float is.
+- Floats must be finite (no NaN, no Inf) unless a rule says otherwise.
+
+Not here: checks of files, states and saved artifacts (digests, manifests,
+attention states), which are not argument rules and live with the code that
+owns those artifacts.
+"""
+
+import math
+import numbers
+
+__all__ = [
+    "check_bool",
+    "check_dtype_name",
+    "check_epsilon",
+    "check_int_in_range",
+    "check_non_negative_float",
+    "check_non_negative_int",
+    "check_one_of",
+    "check_optional_positive_int",
+    "check_positive_float",
+    "check_positive_int",
+    "check_rank",
+    "check_rate",
+    "check_seed",
+]
+
+
+def _refuse(name, expected, value):
+    raise ValueError(f"`{name}` must be {expected}. Received: {name}={value!r}")
+
+
+def _is_int(value):
+    """True for Python and NumPy integers, False for bools."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value):
+    """True for Python and NumPy ints and floats, False for bools."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_positive_int(name, value):
+    """Checks that `value` is an integer ``>= 1``; returns it as an `int`.
+
+    Bools are refused; NumPy integers are accepted.
+
+    Raises:
+        ValueError: "`name` must be a positive integer. Received: name=..."
+    """
+    if not _is_int(value) or value <= 0:
+        _refuse(name, "a positive integer", value)
+    return int(value)
+
+
+def check_optional_positive_int(name, value):
+    """Like `check_positive_int`, but None is accepted (and returned).
+
+    Raises:
+        ValueError: "`name` must be a positive integer or None. Received: ..."
+    """
+    if value is None:
+        return None
+    if not _is_int(value) or value <= 0:
+        _refuse(name, "a positive integer or None", value)
+    return int(value)
+
+
+def check_non_negative_int(name, value):
+    """Checks that `value` is an integer ``>= 0``; returns it as an `int`.
+
+    Raises:
+        ValueError: "`name` must be a non-negative integer. Received: ..."
+    """
+    if not _is_int(value) or value < 0:
+        _refuse(name, "a non-negative integer", value)
+    return int(value)
+
+
+def check_int_in_range(name, value, low, high):
+    """Checks that `value` is an integer in ``[low, high]`` (both included).
+
+    Raises:
+        ValueError: "`name` must be an integer in [low, high]. Received: ..."
+    """
+    if not _is_int(value) or not low <= value <= high:
+        _refuse(name, f"an integer in [{low}, {high}]", value)
+    return int(value)
+
+
+def check_rate(name, value):
+    """Checks a probability or rate (dropout): a number in ``[0, 1)``.
+
+    Returns it as a `float`. Bools are refused (``dropout=True`` is not a
+    rate of 1, which would drop everything).
+
+    Raises:
+        ValueError: "`name` must be a number in [0, 1). Received: ..."
+    """
+    if not _is_real(value) or not 0.0 <= value < 1.0:
+        _refuse(name, "a number in [0, 1)", value)
+    return float(value)
+
+
+def check_seed(name, value):
+    """Checks a seed: None or a non-negative integer (NumPy integers too).
+
+    Returns None or an `int`. Bools are refused.
+
+    Raises:
+        ValueError: "`name` must be None or a non-negative integer. Received: ..."
+    """
+    if value is None:
+        return None
+    if not _is_int(value) or value < 0:
+        _refuse(name, "None or a non-negative integer", value)
+    return int(value)
+
+
+def check_epsilon(name, value, allow_zero=False):
+    """Checks a small constant added for numerical safety: a finite number > 0.
+
+    Used for every ``epsilon``/``eps`` of the package. With
+    ``allow_zero=True`` zero is accepted too, for the constants whose value
+    0 is meaningful (the attention denominator guard, which has its own
+    tiny floor; the ReLU feature floor, where 0 is a plain ReLU).
+
+    Returns it as a `float`.
+
+    Raises:
+        ValueError: "`name` must be a finite positive number. Received: ..."
+            (or "a finite non-negative number" with ``allow_zero=True``).
+    """
+    if allow_zero:
+        return check_non_negative_float(name, value)
+    return check_positive_float(name, value)
+
+
+def check_positive_float(name, value, allow_none=False):
+    """Checks a finite number > 0 (a scale, a temperature); returns a `float`.
+
+    With ``allow_none=True``, None is accepted and returned.
+
+    Raises:
+        ValueError: "`name` must be a finite positive number. Received: ..."
+    """
+    if value is None and allow_none:
+        return None
+    if not _is_real(value) or not math.isfinite(value) or not value > 0:
+        _refuse(name, "a finite positive number" + (" or None" if allow_none else ""), value)
+    return float(value)
+
+
+def check_non_negative_float(name, value):
+    """Checks a finite number >= 0 (a penalty factor); returns a `float`.
+
+    Raises:
+        ValueError: "`name` must be a finite non-negative number. Received: ..."
+    """
+    if not _is_real(value) or not math.isfinite(value) or not value >= 0:
+        _refuse(name, "a finite non-negative number", value)
+    return float(value)
+
+
+def check_bool(name, value):
+    """Checks a flag: exactly ``True`` or ``False`` (not 0/1, not None).
+
+    Raises:
+        ValueError: "`name` must be a bool. Received: ..."
+    """
+    if not isinstance(value, bool):
+        _refuse(name, "a bool", value)
+    return value
+
+
+def check_one_of(name, value, choices):
+    """Checks that `value` is one of `choices` (a tuple of names).
+
+    Raises:
+        ValueError: "`name` must be one of (...). Received: ..."
+    """
+    if isinstance(value, bool) or value not in tuple(choices):
+        _refuse(name, f"one of {tuple(choices)}", value)
+    return value
+
+
+def check_dtype_name(name, value, allowed=None):
+    """Checks a dtype given by name (``"float32"``, ``"int64"`` ...).
+
+    Accepts what `keras.backend.standardize_dtype` understands (strings,
+    NumPy dtypes) and returns the standardized name; with `allowed`, the
+    standardized name must be one of them.
+
+    Raises:
+        ValueError: "`name` must be a dtype name (...). Received: ..."
+    """
+    import keras
+
+    expected = "a dtype name" if allowed is None else f"a dtype name in {tuple(allowed)}"
+    if value is None or isinstance(value, bool):
+        _refuse(name, expected, value)
+    try:
+        standard = keras.backend.standardize_dtype(value)
+    except (ValueError, TypeError, AttributeError):
+        _refuse(name, expected, value)
+    if allowed is not None and standard not in tuple(allowed):
+        _refuse(name, expected, value)
+    return standard
+
+
+def check_rank(name, x, rank):
+    """Checks that tensor `x` has rank `rank` (one int, or a tuple of ints).
+
+    Raises:
+        ValueError: "`name` must have rank R. Received: name.shape=(...)"
+    """
+    ranks = (rank,) if isinstance(rank, int) else tuple(rank)
+    if len(x.shape) not in ranks:
+        expected = str(ranks[0]) if len(ranks) == 1 else " or ".join(map(str, ranks))
+        raise ValueError(
+            f"`{name}` must have rank {expected}. Received: {name}.shape={tuple(x.shape)}"
+        )
