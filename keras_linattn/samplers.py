@@ -29,12 +29,8 @@ Names (`available()`): ``greedy``, ``random`` (temperature sampling),
 import numpy as np
 from keras import ops
 
+from keras_linattn import _validation
 from keras_linattn._registry import NameRegistry
-
-def _check_positive_number(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise ValueError(f"`{name}` must be a positive finite number. Received: {name}={value!r}")
-
 
 class Sampler:
     """Base class: next-token logits ``[B, V]`` -> token ids ``[B]`` (int32).
@@ -57,7 +53,7 @@ class Sampler:
     is_random = True
 
     def __init__(self, temperature=1.0):
-        _check_positive_number("temperature", temperature)
+        temperature = _validation.check_positive_float("temperature", temperature)
         self.temperature = float(temperature)
 
     def __call__(self, logits, seed=None):
@@ -263,9 +259,7 @@ class TopKSampler(Sampler):
 
     def __init__(self, k=5, temperature=1.0):
         super().__init__(temperature=temperature)
-        if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
-            raise ValueError(f"`k` must be a positive integer. Received: k={k!r}")
-        self.k = k
+        self.k = _validation.check_positive_int("k", k)
 
     def get_next_token(self, logits, seed):
         return sample(logits, seed, top_k=self.k)
@@ -296,8 +290,7 @@ class TopPSampler(Sampler):
         super().__init__(temperature=temperature)
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
             raise ValueError(f"`p` must be in (0, 1]. Received: p={p!r}")
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k <= 0):
-            raise ValueError(f"`k` must be a positive integer or None. Received: k={k!r}")
+        k = _validation.check_optional_positive_int("k", k)
         self.p = float(p)
         self.k = k
 

@@ -167,7 +167,3 @@ class OnnxGenerator:
             options = dict(self._predictor_options, use_io_binding=False)
             self._generate_predictor = OnnxPredictor(self.generate_path, **options)
         return self._generate_predictor
-
-
-def _kind(dtype):
-    return "integer" if np.dtype(dtype).kind in "iu" else np.dtype(dtype).kind

@@ -15,6 +15,7 @@ Shapes: B batch, T query length, S key length, H heads, D key dim, M value dim.
 import keras
 from keras import ops
 
+from keras_linattn import _validation
 from keras_linattn._docstrings import fill
 from keras_linattn.ops import core as la_ops
 
@@ -45,7 +46,7 @@ def _check_output_shape(output_shape):
                 f"`output_shape` must be an int or a 1-tuple. Received: output_shape={output_shape!r}"
             )
         output_shape = output_shape[0]
-    la_ops._check_positive_int("output_shape", output_shape)
+    _validation.check_positive_int("output_shape", output_shape)
     return output_shape
 
 
@@ -99,16 +100,15 @@ class ProjectedAttention(keras.layers.Layer):
     ):
         super().__init__(activity_regularizer=activity_regularizer, **kwargs)
         self.supports_masking = True
-        la_ops._check_positive_int("num_heads", num_heads)
-        la_ops._check_positive_int("key_dim", key_dim)
+        _validation.check_positive_int("num_heads", num_heads)
+        _validation.check_positive_int("key_dim", key_dim)
         if value_dim is not None:
-            la_ops._check_positive_int("value_dim", value_dim)
+            _validation.check_positive_int("value_dim", value_dim)
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
             raise ValueError(f"`dropout` must be in [0, 1). Received: dropout={dropout!r}")
         if not isinstance(use_bias, bool):
             raise ValueError(f"`use_bias` must be a bool. Received: use_bias={use_bias!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-            raise ValueError(f"`seed` must be a non-negative integer or None. Received: seed={seed!r}")
+        seed = _validation.check_seed("seed", seed)
         self.num_heads = num_heads
         self.key_dim = key_dim
         self.value_dim = value_dim if value_dim is not None else key_dim
@@ -255,7 +255,7 @@ class ProjectedAttention(keras.layers.Layer):
                 f"Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}"
             )
         if key_mask is not None:
-            la_ops._check_rank("key_mask", key_mask, 2)
+            _validation.check_rank("key_mask", key_mask, 2)
             if key_mask.shape[1] is not None and key.shape[1] is not None and key_mask.shape[1] != key.shape[1]:
                 raise ValueError(
                     "`key_mask` must have shape [B, S] matching the keys. "

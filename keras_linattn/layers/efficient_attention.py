@@ -4,6 +4,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_linattn import _validation
 from keras_linattn.layers import _projections
 from keras_linattn.ops import core as la_ops
 from keras_linattn.ops import efficient as efficient_ops
@@ -118,8 +119,8 @@ class EfficientAttention(_projections.ProjectedAttention):
                         f"leave it None. Received: {name}={val!r}"
                     )
         else:
-            la_ops._check_positive_int("projection_dim", projection_dim)
-            la_ops._check_positive_int("max_length", max_length)
+            _validation.check_positive_int("projection_dim", projection_dim)
+            _validation.check_positive_int("max_length", max_length)
         if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not np.isfinite(delta):
             raise ValueError(f"`delta` must be a finite number. Received: delta={delta!r}")
         self.projection = projection

@@ -2,6 +2,7 @@
 
 import keras
 
+from keras_linattn import _validation
 from keras_linattn import feature_maps as feature_maps_lib
 from keras_linattn.layers import _projections
 from keras_linattn.ops import core as la_ops
@@ -76,7 +77,7 @@ class LinearAttention(_projections.ProjectedAttention):
         **kwargs,
     ):
         super().__init__(num_heads, key_dim, value_dim, **kwargs)
-        la_ops._check_positive_int("chunk_size", chunk_size)
+        _validation.check_positive_int("chunk_size", chunk_size)
         if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not 0 <= epsilon < float("inf"):
             raise ValueError(f"`epsilon` must be a non-negative finite number. Received: epsilon={epsilon!r}")
         self.feature_map = feature_maps_lib.get(feature_map)

@@ -4,6 +4,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_linattn import _validation
 from keras_linattn import feature_maps as feature_maps_lib
 from keras_linattn import samplers as samplers_lib
 from keras_linattn.layers.transformer_decoder import LinearTransformerDecoder
@@ -120,11 +121,11 @@ class LinearCausalLM(keras.Model):
             ("intermediate_dim", intermediate_dim),
             ("chunk_size", chunk_size),
         ):
-            la_ops._check_positive_int(name, value)
+            _validation.check_positive_int(name, value)
         if max_sequence_length is not None:
-            la_ops._check_positive_int("max_sequence_length", max_sequence_length)
+            _validation.check_positive_int("max_sequence_length", max_sequence_length)
         if key_dim is not None:
-            la_ops._check_positive_int("key_dim", key_dim)
+            _validation.check_positive_int("key_dim", key_dim)
         elif hidden_dim % num_heads:
             raise ValueError(
                 "`hidden_dim` must be divisible by `num_heads` when `key_dim` is None. "
@@ -446,7 +447,7 @@ class LinearCausalLM(keras.Model):
         sampler = samplers_lib.get(sampler)
         if block_size is None:
             block_size = 32 if verbose else max(max_length - prompt_length, 1)
-        la_ops._check_positive_int("block_size", int(block_size))
+        block_size = _validation.check_positive_int("block_size", block_size)
         if seed is None:
             seed = int(np.random.randint(0, 2**31 - 1))
         seed_t = ops.convert_to_tensor([int(seed) % (2**31 - 1), 0], "int32")

@@ -32,13 +32,6 @@ DEFAULT_EPSILON = 1e-6
 _TINY = 1e-30
 
 
-# Kept importable under their old names: layers that other work owns still
-# call `la_ops._check_positive_int` and `la_ops._check_rank`. New code calls
-# `keras_linattn._validation` directly.
-_check_rank = check_rank
-_check_positive_int = check_positive_int
-
-
 def validate_inputs(q, k, v=None, key_mask=None, causal=False, names=("q_features", "k_features", "v")):
     """Checks the ranks and shapes of attention inputs, naming the arguments.
 
