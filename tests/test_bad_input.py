@@ -312,7 +312,7 @@ ROWS = [
     ("LinearAttention.call/key_mask rank 3", lambda e: e.attention(o(1, 3, 8), o(1, 3, 8), key_mask=o(1, 3, 1)), V, ["key_mask", "(1, 3, 1)"]),
     ("LinearAttention.call/initial_state shape", lambda e: e.attention(o(1, 3, 8), o(1, 3, 8), use_causal_mask=True, initial_state=(z(1, 2, 4, 3), z(1, 2, 4))), V, ["initial_state", "(1, 2, 4, 3)"]),
     ("LinearAttention.step/query_t rank 3", lambda e: e.attention.step(o(1, 1, 8), o(1, 8), e.attention.get_initial_state(1)), V, ["query_t", "(1, 1, 8)"]),
-    ("LinearAttention.step/state batch", lambda e: e.attention.step(o(2, 8), o(2, 8), e.attention.get_initial_state(3)), V, ["state", "[2, 2, 4, 4]", "(3, 2, 4, 4)"]),
+    ("LinearAttention.step/state batch", lambda e: e.attention.step(o(2, 8), o(2, 8), e.attention.get_initial_state(3)), V, ["state[0]", "(S)", "(2, 2, 4, 4)", "(3, 2, 4, 4)"]),
     # --- EfficientAttention
     ("EfficientAttention/projection='linformer'", lambda e: EfficientAttention(2, 4, projection="linformer"), V, ["projection='linformer'"]),
     ("EfficientAttention/missing projection_dim", lambda e: EfficientAttention(2, 4, projection="random", max_length=8), V, ["projection_dim=None"]),

@@ -1,8 +1,10 @@
 """LinearAttention: multi-head kernelized attention in O(N) time and memory."""
 
+import numbers
+
 import keras
 
-from keras_linattn import _validation
+from keras_linattn import _state, _validation
 from keras_linattn import feature_maps as feature_maps_lib
 from keras_linattn.layers import _projections
 from keras_linattn.ops import core as la_ops
@@ -109,30 +111,41 @@ class LinearAttention(_projections.ProjectedAttention):
                            initial_state=None):
         """Feature maps, then `keras_linattn.ops.linear_attention`; returns ``(out, (S, z))``."""
         if initial_state is not None:
-            la_ops.check_state(
-                initial_state, self.num_heads, self.feature_dim, self.value_dim, name="initial_state"
-            )
+            _state.check_state(self.state_spec(), initial_state, name="initial_state")
         # Padded keys enter the map as zeros, so maps with statistics over
         # keys (the non-causal stabilizers of favor+/favor_trig) never see
         # padded junk; their features are masked again after the map.
         key = la_ops._mask_keys(key, key_mask)  # [B, S, H, D]
         qf, kf = self._features(query, key, use_causal_mask, training)  # [B, T, H, C], [B, S, H, C]
-        return la_ops.linear_attention(
+        out, state = la_ops.linear_attention(
             qf,
             kf,
             value,
             causal=use_causal_mask,
             key_mask=key_mask,
             chunk_size=self.chunk_size,
-            initial_state=initial_state,
+            initial_state=None if initial_state is None else tuple(initial_state),
             return_state=True,
             eps=self.epsilon,
         )  # [B, T, H, M], (S [B, H, C, M], z [B, H, C])
+        return out, tuple(state)
 
     # -------------------------------------------------------- recurrent API
+    def state_spec(self):
+        """The recurrent state, described once: a list of `StateSpec` (shapes without the batch dim).
+
+        ``S [H, C, M]`` and ``z [H, C]``, float32. `get_initial_state`, the
+        state checks, `LinearAttentionCell`'s flat state and the exported
+        ``step`` signatures are derived from it.
+        """
+        h, c, m = self.num_heads, self.feature_dim, self.value_dim
+        return [_state.StateSpec("S", (h, c, m), "float32"), _state.StateSpec("z", (h, c), "float32")]
+
     def get_initial_state(self, batch_size):
-        """Empty state ``(S [B, H, C, M], z [B, H, C])`` (float32 zeros)."""
-        return la_ops.zero_state(batch_size, self.num_heads, self.feature_dim, self.value_dim)
+        """Empty state (`state_spec`): a tuple of float32 zeros, ``(S [B, H, C, M], z [B, H, C])``."""
+        if isinstance(batch_size, (bool, numbers.Integral)):  # a symbolic batch size passes through
+            batch_size = _validation.check_non_negative_int("batch_size", batch_size)
+        return tuple(_state.zeros_state(self.state_spec(), batch_size))
 
     def step(self, query_t, value_t, state, key_t=None, training=None):
         """One causal decoding step, sharing weights with the parallel layer.
@@ -155,18 +168,16 @@ class LinearAttention(_projections.ProjectedAttention):
                     f"`{name}` must have rank 2 [batch, dim]. Received: {name}.shape={tuple(x.shape)}"
                 )
         batch = query_t.shape[0]
-        la_ops.check_state(
-            state, self.num_heads, self.feature_dim, self.value_dim, batch_size=batch, name="state"
-        )
+        _state.check_state(self.state_spec(), state, batch_size=batch, name="state")
         if not self.built:
             self.build(
                 (None, None, query_t.shape[-1]), (None, None, value_t.shape[-1]), (None, None, key_t.shape[-1])
             )
         q, k, v = self.project(query_t[:, None], value_t[:, None], key_t[:, None])  # [B, 1, H, D|D|M]
         qf, kf = self._features(q, k, True, training)  # [B, 1, H, C], [B, 1, H, C]
-        out, new_state = la_ops.linear_attention_step(qf[:, 0], kf[:, 0], v[:, 0], state, eps=self.epsilon)
+        out, new_state = la_ops.linear_attention_step(qf[:, 0], kf[:, 0], v[:, 0], tuple(state), eps=self.epsilon)
         out = self.project_output(out[:, None], training)  # [B, 1, out_dim]
-        return out[:, 0], new_state
+        return out[:, 0], tuple(new_state)
 
     # ----------------------------------------------------------------- config
     def get_config(self):

@@ -3,6 +3,7 @@
 import keras
 from keras import ops
 
+from keras_linattn import _state
 from keras_linattn.layers.linear_attention import LinearAttention
 
 
@@ -20,7 +21,9 @@ class LinearAttentionCell(keras.layers.Layer):
     weights token by token inside ``keras.layers.RNN``.
 
     ``keras.layers.RNN`` wants integer state sizes, so the state travels
-    flattened as ``[S.reshape(B, H*C*M), z.reshape(B, H*C)]``;
+    flattened, one ``[B, size]`` tensor per entry of the attention's
+    `LinearAttention.state_spec` (``[S.reshape(B, H*C*M), z.reshape(B, H*C)]``
+    for plain linear attention);
     `pack_state` / `unpack_state` convert between the two forms. The cell
     computes in float32 by default (``dtype="float32"``) because the RNN
     layer casts the states to the cell's compute dtype between steps and the
@@ -37,7 +40,8 @@ class LinearAttentionCell(keras.layers.Layer):
 
     Call arguments:
         inputs: ``[B, dim]`` the input at one time step.
-        states: ``[S_flat [B, H*C*M], z_flat [B, H*C]]``.
+        states: flat states, one per `LinearAttention.state_spec` entry
+            (``[S_flat [B, H*C*M], z_flat [B, H*C]]`` for plain attention).
         training: Python boolean, passed to the attention layer (dropout).
 
     Returns:
@@ -80,8 +84,7 @@ class LinearAttentionCell(keras.layers.Layer):
 
     @property
     def state_size(self):
-        h, c, m = self.num_heads, self.feature_dim, self.value_dim
-        return [h * c * m, h * c]
+        return [_state.flat_size(entry) for entry in self.attention.state_spec()]
 
     @property
     def output_size(self):
@@ -91,34 +94,34 @@ class LinearAttentionCell(keras.layers.Layer):
 
     # --------------------------------------------------------------- state
     def pack_state(self, state):
-        """``(S [B, H, C, M], z [B, H, C])`` -> ``[S_flat, z_flat]`` for the RNN."""
-        s, z = state
-        h, c, m = self.num_heads, self.feature_dim, self.value_dim
+        """The attention's state (`LinearAttention.state_spec`) -> flat ``[B, size]`` tensors for the RNN."""
         return [
-            ops.reshape(ops.cast(s, "float32"), (-1, h * c * m)),  # [B, H*C*M]
-            ops.reshape(ops.cast(z, "float32"), (-1, h * c)),  # [B, H*C]
+            ops.reshape(ops.cast(x, "float32"), (-1, size))  # [B, size]
+            for x, size in zip(state, self.state_size)
         ]
 
     def unpack_state(self, states):
-        """``[S_flat, z_flat]`` -> ``(S [B, H, C, M], z [B, H, C])``."""
-        if not isinstance(states, (list, tuple)) or len(states) != 2:
+        """Flat ``[B, size]`` tensors -> the attention's state, e.g. ``(S [B, H, C, M], z [B, H, C])``."""
+        spec = self.attention.state_spec()
+        if not isinstance(states, (list, tuple)) or len(states) != len(spec):
+            shapes = ", ".join(f"[B, {size}]" for size in self.state_size)
             raise ValueError(
-                "`states` must be a list [S_flat, z_flat] of shapes [B, H*C*M] and [B, H*C]. "
-                f"Received: states={states!r}"
+                f"`states` must be a list of {len(spec)} flat tensors of shapes {shapes} "
+                f"({', '.join(e.name for e in spec)}). Received: states={states!r}"
             )
-        h, c, m = self.num_heads, self.feature_dim, self.value_dim
         for i, (x, size) in enumerate(zip(states, self.state_size)):
             if len(x.shape) != 2 or (x.shape[-1] is not None and x.shape[-1] != size):
                 raise ValueError(
                     f"`states[{i}]` must have shape [B, {size}]. "
                     f"Received: states[{i}].shape={tuple(x.shape)}"
                 )
-        s = ops.reshape(ops.cast(states[0], "float32"), (-1, h, c, m))  # [B, H, C, M]
-        z = ops.reshape(ops.cast(states[1], "float32"), (-1, h, c))  # [B, H, C]
-        return s, z
+        return tuple(
+            ops.reshape(ops.cast(x, entry.dtype), (-1,) + tuple(entry.shape))
+            for x, entry in zip(states, spec)
+        )
 
     def get_initial_state(self, batch_size=None):
-        """Zero states ``[S_flat [B, H*C*M], z_flat [B, H*C]]`` (float32)."""
+        """Zero flat states ``[B, size]`` (float32), one per `LinearAttention.state_spec` entry."""
         return [ops.zeros((batch_size, size), dtype="float32") for size in self.state_size]
 
     # ---------------------------------------------------------------- call
@@ -137,8 +140,8 @@ class LinearAttentionCell(keras.layers.Layer):
     def call(self, inputs, states, training=None):
         state = self.unpack_state(list(states))
         inputs = ops.cast(inputs, self.attention.compute_dtype)
-        output, (s, z) = self.attention.step(inputs, inputs, state, training=training)  # [B, out_dim]
-        return output, self.pack_state((s, z))
+        output, new_state = self.attention.step(inputs, inputs, state, training=training)  # [B, out_dim]
+        return output, self.pack_state(new_state)
 
     def compute_output_shape(self, input_shape):
         return (input_shape[0], self.output_size or input_shape[-1])

@@ -208,7 +208,7 @@ class _LinearTransformerBlock(keras.layers.Layer):
 
     # -------------------------------------------------------- recurrent API
     def get_initial_state(self, batch_size):
-        """Empty state ``(S [B, H, C, M], z [B, H, C])`` (float32 zeros)."""
+        """Empty state of the block's attention (`LinearAttention.state_spec`), e.g. ``(S, z)`` zeros."""
         if not self.built:
             raise ValueError(
                 f"{type(self).__name__} must be built (called once or `build(shape)`) before "
@@ -221,8 +221,9 @@ class _LinearTransformerBlock(keras.layers.Layer):
 
         Args:
             inputs_t: ``[B, dim]`` the input token's hidden vector.
-            state: ``(S [B, H, C, M], z [B, H, C])`` from `get_initial_state`,
-                a previous `step`, or ``call(..., return_state=True)``.
+            state: the attention's state (`LinearAttention.state_spec`, e.g.
+                ``(S [B, H, C, M], z [B, H, C])``) from `get_initial_state`, a
+                previous `step`, or ``call(..., return_state=True)``.
             training: Python boolean (dropout).
 
         Returns:

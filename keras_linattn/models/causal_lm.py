@@ -45,9 +45,10 @@ class LinearCausalLM(keras.Model):
     state has a fixed size: decoding time and memory per token do not grow
     with the context.
 
-    The state is a flat list ``[S_0, z_0, S_1, z_1, ..., position]``: for
-    each layer ``S [B, H, C, M]`` and ``z [B, H, C]`` (float32), then
-    ``position [B]`` (int32), the number of real tokens consumed per row.
+    The state is a flat list: each block's attention state in order
+    (`LinearAttention.state_spec`; ``S [B, H, C, M]`` and ``z [B, H, C]``
+    float32 for plain linear attention), then ``position [B]`` (int32), the
+    number of real tokens consumed per row.
     `state_spec` describes it (names, shapes, dtypes); everything that
     decodes -- `generate`, the exported signatures, the ONNX generator --
     follows that one description and `keras_linattn.models.generation`.
@@ -267,16 +268,26 @@ class LinearCausalLM(keras.Model):
     def state_spec(self):
         """The decode state, described once: a list of `generation.StateSpec`.
 
-        Per layer ``<block>/S [H, C, M]`` and ``<block>/z [H, C]`` (float32),
-        then ``position []`` (int32). Shapes exclude the batch dim.
+        Per block, its attention's `LinearAttention.state_spec` with names
+        prefixed by the block's (``<block>/S [H, C, M]``, ``<block>/z [H, C]``
+        for plain linear attention), then ``position []`` (int32). Shapes
+        exclude the batch dim.
         """
         spec = []
         for block in self.decoder_blocks:
-            att = block.attention
-            spec.append(generation.StateSpec(f"{block.name}/S", (att.num_heads, att.feature_dim, att.value_dim), "float32"))
-            spec.append(generation.StateSpec(f"{block.name}/z", (att.num_heads, att.feature_dim), "float32"))
+            for entry in block.attention.state_spec():
+                spec.append(entry._replace(name=f"{block.name}/{entry.name}"))
         spec.append(generation.StateSpec("position", (), "int32"))
         return spec
+
+    def _block_states(self, state):
+        """Splits a flat LM state into one tuple per block (the position, last, is left out)."""
+        states, offset = [], 0
+        for block in self.decoder_blocks:
+            n = len(block.attention.state_spec())
+            states.append(tuple(state[offset : offset + n]))
+            offset += n
+        return states
 
     def check_state(self, state, batch_size=None, name="state"):
         """Raises ValueError (naming `name`) unless `state` matches `state_spec`."""
@@ -295,17 +306,17 @@ class LinearCausalLM(keras.Model):
         positions, end = self._positions(token_ids, padding_mask, start)
         x = self._embed(token_ids, positions)  # [B, T, dim]
         new_state = []
-        for i, block in enumerate(self.decoder_blocks):
-            layer_state = None if state is None else (state[2 * i], state[2 * i + 1])
+        block_states = [None] * len(self.decoder_blocks) if state is None else self._block_states(state)
+        for block, layer_state in zip(self.decoder_blocks, block_states):
             if return_state:
-                x, (s, z) = block(
+                x, layer_state = block(
                     x,
                     padding_mask=padding_mask,
                     training=training,
                     return_state=True,
                     initial_state=layer_state,
                 )  # [B, T, dim]
-                new_state += [s, z]
+                new_state += list(layer_state)
             else:
                 x = block(x, padding_mask=padding_mask, training=training)  # [B, T, dim]
         if return_state:
@@ -330,7 +341,7 @@ class LinearCausalLM(keras.Model):
 
     # ---------------------------------------------------------- recurrent
     def get_initial_state(self, batch_size):
-        """Empty state (`state_spec`): zeros for every ``(S, z)`` and a zero int32 position."""
+        """Empty state (`state_spec`): zeros for every block's attention state and a zero int32 position."""
         return generation.zeros_state(self.state_spec(), batch_size)
 
     def step(self, token_t, state, training=None):
@@ -348,9 +359,9 @@ class LinearCausalLM(keras.Model):
         position = ops.cast(state[-1], "int32")  # [B]
         x = self._embed(token_t, position)  # [B, dim]
         new_state = []
-        for i, block in enumerate(self.decoder_blocks):
-            x, (s, z) = block.step(x, (state[2 * i], state[2 * i + 1]), training=training)  # [B, dim]
-            new_state += [s, z]
+        for block, layer_state in zip(self.decoder_blocks, self._block_states(state)):
+            x, layer_state = block.step(x, layer_state, training=training)  # [B, dim]
+            new_state += list(layer_state)
         new_state.append(position + 1)
         return self._logits(x), new_state
 

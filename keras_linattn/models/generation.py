@@ -32,43 +32,16 @@ The decode state is described once, by the model's `state_spec` (a list of
 state checks and the exported signatures are all derived from it.
 """
 
-import collections
-
 import numpy as np
 from keras import ops
 
-StateSpec = collections.namedtuple("StateSpec", ["name", "shape", "dtype"])
-StateSpec.__doc__ = """One tensor of a decode state: ``name``, per-example ``shape`` (no batch dim), ``dtype``."""
+from keras_linattn import _state
 
-
-def zeros_state(spec, batch_size):
-    """The initial decode state of a `state_spec`: zeros ``[batch_size, *shape]`` per entry."""
-    return [ops.zeros((batch_size,) + tuple(s.shape), dtype=s.dtype) for s in spec]
-
-
-def check_state(spec, state, batch_size=None, name="state"):
-    """Raises ValueError (naming `name` and the entry) unless `state` matches `spec`.
-
-    Static dims are compared; a ``None`` batch (a symbolic trace) is accepted.
-    """
-    if not isinstance(state, (list, tuple)) or len(state) != len(spec):
-        got = len(state) if isinstance(state, (list, tuple)) else type(state).__name__
-        names = ", ".join(s.name for s in spec)
-        raise ValueError(
-            f"`{name}` must be a list of {len(spec)} tensors [{names}] as returned by "
-            f"`get_initial_state`. Received: {name} with {got} entries"
-        )
-    for i, (s, x) in enumerate(zip(spec, state)):
-        shape = tuple(getattr(x, "shape", ()))
-        expected = ((batch_size,) if batch_size is not None else (None,)) + tuple(s.shape)
-        ok = len(shape) == len(expected) and all(
-            a is None or b is None or a == b for a, b in zip(shape, expected)
-        )
-        if not ok:
-            shown = tuple("B" if d is None else d for d in expected)
-            raise ValueError(
-                f"`{name}[{i}]` ({s.name}) must have shape {shown}. Received: {name}[{i}].shape={shape}"
-            )
+# The state contract lives in keras_linattn._state; re-exported here because
+# the decode contract is where models meet it.
+StateSpec = _state.StateSpec
+zeros_state = _state.zeros_state
+check_state = _state.check_state
 
 
 def check_generate_arguments(prompt_ids, max_length, padding_mask, vocabulary_size, max_sequence_length=None):
