@@ -7,7 +7,14 @@ from keras_linattn.ops.core import (
     linear_attention_step,
     zero_state,
 )
+from keras_linattn.ops.decay import (
+    gated_linear_attention,
+    gated_linear_attention_reference,
+    gated_linear_attention_step,
+)
 from keras_linattn.ops.efficient import efficient_attention
+from keras_linattn.ops.short_conv import causal_conv, causal_conv_reference, causal_conv_step
+from keras_linattn.ops.window import window_attention, window_attention_reference, window_attention_step
 from keras_linattn.ops.reference import (
     efficient_attention_reference,
     kernel_attention_reference,
@@ -18,14 +25,23 @@ from keras_linattn.ops.reference import (
 
 __all__ = [
     "DEFAULT_EPSILON",
+    "causal_conv",
+    "causal_conv_reference",
+    "causal_conv_step",
     "check_state",
     "efficient_attention",
     "efficient_attention_reference",
+    "gated_linear_attention",
+    "gated_linear_attention_reference",
+    "gated_linear_attention_step",
     "kernel_attention_reference",
     "kernel_attention_weights",
     "linear_attention",
     "linear_attention_step",
     "softmax_attention",
     "softmax_attention_weights",
+    "window_attention",
+    "window_attention_reference",
+    "window_attention_step",
     "zero_state",
 ]

@@ -24,7 +24,7 @@ import numbers
 
 from keras import ops
 
-from keras_linattn._validation import check_epsilon, check_non_negative_int, check_positive_int, check_rank
+from keras_linattn._validation import check_bool, check_epsilon, check_non_negative_int, check_positive_int, check_rank
 
 DEFAULT_EPSILON = 1e-6
 # Added to the denominator guard so that a zero query feature vector with no
@@ -158,6 +158,7 @@ def linear_attention(
     initial_state=None,
     return_state=False,
     eps=DEFAULT_EPSILON,
+    normalize=True,
 ):
     """Kernelized linear attention over feature-mapped queries and keys.
 
@@ -177,6 +178,8 @@ def linear_attention(
         return_state: if True, also return the final state ``(S, z)``.
         eps: relative guard of the denominator: ``phi(q).z`` is floored at
             ``eps * sum|phi(q)|``. A query with no (unmasked) key gets 0.
+        normalize: if False, return the numerator ``phi(q)^T S`` without the
+            denominator (the caller normalizes the output some other way).
 
     Returns:
         ``[B, T, H, M]`` in the dtype of ``v`` (and the float32 state
@@ -189,6 +192,7 @@ def linear_attention(
         )
     chunk_size = check_positive_int("chunk_size", chunk_size)
     check_epsilon("eps", eps, allow_zero=True)
+    check_bool("normalize", normalize)
     out_dtype = v.dtype
     q = _heads_first(ops.cast(q_features, "float32"))  # [B, H, T, C]
     k = _heads_first(_mask_keys(ops.cast(k_features, "float32"), key_mask))  # [B, H, S, C]
@@ -198,7 +202,8 @@ def linear_attention(
     else:
         s0 = z0 = None
     if causal:
-        out, (s, z) = _causal_chunked(q, k, v, chunk_size, s0, z0, eps)
+        num, den, (s, z) = _causal_chunked(q, k, v, chunk_size, s0, z0)
+        out = _normalize(q, num, den, eps) if normalize else num  # [B, H, T, M]
     else:
         s = ops.matmul(ops.transpose(k, (0, 1, 3, 2)), v)  # [B, H, C, M]
         z = ops.sum(k, axis=2)  # [B, H, C]
@@ -206,20 +211,22 @@ def linear_attention(
             s, z = s + s0, z + z0
         num = ops.matmul(q, s)  # [B, H, T, M]
         den = ops.matmul(q, z[..., None])  # [B, H, T, 1]
-        out = _normalize(q, num, den, eps)  # [B, H, T, M]
+        out = _normalize(q, num, den, eps) if normalize else num  # [B, H, T, M]
     out = ops.cast(ops.transpose(out, (0, 2, 1, 3)), out_dtype)  # [B, T, H, M]
     if return_state:
         return out, (s, z)
     return out
 
 
-def _causal_chunked(q, k, v, chunk_size, s0, z0, eps):
+def _causal_chunked(q, k, v, chunk_size, s0, z0):
     """Chunkwise-parallel causal attention on float32 heads-first tensors.
 
     ``q, k: [B, H, T, C]``, ``v: [B, H, T, M]``. For chunk n:
     ``O_n = Q_n S_{n-1} + tril(Q_n K_n^T) V_n`` (and the same with ``z`` for
     the denominator), ``S_n = S_{n-1} + K_n^T V_n`` where ``S_{n-1}`` is an
-    exclusive prefix sum over chunks. Returns ``(out [B, H, T, M], (S, z))``.
+    exclusive prefix sum over chunks. Returns the numerator and denominator
+    before normalization and the final state:
+    ``(num [B, H, T, M], den [B, H, T, 1], (S, z))``.
     """
     t_static = q.shape[2]  # S == T was checked by `validate_inputs`
     h, c, m = q.shape[1], q.shape[3], v.shape[3]
@@ -260,12 +267,12 @@ def _causal_chunked(q, k, v, chunk_size, s0, z0, eps):
     num = num + ops.matmul(qc, excl_s)  # [B, H, N, L, M]
     den = den + ops.matmul(qc, excl_z[..., None])  # [B, H, N, L, 1]
 
-    out = _normalize(qc, num, den, eps)  # [B, H, N, L, M]
-    out = ops.reshape(out, (batch, h, -1, m))[:, :, :length]  # [B, H, T, M]
-    return out, (s_final, z_final)
+    num = ops.reshape(num, (batch, h, -1, m))[:, :, :length]  # [B, H, T, M]
+    den = ops.reshape(den, (batch, h, -1, 1))[:, :, :length]  # [B, H, T, 1]
+    return num, den, (s_final, z_final)
 
 
-def linear_attention_step(q_t, k_t, v_t, state, key_mask_t=None, eps=DEFAULT_EPSILON):
+def linear_attention_step(q_t, k_t, v_t, state, key_mask_t=None, eps=DEFAULT_EPSILON, normalize=True):
     """One recurrent step of causal linear attention.
 
     ``S <- S + phi(k_t) v_t^T``, ``z <- z + phi(k_t)``, then
@@ -279,10 +286,12 @@ def linear_attention_step(q_t, k_t, v_t, state, key_mask_t=None, eps=DEFAULT_EPS
         key_mask_t: optional ``[B]`` mask; a masked step leaves the state
             unchanged.
         eps: relative denominator guard (see `linear_attention`).
+        normalize: if False, return the numerator ``phi(q_t)^T S`` only.
 
     Returns:
         ``(out_t [B, H, M], (S, z))`` with the state in float32.
     """
+    check_bool("normalize", normalize)
     check_rank("q_t", q_t, 3)
     check_rank("k_t", k_t, 3)
     check_rank("v_t", v_t, 3)
@@ -298,6 +307,8 @@ def linear_attention_step(q_t, k_t, v_t, state, key_mask_t=None, eps=DEFAULT_EPS
     s = ops.cast(s, "float32") + k[..., :, None] * v[..., None, :]  # [B, H, C, M]
     z = ops.cast(z, "float32") + k  # [B, H, C]
     num = ops.einsum("bhc,bhcm->bhm", q, s)  # [B, H, M]
+    if not normalize:
+        return ops.cast(num, out_dtype), (s, z)
     den = ops.sum(q * z, axis=-1, keepdims=True)  # [B, H, 1]
     out = _normalize(q, num, den, eps)  # [B, H, M]
     return ops.cast(out, out_dtype), (s, z)

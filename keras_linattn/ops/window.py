@@ -1,0 +1,252 @@
+"""Sliding-window hybrid: exact softmax over the last W tokens, linear attention over the rest.
+
+For query i (causal, shared normalizer, as in LoLCATs/Based)::
+
+    s_ij = scale * q_i . k_j,   m_i = max_{j in win(i)} s_ij,   win(i) = (i - W, i]
+    out_i = (sum_{j in win(i)} exp(s_ij - m_i) v_j + phi(q_i)^T S_{i-W})
+            / (sum_{j in win(i)} exp(s_ij - m_i)   + phi(q_i)^T z_{i-W})
+
+where ``S_{i-W} = sum_{j <= i-W} phi(k_j) v_j^T`` (and ``z``) holds every key
+that has left the window. The window is positional: padded keys inside it
+count for nothing but still take their place. Since ``exp(s_ii - m_i) <= 1``
+and the largest window term is 1, the normalizer of a query whose own key is
+real is at least 1.
+
+Shape legend: B batch, T length, W window, H heads, D key dim, C feature
+dim, M value dim, N number of blocks.
+
+Decode state: ``(S, z)`` of the linear part plus a fixed buffer of the last W
+keys, values and their validity; a step evicts the oldest buffered key into
+``(S, z)`` and appends the new one, so decoding costs the same at any length.
+
+Parallel form: the keys and values are passed with the W buffered ones in
+front (``k_all [B, W + T, H, D]``): the linear part is then ordinary causal
+linear attention of query i over ``k_all[:i + 1]`` (the keys ``<= i - W`` of
+the piece), and the softmax part a band of W keys per query, computed in
+blocks of W queries against 2W keys.
+"""
+
+from keras import ops
+
+from keras_linattn._validation import check_epsilon, check_positive_int, check_rank
+from keras_linattn.ops.core import (
+    DEFAULT_EPSILON,
+    _causal_chunked,
+    _heads_first,
+    _mask_keys,
+    _normalize,
+    check_state,
+    validate_inputs,
+)
+
+__all__ = ["window_attention", "window_attention_reference", "window_attention_step"]
+
+_NEG = -1e30
+
+
+def _check_scale(scale, q):
+    if scale is None:
+        return float(q.shape[-1]) ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"`scale` must be a positive number or None. Received: scale={scale!r}")
+    return float(scale)
+
+
+def _softmax_terms(scores, allowed):
+    """``exp(s - m)`` over allowed keys (``m`` their max) and 0 elsewhere; finite for empty rows."""
+    peak = ops.max(ops.where(allowed, scores, ops.full_like(scores, _NEG)), axis=-1, keepdims=True)
+    return ops.where(allowed, ops.exp(ops.minimum(scores - peak, 0.0)), ops.zeros_like(scores))
+
+
+def window_attention(
+    q,
+    q_features,
+    k_all,
+    k_features_all,
+    v_all,
+    window,
+    valid_all=None,
+    initial_state=None,
+    return_state=False,
+    scale=None,
+    chunk_size=64,
+    eps=DEFAULT_EPSILON,
+):
+    """Causal sliding-window softmax + linear attention, in parallel over a piece of T tokens.
+
+    Args:
+        q: raw queries ``[B, T, H, D]`` (for the softmax part).
+        q_features: ``phi(q)``, ``[B, T, H, C]``.
+        k_all: raw keys ``[B, W + T, H, D]``: the W keys buffered before
+            this piece (zeros, marked invalid, for a fresh sequence), then the
+            piece's own.
+        k_features_all: ``phi(k_all)``, ``[B, W + T, H, C]``.
+        v_all: values ``[B, W + T, H, M]``.
+        window: W, the number of most recent tokens (the query's own
+            included) attended with exact softmax.
+        valid_all: optional ``[B, W + T]``, 1 for real keys (the buffer's
+            validity, then the piece's key mask).
+        initial_state: optional ``(S [B, H, C, M], z [B, H, C])`` of the keys
+            older than the buffer.
+        return_state: also return the linear part's final state (every key
+            but the last W).
+        scale: softmax logit scale; None means ``D ** -0.5``.
+        chunk_size: chunk length of the linear part's causal algorithm.
+        eps: relative guard of the shared denominator.
+
+    Returns:
+        ``[B, T, H, M]`` in ``v_all``'s dtype (and ``(S, z)`` if `return_state`).
+        The new buffer is the last W entries of `k_all`, `v_all`, `valid_all`.
+    """
+    window = check_positive_int("window", window)
+    check_rank("q", q, 4)
+    validate_inputs(q_features, k_features_all, v_all, valid_all, names=("q_features", "k_features_all", "v_all"))
+    validate_inputs(q, k_all, None, valid_all, names=("q", "k_all", "v_all"))
+    t, total = q.shape[1], k_all.shape[1]
+    if t is not None and total is not None and total != t + window:
+        raise ValueError(
+            f"`k_all` must hold the W={window} buffered keys then the T={t} keys of the piece. "
+            f"Received: k_all.shape={tuple(k_all.shape)}, q.shape={tuple(q.shape)}"
+        )
+    if initial_state is not None:
+        check_state(initial_state, q_features.shape[2], q_features.shape[3], v_all.shape[3], name="initial_state")
+    scale = _check_scale(scale, q)
+    check_epsilon("eps", eps, allow_zero=True)
+    out_dtype = v_all.dtype
+    batch, length = ops.shape(q)[0], ops.shape(q)[1]
+    h, d, m = q.shape[2], q.shape[3], v_all.shape[3]
+    if valid_all is None:
+        valid_all = ops.ones(ops.shape(k_all)[:2], "bool")
+    valid_all = ops.cast(valid_all, "bool")  # [B, W + T]
+
+    # Linear part: query i against the keys that have left its window, k_all[: i + 1].
+    qf = _heads_first(ops.cast(q_features, "float32"))  # [B, H, T, C]
+    kf = _heads_first(_mask_keys(ops.cast(k_features_all, "float32"), valid_all)[:, :length])  # [B, H, T, C]
+    vv = _mask_keys(ops.cast(v_all, "float32"), valid_all)  # [B, W + T, H, M]
+    s0 = z0 = None
+    if initial_state is not None:
+        s0, z0 = (ops.cast(x, "float32") for x in initial_state)
+    num, den, state = _causal_chunked(qf, kf, _heads_first(vv[:, :length]), chunk_size, s0, z0)
+
+    # Softmax part: blocks of W queries against the 2W keys that can fall in their windows.
+    pad = (window - length % window) % window
+    qs = _heads_first(ops.cast(q, "float32")) * scale  # [B, H, T, D]
+    qs = ops.pad(qs, [[0, 0], [0, 0], [0, pad], [0, 0]])  # [B, H, N*W, D]
+    ks = ops.pad(_heads_first(ops.cast(k_all, "float32")), [[0, 0], [0, 0], [0, pad], [0, 0]])  # [B, H, (N+1)W, D]
+    vs = ops.pad(_heads_first(vv), [[0, 0], [0, 0], [0, pad], [0, 0]])  # [B, H, (N+1)W, M]
+    ok = ops.pad(valid_all, [[0, 0], [0, pad]])  # [B, (N+1)W]
+    qb = ops.reshape(qs, (batch, h, -1, window, d))  # [B, H, N, W, D]
+    kb = ops.reshape(ks, (batch, h, -1, window, d))  # [B, H, N+1, W, D]
+    vb = ops.reshape(vs, (batch, h, -1, window, m))  # [B, H, N+1, W, M]
+    okb = ops.reshape(ok, (batch, -1, window))  # [B, N+1, W]
+    kwin = ops.concatenate([kb[:, :, :-1], kb[:, :, 1:]], axis=3)  # [B, H, N, 2W, D]
+    vwin = ops.concatenate([vb[:, :, :-1], vb[:, :, 1:]], axis=3)  # [B, H, N, 2W, M]
+    okwin = ops.concatenate([okb[:, :-1], okb[:, 1:]], axis=2)  # [B, N, 2W]
+    r = ops.arange(window)[:, None]  # [W, 1] query offset in its block
+    j = ops.arange(2 * window)[None, :]  # [1, 2W] key offset (the block's buffer start = 0)
+    band = ops.logical_and(j >= r + 1, j <= r + window)  # [W, 2W]: keys (i - W, i]
+    allowed = ops.logical_and(band, okwin[:, None, :, None, :])  # [B, 1, N, W, 2W]
+    scores = ops.matmul(qb, ops.swapaxes(kwin, -1, -2))  # [B, H, N, W, 2W]
+    e = _softmax_terms(scores, allowed)  # [B, H, N, W, 2W]
+    num_sm = ops.reshape(ops.matmul(e, vwin), (batch, h, -1, m))[:, :, :length]  # [B, H, T, M]
+    den_sm = ops.reshape(ops.sum(e, axis=-1), (batch, h, -1, 1))[:, :, :length]  # [B, H, T, 1]
+
+    out = _normalize(qf, num + num_sm, den + den_sm, eps)  # [B, H, T, M]
+    out = ops.cast(ops.transpose(out, (0, 2, 1, 3)), out_dtype)  # [B, T, H, M]
+    if return_state:
+        return out, state
+    return out
+
+
+def window_attention_step(
+    q_t,
+    q_features_t,
+    k_t,
+    v_t,
+    k_features_evicted,
+    buffer,
+    state,
+    key_mask_t=None,
+    scale=None,
+    eps=DEFAULT_EPSILON,
+):
+    """One decoding step of the hybrid.
+
+    Args:
+        q_t: raw query ``[B, H, D]``; q_features_t: ``phi(q_t)`` ``[B, H, C]``.
+        k_t: raw key ``[B, H, D]``; v_t: value ``[B, H, M]``.
+        k_features_evicted: ``phi`` of the oldest buffered key,
+            ``phi(buffer[0][:, 0])``, ``[B, H, C]``: it leaves the window now.
+        buffer: ``(keys [B, W, H, D], values [B, W, H, M], valid [B, W])``,
+            oldest first.
+        state: ``(S [B, H, C, M], z [B, H, C])`` of the keys older than the buffer.
+        key_mask_t: optional ``[B]``: a padded token takes its place in the
+            window but is never attended.
+        scale, eps: as in `window_attention`.
+
+    Returns:
+        ``(out_t [B, H, M], (S, z), (keys, values, valid))``, all state float32.
+    """
+    check_rank("q_t", q_t, 3)
+    check_rank("k_t", k_t, 3)
+    check_state(state, q_features_t.shape[1], q_features_t.shape[2], v_t.shape[2])
+    if not isinstance(buffer, (tuple, list)) or len(buffer) != 3:
+        raise ValueError(f"`buffer` must be (keys, values, valid). Received: buffer={buffer!r}")
+    scale = _check_scale(scale, q_t)
+    out_dtype = v_t.dtype
+    keys, values, valid = (ops.cast(x, "float32") for x in buffer)  # [B, W, H, D], [B, W, H, M], [B, W]
+    old_ok = valid[:, 0] > 0  # [B]
+    kf_old = _mask_keys(ops.cast(k_features_evicted, "float32"), old_ok)  # [B, H, C]
+    v_old = _mask_keys(values[:, 0], old_ok)  # [B, H, M]
+    s, z = (ops.cast(x, "float32") for x in state)
+    s = s + kf_old[..., :, None] * v_old[..., None, :]  # [B, H, C, M]
+    z = z + kf_old  # [B, H, C]
+    new_ok = ops.ones_like(valid[:, :1]) if key_mask_t is None else ops.cast(ops.cast(key_mask_t, "bool"), "float32")[:, None]
+    v_new = _mask_keys(ops.cast(v_t, "float32"), new_ok[:, 0] > 0)  # [B, H, M]
+    keys = ops.concatenate([keys[:, 1:], ops.cast(k_t, "float32")[:, None]], axis=1)  # [B, W, H, D]
+    values = ops.concatenate([values[:, 1:], v_new[:, None]], axis=1)  # [B, W, H, M]
+    valid = ops.concatenate([valid[:, 1:], new_ok], axis=1)  # [B, W]
+
+    q = ops.cast(q_t, "float32")  # [B, H, D]
+    qf = ops.cast(q_features_t, "float32")  # [B, H, C]
+    scores = ops.einsum("bhd,bwhd->bhw", q * scale, keys)  # [B, H, W]
+    e = _softmax_terms(scores, (valid > 0)[:, None, :])  # [B, H, W]
+    num = ops.einsum("bhw,bwhm->bhm", e, values) + ops.einsum("bhc,bhcm->bhm", qf, s)  # [B, H, M]
+    den = ops.sum(e, axis=-1, keepdims=True) + ops.sum(qf * z, axis=-1, keepdims=True)  # [B, H, 1]
+    out = _normalize(qf, num, den, eps)  # [B, H, M]
+    return ops.cast(out, out_dtype), (s, z), (keys, values, valid)
+
+
+def window_attention_reference(
+    q, q_features, k, k_features, v, window, key_mask=None, scale=None, eps=DEFAULT_EPSILON, compute_dtype="float64"
+):
+    """The oracle: every (query, key) weight written out, ``[T, T]`` per head, in ``compute_dtype``.
+
+    Self-attention over one sequence from an empty state (``q, k [B, T, H, D]``,
+    features ``[B, T, H, C]``, ``v [B, T, H, M]``, ``key_mask [B, T]``).
+    """
+    window = check_positive_int("window", window)
+    validate_inputs(q, k, v, key_mask, causal=True, names=("q", "k", "v"))
+    scale = _check_scale(scale, q)
+    cast = lambda x: ops.cast(x, compute_dtype)  # noqa: E731
+    t = q.shape[1]
+    s = ops.einsum("bthd,bshd->bhts", cast(q), cast(k)) * scale  # [B, H, T, T]
+    lin = ops.einsum("bthc,bshc->bhts", cast(q_features), cast(k_features))  # [B, H, T, T]
+    i = ops.arange(t)[:, None]
+    j = ops.arange(t)[None, :]
+    in_window = ops.logical_and(j <= i, j > i - window)[None, None]  # [1, 1, T, T]
+    older = (j <= i - window)[None, None]  # [1, 1, T, T]
+    if key_mask is not None:
+        real = ops.cast(key_mask, "bool")[:, None, None, :]  # [B, 1, 1, T]
+        in_window = ops.logical_and(in_window, real)
+        older = ops.logical_and(older, real)
+    peak = ops.max(ops.where(in_window, s, ops.full_like(s, _NEG)), axis=-1, keepdims=True)
+    weights = ops.where(in_window, ops.exp(ops.minimum(s - peak, 0.0)), ops.zeros_like(s))
+    weights = weights + ops.where(older, lin, ops.zeros_like(lin))  # [B, H, T, T]
+    vv = cast(v)
+    if key_mask is not None:
+        vv = _mask_keys(vv, key_mask)
+    num = ops.einsum("bhts,bshm->bthm", weights, vv)  # [B, T, H, M]
+    den = ops.transpose(ops.sum(weights, axis=-1), (0, 2, 1))[..., None]  # [B, T, H, 1]
+    guard = eps * ops.sum(ops.abs(cast(q_features)), axis=-1, keepdims=True) + 1e-30
+    return ops.cast(num / ops.maximum(den, guard), v.dtype)
