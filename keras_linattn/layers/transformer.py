@@ -17,7 +17,7 @@ from keras_linattn._validation import (
     check_rate,
     check_seed,
 )
-from keras_linattn.layers.linear_attention import LinearAttention
+from keras_linattn.layers.linear_attention import LinearAttention, check_mechanisms
 
 
 # The constructor arguments of both blocks, documented once (see
@@ -40,7 +40,12 @@ BLOCK_ARGS_DOC = """\
         layer_norm_epsilon: epsilon of the two layer norms.
         use_bias: whether the dense layers have biases.
         kernel_initializer, bias_initializer: initializers of the dense layers.
-        seed: seed of the dropout layers."""
+        seed: seed of the dropout layers.
+        decay, normalize, conv_size, window_size: the recall mechanisms of
+            `keras_linattn.layers.LinearAttention` (decay gates, dropping the
+            normalizer for an output norm, a short causal convolution, a
+            sliding softmax window), passed to the block's attention. `decay`
+            and `window_size` are causal: the encoder refuses them."""
 
 document = fill(block_args=BLOCK_ARGS_DOC)
 
@@ -68,9 +73,16 @@ class _LinearTransformerBlock(keras.layers.Layer):
         kernel_initializer="glorot_uniform",
         bias_initializer="zeros",
         seed=None,
+        decay=None,
+        normalize=True,
+        conv_size=None,
+        window_size=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
+        self.decay, self.normalize, self.conv_size, self.window_size = check_mechanisms(
+            decay, normalize, conv_size, window_size, causal=self._causal
+        )
         self.num_heads = check_positive_int("num_heads", num_heads)
         self.intermediate_dim = check_positive_int("intermediate_dim", intermediate_dim)
         self.key_dim = check_optional_positive_int("key_dim", key_dim)
@@ -130,6 +142,10 @@ class _LinearTransformerBlock(keras.layers.Layer):
             kernel_initializer=self._init(self.kernel_initializer),
             bias_initializer=self._init(self.bias_initializer),
             seed=self.seed,
+            decay=self.decay,
+            normalize=self.normalize,
+            conv_size=self.conv_size,
+            window_size=self.window_size,
             dtype=self.dtype_policy,
             name="self_attention",
         )
@@ -264,6 +280,10 @@ class _LinearTransformerBlock(keras.layers.Layer):
                 "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
                 "bias_initializer": keras.initializers.serialize(self.bias_initializer),
                 "seed": self.seed,
+                "decay": self.decay,
+                "normalize": self.normalize,
+                "conv_size": self.conv_size,
+                "window_size": self.window_size,
             }
         )
         return config

@@ -7,6 +7,7 @@ from keras import ops
 from keras_linattn import _validation
 from keras_linattn import feature_maps as feature_maps_lib
 from keras_linattn import samplers as samplers_lib
+from keras_linattn.layers.linear_attention import check_mechanisms
 from keras_linattn.layers.transformer_decoder import LinearTransformerDecoder
 from keras_linattn.models import generation
 from keras_linattn.ops import core as la_ops
@@ -77,6 +78,10 @@ class LinearCausalLM(keras.Model):
         tie_embeddings: use the transposed token embedding as output projection.
         activation: feed-forward activation. Default "gelu".
         layer_norm_epsilon: epsilon of every layer norm.
+        decay, normalize, conv_size, window_size: the recall mechanisms of
+            `keras_linattn.layers.LinearAttention`, used by every block
+            (their decode state joins `state_spec`; decoding stays
+            constant-cost per token).
         **kwargs: `keras.Model` arguments (`name`, `dtype`).
 
     Call arguments:
@@ -111,9 +116,16 @@ class LinearCausalLM(keras.Model):
         tie_embeddings=True,
         activation="gelu",
         layer_norm_epsilon=1e-5,
+        decay=None,
+        normalize=True,
+        conv_size=None,
+        window_size=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
+        self.decay, self.normalize, self.conv_size, self.window_size = check_mechanisms(
+            decay, normalize, conv_size, window_size
+        )
         for name, value in (
             ("vocabulary_size", vocabulary_size),
             ("num_layers", num_layers),
@@ -175,6 +187,10 @@ class LinearCausalLM(keras.Model):
                 dropout=dropout,
                 activation=activation,
                 layer_norm_epsilon=layer_norm_epsilon,
+                decay=self.decay,
+                normalize=self.normalize,
+                conv_size=self.conv_size,
+                window_size=self.window_size,
                 dtype=self.dtype_policy,
                 name=f"decoder_block_{i}",
             )
@@ -515,6 +531,10 @@ class LinearCausalLM(keras.Model):
                 "tie_embeddings": self.tie_embeddings,
                 "activation": self.activation,
                 "layer_norm_epsilon": self.layer_norm_epsilon,
+                "decay": self.decay,
+                "normalize": self.normalize,
+                "conv_size": self.conv_size,
+                "window_size": self.window_size,
             }
         )
         return config
