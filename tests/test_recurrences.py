@@ -1,0 +1,312 @@
+"""keras_linattn.ops recurrences (decay gates, short convolution, sliding window) against float64 oracles.
+
+Each fast path (chunked, blocked) is compared with its per-token or quadratic
+float64 oracle, outputs and gradients, at lengths that are not multiples of
+the chunk and with padding; each step with the oracle token by token.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_linattn import ops as lops
+from keras_linattn.ops.decay import CHANNEL_CHUNK
+from tests.tolerance import assert_close
+
+B, H, C, M, D = 2, 3, 5, 4, 4
+
+
+def _features(rng, t):
+    q = np.abs(rng.normal(size=(B, t, H, C))).astype("float32") + 0.05
+    k = np.abs(rng.normal(size=(B, t, H, C))).astype("float32") + 0.05
+    v = rng.normal(size=(B, t, H, M)).astype("float32")
+    return q, k, v
+
+
+def _padding(rng, t):
+    mask = np.ones((B, t), dtype=bool)
+    mask[0, rng.choice(t, size=t // 4, replace=False)] = False  # scattered
+    mask[1, : t // 3] = False  # left padding
+    mask[0, 0] = True
+    return mask
+
+
+def _log_decay(rng, t, width, strength=0.5):
+    return (-np.abs(rng.normal(size=(B, t, H, width))) * strength).astype("float32")
+
+
+def _decay_conditioning(g, chunk_size, mask=None):
+    """1 + the largest |cumulative log decay| inside one chunk of the fast path.
+
+    The chunked path exponentiates differences of float32 cumulative sums of
+    the log decay: the absolute error of such an exponent is about
+    ``eps * |cumulative sum|``, which multiplies the relative error of the
+    weight it gives (docs/testing.md).
+    """
+    g = np.abs(np.asarray(g, "float64"))
+    if mask is not None:
+        g = g * mask[:, :, None, None]
+    t = g.shape[1]
+    chunk = min(chunk_size, CHANNEL_CHUNK if g.shape[-1] > 1 else chunk_size, t)
+    pad = (-t) % chunk
+    g = np.pad(g, [(0, 0), (0, pad), (0, 0), (0, 0)]).reshape(g.shape[0], -1, chunk, *g.shape[2:])
+    return 1.0 + float(g.sum(axis=2).max())
+
+
+def _grads(fn, inputs, w):
+    inputs = [tf.constant(x) for x in inputs]
+    with tf.GradientTape() as tape:
+        tape.watch(inputs)
+        loss = tf.reduce_sum(tf.cast(fn(*inputs), tf.float64) * w)
+    return np.concatenate([g.numpy().ravel() for g in tape.gradient(loss, inputs)])
+
+
+# ------------------------------------------------------------------ decay
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("width", [1, C], ids=["scalar", "channel"])
+@pytest.mark.parametrize("chunk_size", [1, 16, 64])
+@pytest.mark.parametrize("t", [1, 7, 65, 130])
+def test_gated_matches_oracle_outputs_and_gradients(rng, t, chunk_size, width, normalize):
+    q, k, v = _features(rng, t)
+    g = _log_decay(rng, t, width)
+    mask = _padding(rng, t)
+    state = (np.abs(rng.normal(size=(B, H, C, M))).astype("float32"), np.abs(rng.normal(size=(B, H, C))).astype("float32"))
+    w = rng.normal(size=(B, t, H, M))
+
+    def fast(q_, k_, v_, g_):
+        return lops.gated_linear_attention(
+            q_, k_, v_, g_, key_mask=mask, chunk_size=chunk_size, initial_state=state, normalize=normalize
+        )
+
+    def oracle(q_, k_, v_, g_):
+        return lops.gated_linear_attention_reference(q_, k_, v_, g_, key_mask=mask, initial_state=state, normalize=normalize)[0]
+
+    cond = _decay_conditioning(g, chunk_size, mask)
+    assert_close(fast(q, k, v, g), oracle(q, k, v, g), n=t + C, conditioning=cond, what="outputs")  # T keys, C features
+    # Backward adds the sums over the T queries and the M values; the decay's
+    # gradient sums over the C features and M values of every later token.
+    assert_close(
+        _grads(fast, (q, k, v, g), w), _grads(oracle, (q, k, v, g), w), n=2 * t + 2 * C + M, conditioning=cond,
+        what="gradients",
+    )
+
+
+@pytest.mark.parametrize("width", [1, C], ids=["scalar", "channel"])
+def test_gated_final_state_and_step_match_the_oracle(rng, width):
+    t = 37
+    q, k, v = _features(rng, t)
+    g = _log_decay(rng, t, width)
+    mask = _padding(rng, t)
+    out, state = lops.gated_linear_attention(q, k, v, g, key_mask=mask, chunk_size=8, return_state=True)
+    ref, ref_state = lops.gated_linear_attention_reference(q, k, v, g, key_mask=mask)
+    cond = _decay_conditioning(g, 8, mask)
+    for part, expected in zip(state, ref_state):
+        assert_close(part, expected, n=t, conditioning=cond, what="final state")  # a decayed sum over T keys
+    step_state = (np.zeros((B, H, C, M), "float32"), np.zeros((B, H, C), "float32"))
+    outs = []
+    for i in range(t):
+        o, step_state = lops.gated_linear_attention_step(q[:, i], k[:, i], v[:, i], g[:, i], step_state, mask[:, i])
+        outs.append(np.asarray(o))
+    assert_close(np.stack(outs, 1), ref, n=t + C, what="step outputs")
+    for part, expected in zip(step_state, ref_state):
+        assert_close(part, expected, n=t, what="step state")
+
+
+@pytest.mark.parametrize("width", [1, C], ids=["scalar", "channel"])
+def test_strong_decay_over_a_long_sequence_stays_finite_and_exact(rng, width):
+    """fla issue #77: exp of a bare cumulative log-decay underflows/overflows. Only differences are exponentiated."""
+    t = 700
+    q, k, v = _features(rng, t)
+    g = _log_decay(rng, t, width, strength=30.0)  # cumulative log decay ~ -2e4: a bare exp overflows
+    w = rng.normal(size=(B, t, H, M))
+
+    def fast(q_, k_, v_, g_):
+        return lops.gated_linear_attention(q_, k_, v_, g_, chunk_size=64)
+
+    def oracle(q_, k_, v_, g_):
+        return lops.gated_linear_attention_reference(q_, k_, v_, g_)[0]
+
+    out = np.asarray(fast(q, k, v, g))
+    assert np.isfinite(out).all()
+    cond = _decay_conditioning(g, 64)
+    assert_close(out, oracle(q, k, v, g), n=t + C, conditioning=cond, what="outputs")
+    grads = _grads(fast, (q, k, v, g), w)
+    assert np.isfinite(grads).all()
+    assert_close(grads, _grads(oracle, (q, k, v, g), w), n=2 * t + 2 * C + M, conditioning=cond, what="gradients")
+
+
+@pytest.mark.parametrize("width", [1, C], ids=["scalar", "channel"])
+def test_a_padded_step_neither_writes_nor_decays_the_state(rng, width):
+    """fla issue #1272: padding must not decay the state."""
+    q, k, v = _features(rng, 1)
+    g = _log_decay(rng, 1, width, strength=3.0)
+    k[0, 0] = np.nan  # junk at a padded position must not leak either
+    state = (rng.normal(size=(B, H, C, M)).astype("float32"), np.abs(rng.normal(size=(B, H, C))).astype("float32"))
+    mask = np.array([False, True])
+    _, new = lops.gated_linear_attention_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], state, mask)
+    np.testing.assert_array_equal(np.asarray(new[0])[0], state[0][0])
+    np.testing.assert_array_equal(np.asarray(new[1])[0], state[1][0])
+    assert not np.allclose(np.asarray(new[0])[1], state[0][1])
+    # The parallel path: a left-padded sequence gives the unpadded one's outputs and state.
+    t = 20
+    q, k, v = _features(rng, t)
+    g = _log_decay(rng, t, width)
+    mask = np.ones((B, t), bool)
+    mask[:, :6] = False
+    out, st = lops.gated_linear_attention(q, k, v, g, key_mask=mask, chunk_size=8, return_state=True)
+    out_u, st_u = lops.gated_linear_attention(q[:, 6:], k[:, 6:], v[:, 6:], g[:, 6:], chunk_size=8, return_state=True)
+    assert_close(np.asarray(out)[:, 6:], out_u, n=t + C, paths=2, what="left-padded outputs")
+    for a, b in zip(st, st_u):
+        assert_close(a, b, n=t, paths=2, what="left-padded state")
+
+
+def test_no_decay_without_normalizer_is_the_numerator(rng):
+    t = 29
+    q, k, v = _features(rng, t)
+    mask = _padding(rng, t)
+    for causal in (True, False):
+        out = lops.linear_attention(q, k, v, causal=causal, key_mask=mask, chunk_size=8, normalize=False)
+        if causal:
+            ref = lops.gated_linear_attention_reference(q, k, v, np.zeros((B, t, H, 1), "float32"), key_mask=mask,
+                                                        normalize=False)[0]
+        else:
+            km = mask[:, :, None, None]
+            s = np.einsum("bshc,bshm->bhcm", np.where(km, k, 0).astype("float64"), np.where(km, v, 0))
+            ref = np.einsum("bthc,bhcm->bthm", q.astype("float64"), s)
+        assert_close(out, ref, n=t + C, what=f"causal={causal}")
+
+
+def test_gated_refuses_bad_log_decay(rng):
+    q, k, v = _features(rng, 4)
+    with pytest.raises(ValueError, match="`log_decay` must have a last dim of 1"):
+        lops.gated_linear_attention(q, k, v, np.zeros((B, 4, H, 2), "float32"))
+    with pytest.raises(ValueError, match="`log_decay` must have the leading dims"):
+        lops.gated_linear_attention(q, k, v, np.zeros((B, 5, H, 1), "float32"))
+    with pytest.raises(ValueError, match="`log_decay` must have rank 4"):
+        lops.gated_linear_attention(q, k, v, np.zeros((B, 4, H), "float32"))
+
+
+# ------------------------------------------------------------ short conv
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("t", [1, 3, 17])
+def test_conv_matches_oracle_outputs_and_gradients(rng, t, size):
+    x = rng.normal(size=(B, t, H, D)).astype("float32")
+    kernel = rng.normal(size=(size, H, D)).astype("float32")
+    buffer = rng.normal(size=(B, size - 1, H, D)).astype("float32")
+    mask = _padding(rng, t)
+    x[~mask] = np.nan  # junk at padded positions enters as zero
+    w = rng.normal(size=(B, t, H, D))
+
+    def fast(x_, k_, b_):
+        return lops.causal_conv(x_, k_, b_, mask)
+
+    def oracle(x_, k_, b_):
+        return lops.causal_conv_reference(x_, k_, b_, mask)
+
+    assert_close(fast(x, kernel, buffer), oracle(x, kernel, buffer), n=size, what="outputs")
+    g_fast, g_oracle = _grads(fast, (x, kernel, buffer), w), _grads(oracle, (x, kernel, buffer), w)
+    finite = np.isfinite(g_oracle)  # d/dx at NaN inputs is NaN in both: compare the rest
+    assert (np.isfinite(g_fast) == finite).all()
+    assert_close(g_fast[finite], g_oracle[finite], n=size + t, what="gradients")
+
+
+def test_conv_pieces_and_steps_equal_one_pass(rng):
+    t, size = 11, 4
+    x = rng.normal(size=(B, t, H, D)).astype("float32")
+    kernel = rng.normal(size=(size, H, D)).astype("float32")
+    full, buf = lops.causal_conv(x, kernel, return_buffer=True)
+    a, buf_a = lops.causal_conv(x[:, :2], kernel, return_buffer=True)  # shorter than the buffer
+    b, buf_b = lops.causal_conv(x[:, 2:], kernel, buf_a, return_buffer=True)
+    assert_close(np.concatenate([a, b], 1), full, n=size, paths=2, what="pieces")
+    np.testing.assert_array_equal(buf_b, buf)
+    state = np.zeros((B, size - 1, H, D), "float32")
+    outs = []
+    for i in range(t):
+        y, state = lops.causal_conv_step(x[:, i], kernel, state)
+        outs.append(np.asarray(y))
+    assert_close(np.stack(outs, 1), full, n=size, paths=2, what="steps")
+    np.testing.assert_array_equal(state, buf)
+
+
+def test_conv_refuses_bad_kernels(rng):
+    x = rng.normal(size=(B, 5, H, D)).astype("float32")
+    with pytest.raises(ValueError, match="K >= 2"):
+        lops.causal_conv(x, np.ones((1, H, D), "float32"))
+    with pytest.raises(ValueError, match="must have shape"):
+        lops.causal_conv(x, np.ones((3, H, D + 1), "float32"))
+    with pytest.raises(ValueError, match="`buffer` must have shape"):
+        lops.causal_conv(x, np.ones((3, H, D), "float32"), np.zeros((B, 3, H, D), "float32"))
+
+
+# ---------------------------------------------------------------- window
+def _window_inputs(rng, t, window):
+    q = rng.normal(size=(B, t, H, D)).astype("float32")
+    k = rng.normal(size=(B, t, H, D)).astype("float32")
+    qf, kf, v = _features(rng, t)
+    return q, k, qf, kf, v
+
+
+def _with_empty_buffer(k, kf, v, mask, window):
+    pad = lambda x: np.concatenate([np.zeros((B, window) + x.shape[2:], x.dtype), x], 1)  # noqa: E731
+    return pad(k), pad(kf), pad(v), np.concatenate([np.zeros((B, window), bool), mask], 1)
+
+
+@pytest.mark.parametrize("chunk_size", [4, 64])
+@pytest.mark.parametrize("window", [1, 4, 9, 40])
+@pytest.mark.parametrize("t", [1, 13, 33])
+def test_window_matches_oracle_outputs_and_gradients(rng, t, window, chunk_size):
+    q, k, qf, kf, v = _window_inputs(rng, t, window)
+    mask = _padding(rng, t)
+    k_all, kf_all, v_all, ok = _with_empty_buffer(k, kf, v, mask, window)
+    w = rng.normal(size=(B, t, H, M))
+
+    def fast(q_, qf_, k_, kf_, v_):
+        return lops.window_attention(q_, qf_, k_, kf_, v_, window, ok, chunk_size=chunk_size)
+
+    def oracle(q_, qf_, k_, kf_, v_):
+        return lops.window_attention_reference(q_, qf_, k_[:, window:], kf_[:, window:], v_[:, window:], window, mask)
+
+    args = (q, qf, k_all, kf_all, v_all)
+    # Window logits (D) and linear weights (C) over T keys.
+    assert_close(fast(*args), oracle(*args), n=t + C + D, what="outputs")
+    assert_close(_grads(fast, args, w), _grads(oracle, args, w), n=2 * t + C + D + M, what="gradients")
+
+
+def test_window_pieces_and_steps_equal_one_pass(rng):
+    t, window = 23, 5
+    q, k, qf, kf, v = _window_inputs(rng, t, window)
+    mask = _padding(rng, t)
+    k_all, kf_all, v_all, ok = _with_empty_buffer(k, kf, v, mask, window)
+    ref = lops.window_attention_reference(q, qf, k, kf, v, window, mask)
+    out, state = lops.window_attention(q, qf, k_all, kf_all, v_all, window, ok, return_state=True)
+    assert_close(out, ref, n=t + C + D, what="one pass")
+    cut = 8
+    a, st = lops.window_attention(
+        q[:, :cut], qf[:, :cut], k_all[:, : window + cut], kf_all[:, : window + cut], v_all[:, : window + cut],
+        window, ok[:, : window + cut], return_state=True,
+    )
+    b = lops.window_attention(
+        q[:, cut:], qf[:, cut:], k_all[:, cut:], kf_all[:, cut:], v_all[:, cut:], window, ok[:, cut:],
+        initial_state=st,
+    )
+    assert_close(np.concatenate([a, b], 1), ref, n=t + C + D, what="two pieces")
+    s = (np.zeros((B, H, C, M), "float32"), np.zeros((B, H, C), "float32"))
+    buffer = (np.zeros((B, window, H, D), "float32"), np.zeros((B, window, H, M), "float32"),
+              np.zeros((B, window), "float32"))
+    features = np.zeros((B, window, H, C), "float32")  # phi of the buffered keys, kept beside for the test
+    outs = []
+    for i in range(t):
+        o, s, buffer = lops.window_attention_step(
+            q[:, i], qf[:, i], k[:, i], v[:, i], features[:, 0], buffer, s, key_mask_t=mask[:, i]
+        )
+        features = np.concatenate([features[:, 1:], kf[:, i : i + 1]], 1)
+        outs.append(np.asarray(o))
+    assert_close(np.stack(outs, 1), ref, n=t + C + D, what="steps")
+    for part, expected in zip(s, state):
+        assert_close(part, expected, n=t, paths=2, what="linear state")
+
+
+def test_window_refuses_a_buffer_of_the_wrong_length(rng):
+    q, k, qf, kf, v = _window_inputs(rng, 6, 3)
+    with pytest.raises(ValueError, match="W=3 buffered keys"):
+        lops.window_attention(q, qf, k, kf, v, 3)
