@@ -210,38 +210,49 @@ class LinearAttention(_projections.ProjectedAttention):
         if self.decay == "scalar":
             self.gate_kernel = self.add_weight(
                 name="gate_kernel", shape=(h, d, h), initializer=self._fresh(self.kernel_initializer),
-                dtype="float32",
+                dtype="float32", autocast=False,
             )
             self.gate_bias = self.add_weight(
                 name="gate_bias", shape=(h,), initializer=_inverse_softplus_of_log_uniform(1e-3, 1e-1, seed),
-                dtype="float32",
+                dtype="float32", autocast=False,
             )
             self.a_log = self.add_weight(
                 name="a_log", shape=(h,), initializer=_uniform_log(1.0, 16.0, None if seed is None else seed + 1),
-                dtype="float32",
+                dtype="float32", autocast=False,
             )
         elif self.decay == "channel":
             self.gate_down = self.add_weight(
                 name="gate_down", shape=(h, d, CHANNEL_GATE_RANK), initializer=self._fresh(self.kernel_initializer),
-                dtype="float32",
+                dtype="float32", autocast=False,
             )
             self.gate_up = self.add_weight(
                 name="gate_up", shape=(CHANNEL_GATE_RANK, h, c), initializer=self._fresh(self.kernel_initializer),
-                dtype="float32",
+                dtype="float32", autocast=False,
             )
-            self.gate_bias = self.add_weight(name="gate_bias", shape=(h, c), initializer="zeros", dtype="float32")
+            self.gate_bias = self.add_weight(
+                name="gate_bias", shape=(h, c), initializer="zeros", dtype="float32", autocast=False
+            )
         if self.conv_size is not None:
             bound = self.conv_size**-0.5  # PyTorch's Conv1d default, as fla's short convolutions
 
             def conv_init(index):
                 return keras.initializers.RandomUniform(-bound, bound, seed=None if seed is None else seed + 10 + index)
 
-            self.conv_q = self.add_weight(name="conv_q", shape=(self.conv_size, h, d), initializer=conv_init(0))
-            self.conv_k = self.add_weight(name="conv_k", shape=(self.conv_size, h, d), initializer=conv_init(1))
-            self.conv_v = self.add_weight(name="conv_v", shape=(self.conv_size, h, m), initializer=conv_init(2))
+            self.conv_q = self.add_weight(
+                name="conv_q", shape=(self.conv_size, h, d), initializer=conv_init(0), dtype="float32",
+                autocast=False,
+            )
+            self.conv_k = self.add_weight(
+                name="conv_k", shape=(self.conv_size, h, d), initializer=conv_init(1), dtype="float32",
+                autocast=False,
+            )
+            self.conv_v = self.add_weight(
+                name="conv_v", shape=(self.conv_size, h, m), initializer=conv_init(2), dtype="float32",
+                autocast=False,
+            )
         if not self.normalize:
             self.output_norm_scale = self.add_weight(
-                name="output_norm_scale", shape=(h, m), initializer="ones", dtype="float32"
+                name="output_norm_scale", shape=(h, m), initializer="ones", dtype="float32", autocast=False
             )
 
     def _fresh(self, initializer):

@@ -1,0 +1,272 @@
+"""LinearAttention's recall mechanisms (decay, normalize=False, conv_size, window_size) and their combinations.
+
+The layer against an oracle composed from the float64 references of `ops`
+(outputs and gradients with respect to the input and every weight), step ==
+parallel, pieces, left padding, XLA, mixed precision, `.keras` round trips,
+the blocks and the LM, and bad arguments.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_linattn import ops as lops
+from keras_linattn.layers import LinearAttention, LinearTransformerDecoder, LinearTransformerEncoder
+from keras_linattn.layers.linear_attention import OUTPUT_NORM_EPSILON
+from keras_linattn.models import LinearCausalLM
+from keras_linattn.ops.core import _mask_keys
+from tests.tolerance import assert_close
+
+DIM, HEADS, KEY_DIM, T, CHUNK = 16, 2, 8, 13, 4
+
+CONFIGS = {
+    "fixed": dict(decay="fixed"),
+    "scalar": dict(decay="scalar"),
+    "channel": dict(decay="channel"),
+    "unnormalized": dict(normalize=False),
+    "scalar_unnormalized": dict(decay="scalar", normalize=False),
+    "conv": dict(conv_size=4),
+    "window": dict(window_size=4),
+    "based": dict(feature_map="taylor", key_dim=4, conv_size=3, window_size=5),
+    "scalar_conv": dict(decay="scalar", conv_size=4),
+    "channel_conv_unnormalized": dict(decay="channel", conv_size=2, normalize=False),
+}
+
+
+def _layer(name, **extra):
+    cfg = dict(CONFIGS[name])
+    key_dim = cfg.pop("key_dim", KEY_DIM)
+    layer = LinearAttention(HEADS, key_dim, chunk_size=CHUNK, **cfg, **extra)
+    layer.build((None, None, DIM), (None, None, DIM))
+    return layer
+
+
+def _inputs(rng, batch=2, t=T):
+    x = rng.normal(size=(batch, t, DIM)).astype("float32")
+    mask = np.ones((batch, t), bool)
+    mask[1, :3] = False  # a left-padded row
+    return x, mask
+
+
+def _oracle(layer, x, mask):
+    """The layer's projections, gates and maps; every sum over time by a float64 reference of `ops`."""
+    q, k, v = layer.project(x, x)  # [B, T, H, D|D|M]
+    keep = tf.constant(mask)
+    k = _mask_keys(k, keep)
+    gate_input = k
+    if layer.conv_size is not None:
+        q = lops.causal_conv_reference(q, layer.conv_q, mask=keep)
+        k = lops.causal_conv_reference(k, layer.conv_k, mask=keep)
+        v = lops.causal_conv_reference(v, layer.conv_v, mask=keep)
+    qf = layer.feature_map(q, is_query=True, causal=True)
+    kf = layer.feature_map(k, is_query=False, causal=True)
+    if layer.window_size is not None:
+        att = lops.window_attention_reference(q, qf, k, kf, v, layer.window_size, keep, eps=layer.epsilon)
+    else:
+        if layer.decay is None:
+            g = tf.zeros(tuple(q.shape[:3]) + (1,))
+        else:
+            g = layer._log_decay(gate_input)
+        att = lops.gated_linear_attention_reference(
+            qf, kf, v, g, key_mask=keep, normalize=layer.normalize, eps=layer.epsilon, compute_dtype="float64"
+        )[0]
+    if not layer.normalize:
+        a = tf.cast(att, "float64")
+        a = a * tf.math.rsqrt(tf.reduce_mean(a * a, axis=-1, keepdims=True) + OUTPUT_NORM_EPSILON)
+        att = tf.cast(a, "float32") * layer.output_norm_scale
+    return layer.output_dense(att)
+
+
+def _out_and_grads(fn, x, weights):
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        out = fn()
+        loss = tf.reduce_sum(out * tf.cos(tf.range(out.shape[-1], dtype="float32")))
+    grads = tape.gradient(loss, [x] + weights)
+    return out.numpy(), np.concatenate([g.numpy().ravel() for g in grads])
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_layer_matches_the_composed_oracle(rng, name):
+    layer = _layer(name)
+    x, mask = _inputs(rng)
+    x = tf.constant(x)
+    weights = layer.trainable_variables
+    out, grads = _out_and_grads(lambda: layer(x, x, key_mask=mask, use_causal_mask=True), x, weights)
+    ref, ref_grads = _out_and_grads(lambda: _oracle(layer, x, mask), x, weights)
+    # The paths share the projections and maps; they differ in the attention
+    # sums: T keys, C features (or D window logits), K conv taps, H*M output.
+    n = T + layer.feature_dim + KEY_DIM + (layer.conv_size or 0) + HEADS * layer.value_dim
+    if layer.decay is not None:
+        # Exponents are differences of float32 cumulative sums of log decay
+        # (docs/testing.md): 1 + their largest magnitude within a chunk.
+        g = np.abs(np.asarray(layer._log_decay(layer.project(x, x)[1])))
+        conditioning = 1.0 + float(g.sum(axis=1).max())
+    else:
+        conditioning = 1.0
+    assert_close(out, ref, n=n, conditioning=conditioning, what="outputs")
+    # Backward adds the sums over T queries, M values and the DIM inputs.
+    assert_close(grads, ref_grads, n=2 * n + DIM, conditioning=conditioning, what="gradients")
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_step_pieces_and_left_padding_equal_one_pass(rng, name):
+    layer = _layer(name)
+    x, mask = _inputs(rng)
+    full, state = layer(x, x, key_mask=mask, use_causal_mask=True, return_state=True)
+    assert len(state) == len(layer.state_spec())
+    for entry, part in zip(layer.state_spec(), state):
+        assert tuple(part.shape) == (2,) + entry.shape and part.dtype == "float32", entry.name
+    n = T + layer.feature_dim + KEY_DIM + (layer.conv_size or 0) + HEADS * layer.value_dim
+    # Two pieces chained through the state.
+    a, st = layer(x[:, :5], x[:, :5], key_mask=mask[:, :5], use_causal_mask=True, return_state=True)
+    b, st2 = layer(x[:, 5:], x[:, 5:], key_mask=mask[:, 5:], use_causal_mask=True, return_state=True, initial_state=st)
+    assert_close(np.concatenate([a, b], 1), full, n=n, paths=2, what="pieces")
+    for entry, p, q in zip(layer.state_spec(), st2, state):
+        assert_close(p, q, n=T, paths=2, what=f"state {entry.name}")
+    # Token by token (row 0 has no padding).
+    s = layer.get_initial_state(1)
+    outs = []
+    for t in range(T):
+        o, s = layer.step(x[:1, t], x[:1, t], s)
+        outs.append(np.asarray(o))
+    assert_close(np.stack(outs, 1), np.asarray(full)[:1], n=n, paths=2, what="steps")
+    # The left-padded row equals the same tokens unpadded.
+    unpadded = layer(x[1:, 3:], x[1:, 3:], use_causal_mask=True)
+    assert_close(np.asarray(full)[1:, 3:], unpadded, n=n, paths=2, what="left padding")
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_xla_matches_eager_and_fit_runs(rng, name):
+    layer = _layer(name)
+    x, mask = _inputs(rng)
+    eager = layer(x, x, key_mask=mask, use_causal_mask=True)
+    compiled = tf.function(lambda a, m: layer(a, a, key_mask=m, use_causal_mask=True), jit_compile=True)(x, mask)
+    n = T + layer.feature_dim + KEY_DIM + (layer.conv_size or 0) + HEADS * layer.value_dim
+    assert_close(compiled, eager, n=n, paths=2, what="XLA vs eager")
+    inp = keras.Input((T, DIM))
+    model = keras.Model(inp, LinearAttention(HEADS, KEY_DIM, chunk_size=CHUNK, **{
+        k: v for k, v in CONFIGS[name].items() if k != "key_dim"})(inp, inp, use_causal_mask=True))
+    model.compile(optimizer="adam", loss="mse", jit_compile=True)
+    y = rng.normal(size=x.shape).astype("float32")
+    history = model.fit(x, y, epochs=3, batch_size=2, verbose=0)
+    losses = history.history["loss"]
+    assert np.isfinite(losses).all() and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("name", ["scalar", "channel", "conv", "based", "scalar_unnormalized"])
+def test_mixed_bfloat16_is_close_to_float32_with_a_float32_state(rng, name):
+    ref = _layer(name)
+    x, mask = _inputs(rng)
+    expected = ref(x, x, key_mask=mask, use_causal_mask=True)
+    keras.config.set_dtype_policy("mixed_bfloat16")
+    layer = _layer(name)
+    for w_ref, w in zip(ref.weights, layer.weights):
+        w.assign(w_ref)
+    out, state = layer(x, x, key_mask=mask, use_causal_mask=True, return_state=True)
+    assert all(part.dtype == "float32" for part in state)
+    n = DIM + T + layer.feature_dim + (layer.conv_size or 0) + HEADS * layer.value_dim
+    assert_close(out, expected, n=n, dtype="bfloat16", what="bf16 vs float32")
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_keras_round_trip(rng, tmp_path, name):
+    cfg = dict(CONFIGS[name])
+    inp = keras.Input((None, DIM))
+    layer = LinearAttention(HEADS, cfg.pop("key_dim", KEY_DIM), chunk_size=CHUNK, **cfg)
+    model = keras.Model(inp, layer(inp, inp, use_causal_mask=True))
+    x, _ = _inputs(rng)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    np.testing.assert_array_equal(loaded(x), model(x))
+    restored = loaded.layers[-1]
+    for key in ("decay", "normalize", "conv_size", "window_size"):
+        assert getattr(restored, key) == getattr(layer, key)
+
+
+def test_state_spec_describes_every_mechanism():
+    layer = _layer("based")
+    names = [e.name for e in layer.state_spec()]
+    assert names == ["S", "z", "conv_q", "conv_k", "conv_v", "window_k", "window_v", "window_valid"]
+    c = layer.feature_dim
+    assert [e.shape for e in layer.state_spec()] == [
+        (HEADS, c, 4), (HEADS, c), (2, HEADS, 4), (2, HEADS, 4), (2, HEADS, 4), (5, HEADS, 4), (5, HEADS, 4), (5,)
+    ]
+    assert [e.name for e in _layer("scalar").state_spec()] == ["S", "z"]
+
+
+def test_fixed_decay_is_retnets():
+    layer = _layer("fixed")
+    g = np.exp(np.asarray(layer._log_decay(tf.zeros((1, 1, HEADS, KEY_DIM))))[0, 0, :, 0])
+    np.testing.assert_allclose(g, 1 - 2.0 ** (-5 - np.arange(HEADS)), rtol=1e-6)
+
+
+def test_gates_are_in_the_unit_interval(rng):
+    for name in ("scalar", "channel"):
+        layer = _layer(name)
+        k = tf.constant(rng.normal(size=(2, 7, HEADS, KEY_DIM)) * 10, "float32")
+        g = np.asarray(layer._log_decay(k))
+        assert (g <= 0).all() and np.isfinite(g).all(), name
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(decay="exponential"), "`decay` must be one of"),
+        (dict(decay=True), "`decay` must be one of"),
+        (dict(normalize=1), "`normalize` must be a bool"),
+        (dict(conv_size=1), "`conv_size` must be None or an integer >= 2"),
+        (dict(conv_size=2.0), "`conv_size` must be a positive integer or None"),
+        (dict(window_size=0), "`window_size` must be a positive integer or None"),
+        (dict(window_size=4, decay="scalar"), "`window_size` cannot be combined with `decay`"),
+        (dict(window_size=4, normalize=False), "`window_size` needs `normalize=True`"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LinearAttention(HEADS, KEY_DIM, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        LinearTransformerDecoder(HEADS, 32, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        LinearCausalLM(20, 1, DIM, HEADS, 32, **kwargs)
+
+
+def test_causal_mechanisms_refuse_non_causal_use(rng):
+    x, _ = _inputs(rng)
+    for name in ("scalar", "window"):
+        with pytest.raises(ValueError, match="causal recurrence"):
+            _layer(name)(x, x)
+        with pytest.raises(ValueError, match="this attention is not causal"):
+            LinearTransformerEncoder(HEADS, 32, **CONFIGS[name])
+    # A causal convolution is fine in an encoder.
+    block = LinearTransformerEncoder(HEADS, 32, conv_size=3)
+    assert block(x).shape == x.shape
+
+
+@pytest.mark.parametrize("name", ["scalar_conv", "based", "channel_conv_unnormalized"])
+def test_lm_step_matches_parallel_and_round_trips(rng, tmp_path, name):
+    cfg = dict(CONFIGS[name])
+    lm = LinearCausalLM(40, 2, DIM, HEADS, 32, chunk_size=CHUNK, **cfg)
+    ids = rng.integers(1, 40, size=(2, T)).astype("int32")
+    full = np.asarray(lm(ids))
+    state = lm.get_initial_state(2)
+    outs = []
+    for t in range(T):
+        logits, state = lm.step(ids[:, t], state)
+        outs.append(np.asarray(logits))
+    n = 2 * (T + lm.decoder_blocks[0].attention.feature_dim + DIM + 32) + DIM
+    assert_close(np.stack(outs, 1), full, n=n, paths=2, what="LM step vs parallel")
+    path = str(tmp_path / "lm.keras")
+    lm.save(path)
+    np.testing.assert_array_equal(keras.models.load_model(path)(ids), full)
+
+
+def test_decode_state_does_not_grow(rng):
+    lm = LinearCausalLM(40, 1, DIM, HEADS, 32, conv_size=4, window_size=8, decay=None)
+    state = lm.get_initial_state(1)
+    shapes = [tuple(s.shape) for s in state]
+    for t in range(40):
+        _, state = lm.step(np.array([t % 40], "int32"), state)
+    assert [tuple(s.shape) for s in state] == shapes
