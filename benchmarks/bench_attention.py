@@ -14,6 +14,12 @@ feature map elu + 1):
                       non-causal, no random projection (same kernel as ours)
     naive_causal      causal linear attention through a per-token cumsum
                       [B, T, H, C, M] (the textbook form): the memory anchor
+    causal_fixed, causal_scalar, causal_channel
+                      LinearAttention causal with decay="fixed" / "scalar" /
+                      "channel" (RetNet, Mamba2, GLA gates)
+    causal_conv       LinearAttention causal with conv_size=4
+    causal_window     LinearAttention causal with window_size=64 (softmax
+                      window + linear attention beyond it)
 
 Time: one process; every implementation is traced and run once (warm-up), then
 the implementations are run in interleaved rounds (the order rotates from one
@@ -49,7 +55,17 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 from benchmarks._common import proc_status_bytes, reset_peak_rss  # noqa: E402
 
 DEFAULT_NS = (1024, 2048, 4096, 8192, 16384, 32768)
-IMPLS = ("linear", "linear_causal", "mha", "kernel_attention", "kernel_attention_rf", "naive_causal")
+# The recall mechanisms, as LinearAttention arguments (causal).
+MECHANISMS = {
+    "causal_fixed": dict(decay="fixed"),
+    "causal_scalar": dict(decay="scalar"),
+    "causal_channel": dict(decay="channel"),
+    "causal_conv": dict(conv_size=4),
+    "causal_window": dict(window_size=64),
+}
+IMPLS = ("linear", "linear_causal", "mha", "kernel_attention", "kernel_attention_rf", "naive_causal") + tuple(
+    MECHANISMS
+)
 LABELS = {
     "linear": "LinearAttention (non-causal)",
     "linear_causal": "LinearAttention (causal, chunked)",
@@ -57,6 +73,8 @@ LABELS = {
     "kernel_attention": "Model Garden KernelAttention(elu, num_random_features=0)",
     "kernel_attention_rf": "Model Garden KernelAttention(elu), default 256 random features",
     "naive_causal": "naive causal cumsum [B,T,H,C,M]",
+    **{name: f"LinearAttention (causal, {', '.join(f'{k}={v!r}' for k, v in kw.items())})"
+       for name, kw in MECHANISMS.items()},
 }
 SHORT = {
     "linear": "ours non-causal",
@@ -65,6 +83,7 @@ SHORT = {
     "kernel_attention": "KernelAttention elu",
     "kernel_attention_rf": "KernelAttention elu (default, 256 rf)",
     "naive_causal": "naive cumsum causal",
+    **{name: "ours " + name.replace("_", " ") for name in MECHANISMS},
 }
 FIGURE_N = 8192
 SLOPE_RANGE = (4096, 32768)
@@ -188,6 +207,11 @@ class Impl:
         if name in ("linear", "linear_causal"):
             layer = LinearAttention(num_heads=h, key_dim=d, feature_map="elu", chunk_size=args.chunk_size)
             causal = name == "linear_causal"
+        elif name in MECHANISMS:
+            layer = LinearAttention(
+                num_heads=h, key_dim=d, feature_map="elu", chunk_size=args.chunk_size, **MECHANISMS[name]
+            )
+            causal = True
         elif name == "naive_causal":
             layer = anchors.NaiveCausalLinearAttention(num_heads=h, key_dim=d, feature_map="elu")
         elif name == "mha":
@@ -204,7 +228,7 @@ class Impl:
         else:
             raise ValueError(f"Unknown implementation. Received: impl={name!r}")
 
-        if name in ("linear", "linear_causal"):
+        if name in ("linear", "linear_causal") or name in MECHANISMS:
             def apply(x):
                 return layer(x, x, use_causal_mask=causal)
         else:
