@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-slow test-onednn-off bench install clean
+.PHONY: demo test test-fast test-slow test-onednn-off test-jax lint bench install clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,19 @@ NUMERIC_TESTS := tests/test_ops.py tests/test_linear_attention.py tests/test_num
 
 test-onednn-off: $(STAMP)
 	TF_ENABLE_ONEDNN_OPTS=0 $(PYTEST) $(NUMERIC_TESTS)
+
+# The ops, layers, feature maps and the LM's decode contract a second time on
+# the JAX backend (run by .ci/run). Tests that need TensorFlow itself are
+# skipped there by the `tf_only` marker, each with its reason (-rs lists them).
+JAX_TESTS := tests/test_jax_backend.py tests/test_generate_parity.py tests/test_ops.py \
+	tests/test_feature_maps_fixed.py tests/test_linear_attention.py
+
+test-jax: $(STAMP)
+	KERAS_BACKEND=jax $(PYTEST) $(JAX_TESTS)
+
+# ruff (config: ruff.toml) over everything that is Python; run by .ci/run before the tests.
+lint: $(STAMP)
+	$(PY) -m ruff check keras_linattn tests examples benchmarks export
 
 bench: $(STAMP)
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m benchmarks.bench_attention

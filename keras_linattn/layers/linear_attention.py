@@ -9,6 +9,8 @@ from keras_linattn import feature_maps as feature_maps_lib
 from keras_linattn.layers import _projections
 from keras_linattn.ops import core as la_ops
 
+__all__ = ["LinearAttention"]
+
 
 @keras.saving.register_keras_serializable(package="keras_linattn")
 @_projections.document
@@ -63,7 +65,7 @@ class LinearAttention(_projections.ProjectedAttention):
 
     >>> layer = LinearAttention(num_heads=4, key_dim=16, feature_map="elu")
     >>> x = keras.random.normal((2, 100, 64))
-    >>> layer(x, x, use_causal_mask=True).shape
+    >>> tuple(layer(x, x, use_causal_mask=True).shape)
     (2, 100, 64)
     """
 

@@ -1,12 +1,11 @@
-"""Pure attention functions (no weights): linear and efficient attention, and exact references."""
+"""Pure attention functions (no weights): linear and efficient attention, and exact references.
 
-from keras_linattn.ops.core import (
-    DEFAULT_EPSILON,
-    check_state,
-    linear_attention,
-    linear_attention_step,
-    zero_state,
-)
+Each submodule declares its public names in its ``__all__``; this package
+re-exports exactly those.
+"""
+
+from keras_linattn.ops import core, efficient, reference
+from keras_linattn.ops.core import DEFAULT_EPSILON, linear_attention, linear_attention_step
 from keras_linattn.ops.efficient import efficient_attention
 from keras_linattn.ops.reference import (
     efficient_attention_reference,
@@ -16,16 +15,4 @@ from keras_linattn.ops.reference import (
     softmax_attention_weights,
 )
 
-__all__ = [
-    "DEFAULT_EPSILON",
-    "check_state",
-    "efficient_attention",
-    "efficient_attention_reference",
-    "kernel_attention_reference",
-    "kernel_attention_weights",
-    "linear_attention",
-    "linear_attention_step",
-    "softmax_attention",
-    "softmax_attention_weights",
-    "zero_state",
-]
+__all__ = [*core.__all__, *efficient.__all__, *reference.__all__]
