@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-slow test-onednn-off bench install clean
+.PHONY: demo test test-fast test-slow test-onednn-off test-jax lint bench install clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,20 @@ NUMERIC_TESTS := tests/test_ops.py tests/test_linear_attention.py tests/test_num
 
 test-onednn-off: $(STAMP)
 	TF_ENABLE_ONEDNN_OPTS=0 $(PYTEST) $(NUMERIC_TESTS)
+
+# Test files run a second time on the JAX backend (run by .ci/run); `make test`
+# already compares TensorFlow with JAX in subprocesses (tests/test_jax_backend.py,
+# tests/test_generate_parity.py). Only files that pass on JAX as they are: the
+# oracle tests of tests/test_ops.py and tests/test_linear_attention.py take
+# gradients with tf.GradientTape and need a backend-neutral gradient helper first.
+JAX_TESTS := tests/test_feature_maps_fixed.py
+
+test-jax: $(STAMP)
+	KERAS_BACKEND=jax $(PYTEST) $(JAX_TESTS)
+
+# ruff (config: ruff.toml) over everything that is Python; run by .ci/run before the tests.
+lint: $(STAMP)
+	$(PY) -m ruff check keras_linattn tests examples benchmarks export
 
 bench: $(STAMP)
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m benchmarks.bench_attention

@@ -41,7 +41,14 @@ setup(
         "gpu": ["tensorflow[and-cuda]>=2.21,<2.22"],
         # Serving: request/warmup protos of TF Serving.
         "serving": ["tensorflow-serving-api>=2.21,<2.22"],
-        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3.5", "hypothesis>=6", "tensorflow-serving-api>=2.21,<2.22"],
+        "test": [
+            "pytest>=8",
+            "pytest-timeout",
+            "pytest-xdist>=3.5",
+            "hypothesis>=6",
+            "tensorflow-serving-api>=2.21,<2.22",
+            "ruff>=0.6",
+        ],
         # Benchmarks: plots, and tf-keras for TF Model Garden's KernelAttention anchor.
         "bench": ["matplotlib", "tf-keras>=2.21,<2.22", "psutil"],
         # A second Keras backend: the layers and `generate` run on JAX (export stays on TensorFlow).

@@ -525,7 +525,9 @@ def compute_figures(results):
 
 FIGURE_TEXT = {
     "speedup_vs_kernel_attention": f"non-causal speed-up vs KernelAttention(elu) at N={FIGURE_N}",
-    "speedup_vs_kernel_attention_rf": f"non-causal speed-up vs KernelAttention(elu) with its default 256 random features at N={FIGURE_N}",
+    "speedup_vs_kernel_attention_rf": (
+        f"non-causal speed-up vs KernelAttention(elu) with its default 256 random features at N={FIGURE_N}"
+    ),
     "speedup_vs_mha": f"non-causal speed-up vs MultiHeadAttention at N={FIGURE_N}",
     "causal_over_noncausal_time": f"causal / non-causal time at N={FIGURE_N}",
     "causal_over_naive_memory": f"causal peak memory / naive cumsum peak memory at N={FIGURE_N}",
@@ -570,16 +572,20 @@ def render_markdown(results):
     impls = cfg["impls"]
     lines = []
     mode = "XLA (`jit_compile=True`)" if cfg["jit"] else "`tf.function`, no XLA"
-    lines.append(f"Forward + backward, B={cfg['batch']}, H={cfg['heads']}, D=M={cfg['key_dim']}, "
-                 f"width {cfg['width']}, feature map {cfg['feature_map']}, causal chunk {cfg['chunk_size']}; "
-                 f"{mode}; median of {cfg['repeats']} interleaved runs after warm-up. "
-                 f"TensorFlow {env['tensorflow']}, Keras {env['keras']}, {env['cpu_count']} CPUs, "
-                 f"load average {env['loadavg_start'][0]:.2f} at start, "
-                 f"{env.get('loadavg_end', [float('nan')])[0]:.2f} at end ({env['started']}).")
+    lines.append(
+        f"Forward + backward, B={cfg['batch']}, H={cfg['heads']}, D=M={cfg['key_dim']}, "
+        f"width {cfg['width']}, feature map {cfg['feature_map']}, causal chunk {cfg['chunk_size']}; "
+        f"{mode}; median of {cfg['repeats']} interleaved runs after warm-up. "
+        f"TensorFlow {env['tensorflow']}, Keras {env['keras']}, {env['cpu_count']} CPUs, "
+        f"load average {env['loadavg_start'][0]:.2f} at start, "
+        f"{env.get('loadavg_end', [float('nan')])[0]:.2f} at end ({env['started']})."
+    )
     lines.append("")
-    for kind, title in (("time", "Time (s), median forward + backward"),
-                        ("memory", "Peak memory increase (MB), fresh child process per point"),
-                        ("cpu", "Process CPU time (s), median forward + backward (all threads)")):
+    for kind, title in (
+        ("time", "Time (s), median forward + backward"),
+        ("memory", "Peak memory increase (MB), fresh child process per point"),
+        ("cpu", "Process CPU time (s), median forward + backward (all threads)"),
+    ):
         if kind == "memory" and not cfg["memory"]:
             continue
         lines.append(f"### {title}")
@@ -592,8 +598,10 @@ def render_markdown(results):
         lines.append("")
     lines.append("### Figures")
     lines.append("")
-    lines.append("From the wall-clock medians (time) and the child-process peaks (memory) above; "
-                 "the `CPU time:` rows use the process CPU time medians instead.")
+    lines.append(
+        "From the wall-clock medians (time) and the child-process peaks (memory) above; "
+        "the `CPU time:` rows use the process CPU time medians instead."
+    )
     lines.append("")
     lines.append("| figure | value | target | met |")
     lines.append("|---|---:|---:|:---:|")

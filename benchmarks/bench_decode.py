@@ -258,7 +258,7 @@ def measure_times(args):
         for _ in range(args.repeats):
             rows[context]["kv_runs_s"].append(run_kv())
             rows[context]["ours_runs_s"].append(run_ours(context))
-        del caches
+        caches = None  # frees this context's KV cache before the next one
         print(f"kv-cache {context}: done", flush=True)
 
     recompute_measured = {}

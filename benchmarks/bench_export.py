@@ -228,7 +228,9 @@ def main(argv=None):
         steps = args.decode_steps
     config["repeats"] = args.repeats
     with tempfile.TemporaryDirectory() as workdir:
-        encoder = bench_encoder(workdir, config["shapes"], args.repeats, config["width"], config["heads"], config["ffn"])
+        encoder = bench_encoder(
+            workdir, config["shapes"], args.repeats, config["width"], config["heads"], config["ffn"]
+        )
         decode = bench_decode(workdir, steps, args.repeats, config["width"], config["heads"], config["vocab"])
     result = {
         "config": config,

@@ -140,7 +140,10 @@ def main(argv=None):
 
     _banner("summary")
     rows = [
-        ("training", f"{epochs * steps_per_epoch} steps, XLA, {train_s:.0f} s, val {val_loss / np.log(2):.2f} bits/char"),
+        (
+            "training",
+            f"{epochs * steps_per_epoch} steps, XLA, {train_s:.0f} s, val {val_loss / np.log(2):.2f} bits/char",
+        ),
         ("sample", f"{args.generate_length} chars in {gen_s:.1f} s (incl. compilation)"),
         ("Keras model", model_path),
         ("SavedModel", f"{version_dir} (serve: see export/README.md)"),

@@ -2,18 +2,27 @@
 
 >>> import keras_linattn as kla
 >>> layer = kla.layers.LinearAttention(num_heads=8, key_dim=64, feature_map="elu")
+>>> layer.num_heads, layer.key_dim
+(8, 64)
+
+Importing the package changes no environment variable: pick the Keras backend
+with ``KERAS_BACKEND`` before importing Keras (TensorFlow is Keras' default).
+The export toolchain (tf2onnx, onnx, onnxruntime) is imported only by the
+functions that need it.
 """
 
-import os
+from keras_linattn import callbacks, distill, export, feature_maps, layers, models, ops, regularizers, samplers
+from keras_linattn.version import __version__
 
-os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-
-from keras_linattn import callbacks  # noqa: E402
-from keras_linattn import distill  # noqa: E402
-from keras_linattn import export  # noqa: E402
-from keras_linattn import feature_maps, layers, ops  # noqa: E402
-from keras_linattn import regularizers  # noqa: E402
-from keras_linattn import models, samplers  # noqa: E402
-from keras_linattn.version import __version__  # noqa: E402
-
-__all__ = ["__version__", "callbacks", "distill", "export", "feature_maps", "layers", "models", "ops", "regularizers", "samplers"]
+__all__ = [
+    "__version__",
+    "callbacks",
+    "distill",
+    "export",
+    "feature_maps",
+    "layers",
+    "models",
+    "ops",
+    "regularizers",
+    "samplers",
+]

@@ -10,6 +10,9 @@ import keras
 from keras_linattn import _atomic
 from keras_linattn._validation import check_bool, check_positive_int
 
+__all__ = ["BackupAndRestore", "RedrawRandomFeatures", "random_feature_layers"]
+
+
 # Set on the model by `BackupAndRestore` while it replays the batches of a
 # resumed epoch that the backup already contains: ``(epoch, batch)``, the
 # first position that is trained again. Other callbacks skip earlier positions.
@@ -69,7 +72,19 @@ class RedrawRandomFeatures(keras.callbacks.Callback):
 
     Example:
 
-    >>> model.fit(x, y, epochs=3, callbacks=[RedrawRandomFeatures(every_n_steps=100)])
+    >>> import keras
+    >>> import numpy as np
+    >>> from keras_linattn import feature_maps, layers
+    >>> keras.utils.set_random_seed(0)
+    >>> inputs = keras.Input((8, 16))
+    >>> fm = feature_maps.get("favor+", num_features=16, seed=0)
+    >>> model = keras.Model(inputs, layers.LinearAttention(2, 8, feature_map=fm)(inputs, inputs))
+    >>> model.compile("sgd", "mse")
+    >>> x = np.random.default_rng(0).normal(size=(8, 8, 16)).astype("float32")
+    >>> redraw = RedrawRandomFeatures(every_n_steps=2)
+    >>> _ = model.fit(x, x, epochs=1, batch_size=2, verbose=0, callbacks=[redraw])
+    >>> redraw.redraw_count  # before batches 2 and 4 of the 4
+    1
     """
 
     def __init__(self, every_n_steps=1000):
@@ -186,9 +201,20 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     Example:
 
-    >>> backup = BackupAndRestore("runs/lm/backup", save_freq=500)
-    >>> stream = train_ds.repeat().skip(backup.initial_epoch * 1000)
-    >>> model.fit(stream, epochs=20, steps_per_epoch=1000, callbacks=[backup])
+    >>> import os, tempfile
+    >>> import keras
+    >>> import numpy as np
+    >>> keras.utils.set_random_seed(0)
+    >>> backup_dir = os.path.join(tempfile.mkdtemp(), "backup")
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    >>> model.compile("sgd", "mse")
+    >>> x, y = np.ones((8, 4), "float32"), np.ones((8, 1), "float32")
+    >>> backup = BackupAndRestore(backup_dir, delete_checkpoint=False)
+    >>> backup.initial_epoch  # no backup yet
+    0
+    >>> _ = model.fit(x, y, epochs=2, batch_size=4, shuffle=False, verbose=0, callbacks=[backup])
+    >>> BackupAndRestore(backup_dir).initial_epoch  # a new fit would start after both epochs
+    2
     """
 
     METADATA = "latest.json"

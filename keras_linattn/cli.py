@@ -33,8 +33,10 @@ import sys
 import time
 import zipfile
 
-MANIFEST = "manifest.json"
-FORMATS = ("saved_model", "onnx")
+__all__ = ["build_parser", "main"]
+
+_MANIFEST = "manifest.json"
+_FORMATS = ("saved_model", "onnx")
 
 
 def _log(message, stream=None):
@@ -43,10 +45,10 @@ def _log(message, stream=None):
 
 def _parse_formats(text):
     formats = [f.strip() for f in text.split(",") if f.strip()]
-    unknown = [f for f in formats if f not in FORMATS]
+    unknown = [f for f in formats if f not in _FORMATS]
     if not formats or unknown:
         raise argparse.ArgumentTypeError(
-            f"--format must be a comma-separated subset of {','.join(FORMATS)}. Received: {text!r}"
+            f"--format must be a comma-separated subset of {','.join(_FORMATS)}. Received: {text!r}"
         )
     return formats
 
@@ -115,7 +117,7 @@ def _read_manifest(path, missing_ok=False):
             raise ValueError("not a manifest object")
     except (OSError, ValueError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{MANIFEST} is unreadable ({type(e).__name__}: {reason}). Received: path={path!r}") from e
+        raise ValueError(f"{_MANIFEST} is unreadable ({type(e).__name__}: {reason}). Received: path={path!r}") from e
     return manifest
 
 
@@ -123,18 +125,18 @@ def _update_manifest(out, name, entry):
     """Replaces `name`'s entry of ``out/manifest.json`` in one atomic rename (other names kept)."""
     from keras_linattn import _atomic
 
-    path = os.path.join(out, MANIFEST)
+    path = os.path.join(out, _MANIFEST)
     with _atomic.staging_dir(out) as tmp:
         with _atomic.locked_dir(out):  # exports of other names into `out` may run at the same time
             manifest = _read_manifest(path, missing_ok=True)
             manifest.setdefault("models", {})[name] = entry
-            staged = os.path.join(tmp, MANIFEST)
+            staged = os.path.join(tmp, _MANIFEST)
             with open(staged, "w", encoding="utf-8") as f:
                 json.dump(manifest, f, indent=2)
             _atomic.publish(staged, path)
 
 
-def cmd_export(args):
+def _cmd_export(args):
     from keras_linattn import _atomic, export
 
     out = args.out
@@ -146,7 +148,7 @@ def cmd_export(args):
     _log(f"[1/{steps}] loading {args.model}")
     model = _load_model(args.model)
     os.makedirs(out, exist_ok=True)
-    _read_manifest(os.path.join(out, MANIFEST), missing_ok=True)  # a damaged manifest stops here
+    _read_manifest(os.path.join(out, _MANIFEST), missing_ok=True)  # a damaged manifest stops here
     entry = {"source": os.path.abspath(args.model), "keras_model": os.path.join("keras", f"{name}.keras"), "files": {}}
     rows = []
     step = 1
@@ -167,7 +169,13 @@ def cmd_export(args):
         entry["saved_model_export_id"] = description["export_id"]
         entry["signatures"] = description["signatures"]
         rows.append(
-            ("saved_model", version_dir, ",".join(description["signatures"]), _human(_size(version_dir)), f"{time.perf_counter() - t:.1f}")
+            (
+                "saved_model",
+                version_dir,
+                ",".join(description["signatures"]),
+                _human(_size(version_dir)),
+                f"{time.perf_counter() - t:.1f}",
+            )
         )
         _log(f"      done in {time.perf_counter() - t:.1f} s")
     if "onnx" in args.format:
@@ -177,11 +185,19 @@ def cmd_export(args):
         _log(f"[{step}/{steps}] ONNX (opset {args.opset}) -> {onnx_path}")
         paths = export.export_onnx(model, onnx_path, opset=args.opset, include_step=not args.no_generate)
         entry["onnx"] = {k: os.path.relpath(v, out) for k, v in paths.items()}
-        entry["onnx_export_id"] = export.read_metadata(paths["model"])["export_id"]
+        entry["onnx_export_id"] = export.onnx_export._read_metadata(paths["model"])["export_id"]
         entry["opset"] = args.opset
         for kind, path in paths.items():
             entry["files"][os.path.relpath(path, out).replace(os.sep, "/")] = _atomic.file_digest(path)
-            rows.append((f"onnx:{kind}", path, "", _human(_size(path)), f"{time.perf_counter() - t:.1f}" if kind == "model" else ""))
+            rows.append(
+                (
+                    f"onnx:{kind}",
+                    path,
+                    "",
+                    _human(_size(path)),
+                    f"{time.perf_counter() - t:.1f}" if kind == "model" else "",
+                )
+            )
         _log(f"      done in {time.perf_counter() - t:.1f} s")
     os.makedirs(os.path.join(out, "keras"), exist_ok=True)
     _atomic.copy_atomic(args.model, os.path.join(out, entry["keras_model"]))
@@ -189,9 +205,9 @@ def cmd_export(args):
     _update_manifest(out, name, entry)  # last: the manifest is what `verify` trusts
     _atomic.fault_point("cli:manifest_published")
     _log("")
-    from keras_linattn.export.verify import format_table
+    from keras_linattn.export.verify import _format_table
 
-    _log(format_table(rows, ("format", "path", "signatures", "size", "seconds")))
+    _log(_format_table(rows, ("format", "path", "signatures", "size", "seconds")))
     _log(f"\nexported in {time.perf_counter() - t0:.1f} s; check with: keras-linattn verify {out}")
     return 0
 
@@ -201,7 +217,9 @@ def _check_file(path, rel, entry, what):
     from keras_linattn import _atomic
 
     if not os.path.isfile(path):
-        raise ValueError(f"{what} {rel} is missing (a killed export, or deleted): export again. Received: path={path!r}")
+        raise ValueError(
+            f"{what} {rel} is missing (a killed export, or deleted): export again. Received: path={path!r}"
+        )
     expected = entry.get("files", {}).get(rel.replace(os.sep, "/"))
     if expected is not None:
         _atomic.check_digest(path, expected, what=f"{what} {rel}")
@@ -227,23 +245,23 @@ def _check_onnx(out_dir, entry):
             if not os.path.isfile(path):
                 raise
             try:  # a complete file from an export that stopped before the manifest?
-                found = onnx_export.read_metadata(path).get("export_id")
+                found = onnx_export._read_metadata(path).get("export_id")
             except ValueError:
                 raise damaged from None
             if expected_id and found != expected_id:
                 raise ValueError(
                     f"{what} {rel} was written by an export that did not finish (export id {found}; "
-                    f"{MANIFEST} records {expected_id}): export again. Received: path={path!r}"
+                    f"{_MANIFEST} records {expected_id}): export again. Received: path={path!r}"
                 ) from None
             raise
         paths[kind] = path
     onnx_export.check_pair(paths["model"], paths.get("step"))
     if expected_id and not entry.get("files"):  # manifests without digests: check the id alone
-        found = onnx_export.read_metadata(paths["model"]).get("export_id")
+        found = onnx_export._read_metadata(paths["model"]).get("export_id")
         if found != expected_id:
             raise ValueError(
                 f"ONNX model {onnx['model']} was written by an export that did not finish (export id {found}; "
-                f"{MANIFEST} records {expected_id}): export again. Received: path={paths['model']!r}"
+                f"{_MANIFEST} records {expected_id}): export again. Received: path={paths['model']!r}"
             )
     return paths["model"], paths.get("step")
 
@@ -261,18 +279,18 @@ def _check_saved_model(out_dir, entry):
     if expected and description.get("export_id") != expected:
         raise ValueError(
             f"SavedModel version {entry['saved_model']} holds another export (export id "
-            f"{description.get('export_id')}; {MANIFEST} records {expected}). Received: path={path!r}"
+            f"{description.get('export_id')}; {_MANIFEST} records {expected}). Received: path={path!r}"
         )
     return path
 
 
-def cmd_verify(args):
+def _cmd_verify(args):
     from keras_linattn import export
 
-    manifest_path = os.path.join(args.dir, MANIFEST)
+    manifest_path = os.path.join(args.dir, _MANIFEST)
     if not os.path.isfile(manifest_path):
         raise ValueError(
-            f"DIR must be a directory written by `keras-linattn export` (no {MANIFEST}). Received: DIR={args.dir!r}"
+            f"DIR must be a directory written by `keras-linattn export` (no {_MANIFEST}). Received: DIR={args.dir!r}"
         )
     models = _read_manifest(manifest_path).get("models", {})
     names = [args.name] if args.name else sorted(models)
@@ -283,7 +301,7 @@ def cmd_verify(args):
     for name in names:
         entry = models[name]
         if not isinstance(entry, dict) or "keras_model" not in entry:
-            raise ValueError(f"{MANIFEST} has no valid entry for {name!r}. Received: path={manifest_path!r}")
+            raise ValueError(f"{_MANIFEST} has no valid entry for {name!r}. Received: path={manifest_path!r}")
         # Files first: a damaged or half-written export is named before anything runs.
         saved_model_dir = _check_saved_model(args.dir, entry)
         onnx_path, step_path = _check_onnx(args.dir, entry)
@@ -304,7 +322,9 @@ def cmd_verify(args):
             )
         except (RuntimeError, OSError) as e:  # a runtime refusing a graph that passed the checks above
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ValueError(f"{name!r} could not be run ({type(e).__name__}: {reason}). Received: DIR={args.dir!r}") from e
+            raise ValueError(
+                f"{name!r} could not be run ({type(e).__name__}: {reason}). Received: DIR={args.dir!r}"
+            ) from e
         _log("")
         _log(report.table())
         failed = sum(not r.ok for r in report.rows)
@@ -314,30 +334,35 @@ def cmd_verify(args):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(
-        prog="keras-linattn", description="Export and verify keras_linattn models."
-    )
+    parser = argparse.ArgumentParser(prog="keras-linattn", description="Export and verify keras_linattn models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("export", help="export a .keras model to SavedModel (TF Serving) and/or ONNX")
     p.add_argument("model", metavar="MODEL.keras", help="a model saved with model.save('....keras')")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--format", type=_parse_formats, default=list(FORMATS), help="saved_model,onnx (default both)")
+    p.add_argument("--format", type=_parse_formats, default=list(_FORMATS), help="saved_model,onnx (default both)")
     p.add_argument("--name", default=None, help="model name (TF Serving); default: the file's stem")
     p.add_argument("--version", type=int, default=None, help="SavedModel version; default: next free")
     p.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
     p.add_argument("--no-warmup", action="store_true", help="do not write TF Serving warmup requests")
-    p.add_argument("--no-generate", action="store_true", help="causal LMs: skip generate signatures and the ONNX step graph")
-    p.set_defaults(func=cmd_export)
+    p.add_argument(
+        "--no-generate", action="store_true", help="causal LMs: skip generate signatures and the ONNX step graph"
+    )
+    p.set_defaults(func=_cmd_export)
 
     v = sub.add_parser("verify", help="compare an export directory's artifacts with its Keras model")
     v.add_argument("dir", metavar="DIR", help="directory written by `keras-linattn export`")
     v.add_argument("--name", default=None, help="verify only this model (default: every model in DIR)")
-    v.add_argument("--shapes", type=_parse_shapes, default=[(1, 7), (3, 13), (2, 70)], help="batch x length list (default 1x7,3x13,2x70)")
+    v.add_argument(
+        "--shapes",
+        type=_parse_shapes,
+        default=[(1, 7), (3, 13), (2, 70)],
+        help="batch x length list (default 1x7,3x13,2x70)",
+    )
     v.add_argument("--saved-model-tolerance", type=float, default=1e-5)
     v.add_argument("--onnx-tolerance", type=float, default=1e-4)
     v.add_argument("--device", default="cpu", choices=("cpu", "auto", "gpu"), help="onnxruntime device (default cpu)")
-    v.set_defaults(func=cmd_verify)
+    v.set_defaults(func=_cmd_verify)
     return parser
 
 

@@ -5,6 +5,8 @@ from keras import ops
 
 from keras_linattn._validation import check_non_negative_float
 
+__all__ = ["OrthogonalRegularizer"]
+
 
 @keras.saving.register_keras_serializable(package="keras_linattn")
 class OrthogonalRegularizer(keras.regularizers.Regularizer):
@@ -33,6 +35,7 @@ class OrthogonalRegularizer(keras.regularizers.Regularizer):
 
     Example:
 
+    >>> import numpy as np
     >>> reg = OrthogonalRegularizer(factor=0.5)
     >>> float(reg(np.eye(3, dtype="float32")))
     0.0

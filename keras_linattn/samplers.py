@@ -32,6 +32,22 @@ from keras import ops
 from keras_linattn import _validation
 from keras_linattn._registry import NameRegistry
 
+__all__ = [
+    "GreedySampler",
+    "RandomSampler",
+    "Sampler",
+    "TopKSampler",
+    "TopPSampler",
+    "argmax",
+    "available",
+    "deserialize",
+    "get",
+    "sample",
+    "serialize",
+    "uniform_noise",
+]
+
+
 class Sampler:
     """Base class: next-token logits ``[B, V]`` -> token ids ``[B]`` (int32).
 
@@ -63,8 +79,7 @@ class Sampler:
             )
         if self.is_random and seed is None:
             raise ValueError(
-                f"{type(self).__name__} draws random tokens and needs a `seed` ([2] int32). "
-                "Received: seed=None"
+                f"{type(self).__name__} draws random tokens and needs a `seed` ([2] int32). Received: seed=None"
             )
         logits = ops.cast(logits, "float32") / self.temperature  # [B, V]
         return ops.cast(self.get_next_token(logits, seed), "int32")  # [B]
@@ -208,14 +223,16 @@ def sample(logits, seed, temperature=1.0, top_k=0, top_p=1.0):
 _REGISTRY = NameRegistry("sampler", "sampler", Sampler)
 _register = _REGISTRY.register
 
+
 @_register("greedy")
 class GreedySampler(Sampler):
     """Picks the most likely token (argmax); deterministic, ignores `seed`.
 
     Example:
 
-    >>> GreedySampler()(np.array([[0.1, 2.0, -1.0]])).numpy()
-    array([1], dtype=int32)
+    >>> import numpy as np
+    >>> np.asarray(GreedySampler()(np.array([[0.1, 2.0, -1.0]], "float32"))).tolist()
+    [1]
     """
 
     is_random = False
@@ -234,7 +251,13 @@ class RandomSampler(Sampler):
 
     Example:
 
-    >>> RandomSampler(temperature=0.7)(logits, seed=tf.constant([1, 2]))
+    >>> import numpy as np
+    >>> logits = np.array([[0.0, 1.0, 2.0], [2.0, 2.0, -1e9]], "float32")  # [B, V]; token 2 of row 1 is ruled out
+    >>> sampler, seed = RandomSampler(temperature=0.7), np.array([1, 2], "int32")
+    >>> tokens = np.asarray(sampler(logits, seed=seed))
+    >>> again = np.asarray(sampler(logits, seed=seed))
+    >>> bool(tokens[1] in (0, 1)), bool(np.array_equal(tokens, again))  # same seed, same draw
+    (True, True)
     """
 
     def get_next_token(self, logits, seed):
@@ -254,7 +277,13 @@ class TopKSampler(Sampler):
 
     Example:
 
-    >>> TopKSampler(k=5)(logits, seed=tf.constant([1, 2]))
+    >>> import numpy as np
+    >>> logits = np.array([[0.1, 2.0, -1.0, 1.5], [3.0, 0.0, 0.0, 0.0]], "float32")  # [B, V]
+    >>> np.asarray(TopKSampler(k=1)(logits, seed=np.array([1, 2], "int32"))).tolist()  # k=1 is greedy
+    [1, 0]
+    >>> tokens = np.asarray(TopKSampler(k=2)(logits, seed=np.array([1, 2], "int32")))
+    >>> bool(tokens[0] in (1, 3))  # one of the two most likely tokens of row 0
+    True
     """
 
     def __init__(self, k=5, temperature=1.0):
@@ -283,7 +312,11 @@ class TopPSampler(Sampler):
 
     Example:
 
-    >>> TopPSampler(p=0.9)(logits, seed=tf.constant([1, 2]))
+    >>> import numpy as np
+    >>> logits = np.log(np.array([[0.05, 0.9, 0.05], [0.6, 0.3, 0.1]], "float32"))  # [B, V]
+    >>> tokens = np.asarray(TopPSampler(p=0.8)(logits, seed=np.array([1, 2], "int32")))
+    >>> int(tokens[0]), bool(tokens[1] in (0, 1))  # nucleus {1} for row 0, {0, 1} for row 1
+    (1, True)
     """
 
     def __init__(self, p=0.9, k=None, temperature=1.0):

@@ -149,7 +149,10 @@ def main(argv=None):
     if args.steps <= 0 or args.steps % BLOCK:
         parser.error(f"--steps must be a positive multiple of {BLOCK}. Received: --steps={args.steps}")
     results = []
-    print(f"| map | family | policy | steps | held-out loss before | after | first/last 100-step loss | non-finite steps | weights finite | s |")
+    print(
+        "| map | family | policy | steps | held-out loss before | after | first/last 100-step loss "
+        "| non-finite steps | weights finite | s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in [m for m in args.maps.split(",") if m]:
         r = soak(name, steps=args.steps, policy=args.policy)

@@ -27,7 +27,7 @@ def _constructor_arguments(cls):
                 for name, p in inspect.signature(klass.__init__).parameters.items()
                 if name != "self" and p.kind is not p.VAR_KEYWORD
             }
-    # GLUStack's internal arguments, fixed by each public GLU map.
+    # _GLUStack's internal arguments, fixed by each public GLU map.
     return names - {"filter_initializer", "gate_initializer", "filter_penalty"}
 
 

@@ -47,13 +47,17 @@ def server_view(out):
     """
     base = os.path.join(out, NAME)
     versions = {}
-    for v in saved_model.existing_versions(base):
+    for v in saved_model._existing_versions(base):
         versions[v] = export.check_integrity(os.path.join(base, str(v)))  # raises on a partial version
     onnx_ids = {}
-    for kind, fname in (("model", f"{NAME}.onnx"), ("step", f"{NAME}_step.onnx"), ("generate", f"{NAME}_generate.onnx")):
+    for kind, fname in (
+        ("model", f"{NAME}.onnx"),
+        ("step", f"{NAME}_step.onnx"),
+        ("generate", f"{NAME}_generate.onnx"),
+    ):
         path = os.path.join(out, "onnx", fname)
         if os.path.exists(path):
-            onnx_ids[kind] = onnx_export.read_metadata(path)["export_id"]  # a complete, parseable graph
+            onnx_ids[kind] = onnx_export._read_metadata(path)["export_id"]  # a complete, parseable graph
     return versions, onnx_ids
 
 
@@ -67,7 +71,7 @@ def _no_partial_files(out):
 
 def _verify_files_or_named_error(out):
     """`verify`'s file checks: they pass, or name a half-finished export (never another exception)."""
-    manifest_path = os.path.join(out, cli.MANIFEST)
+    manifest_path = os.path.join(out, cli._MANIFEST)
     if not os.path.exists(manifest_path):
         return "no manifest"
     entry = cli._read_manifest(manifest_path)["models"][NAME]
@@ -101,10 +105,19 @@ def test_export_killed_at_every_point_leaves_complete_versions(tmp_path, lm_file
         _atomic.set_fault_hook(previous)
     capsys.readouterr()
     points = [p for p, _ in snapshots]
-    for expected in ("saved_model:written", "saved_model:staged", "saved_model:published", "onnx:model_staged",
-                     "onnx:step_staged", "onnx:step_published", "onnx:generate_staged", "onnx:generate_published",
-                     "onnx:model_published", "cli:keras_copied",
-                     "cli:manifest_published"):
+    for expected in (
+        "saved_model:written",
+        "saved_model:staged",
+        "saved_model:published",
+        "onnx:model_staged",
+        "onnx:step_staged",
+        "onnx:step_published",
+        "onnx:generate_staged",
+        "onnx:generate_published",
+        "onnx:model_published",
+        "cli:keras_copied",
+        "cli:manifest_published",
+    ):
         assert expected in points, points
 
     outcomes = {}
@@ -144,14 +157,14 @@ def test_stale_staging_dirs_are_removed_and_never_versions(tmp_path):
     legacy = base / ".tmp-old.onnx"  # a bare temporary file of an older version of this package
     legacy.write_bytes(b"partial")
     os.utime(legacy, (time.time() - 3600, time.time() - 3600))
-    assert saved_model.existing_versions(str(base)) == []
+    assert saved_model._existing_versions(str(base)) == []
     with _atomic.staging_dir(str(base)) as live:  # an export in progress in another process
         version_dir = export.export_saved_model(encoder("elu", causal=False), base, warmup=False)
         assert version_dir == str(base / "1")
         names = sorted(os.listdir(base))
         assert names == sorted(["1", os.path.basename(live)]), names  # the stale ones gone, the live one kept
     assert sorted(os.listdir(base)) == ["1"]
-    assert saved_model.existing_versions(str(base)) == [1]
+    assert saved_model._existing_versions(str(base)) == [1]
 
 
 def test_version_is_taken_at_the_rename(tmp_path):
@@ -169,7 +182,7 @@ def test_version_is_taken_at_the_rename(tmp_path):
         assert export.export_saved_model(model, base, warmup=False) == str(base / "3")
     finally:
         _atomic.set_fault_hook(previous)
-    assert saved_model.existing_versions(str(base)) == [1, 2, 3]
+    assert saved_model._existing_versions(str(base)) == [1, 2, 3]
     with pytest.raises(ValueError, match="already exists"):
         export.export_saved_model(model, base, version=3, warmup=False)
 
@@ -180,7 +193,7 @@ def _set_export_id(path, export_id):
 
     proto = onnx.load(path)
     for entry in proto.metadata_props:
-        if entry.key == onnx_export.METADATA_KEY:
+        if entry.key == onnx_export._METADATA_KEY:
             meta = json.loads(entry.value)
             meta["export_id"] = export_id
             entry.value = json.dumps(meta)
@@ -192,7 +205,7 @@ def test_onnx_pair_names_the_missing_or_foreign_half(tmp_path, capsys):
     model_path = os.path.join(out, "onnx", f"{NAME}.onnx")
     step_path = os.path.join(out, "onnx", f"{NAME}_step.onnx")
     assert onnx_export.check_pair(model_path) == step_path
-    meta_model, meta_step = onnx_export.read_metadata(model_path), onnx_export.read_metadata(step_path)
+    meta_model, meta_step = onnx_export._read_metadata(model_path), onnx_export._read_metadata(step_path)
     assert meta_model["export_id"] == meta_step["export_id"] and meta_model["step_file"] == f"{NAME}_step.onnx"
 
     # A step graph of another export in its place: named, exit status 2, one line.
@@ -266,18 +279,20 @@ def test_sigkill_during_export_then_rerun(tmp_path, lm_files):
             assert_one_error_line(result.stderr)
         # Reported with `pytest -s` (docs/faults.md quotes it).
         last = result.stderr.strip().splitlines()[-1] if result.returncode else "all checks passed"
-        print(f"\nkilled at {kind} {where}: rc {proc.returncode}, versions {sorted(versions)}, "
-              f"onnx model/step ids equal: {len(set(onnx_ids.values())) == 1}, verify exit {result.returncode}: {last}")
+        print(
+            f"\nkilled at {kind} {where}: rc {proc.returncode}, versions {sorted(versions)}, "
+            f"onnx model/step ids equal: {len(set(onnx_ids.values())) == 1}, verify exit {result.returncode}: {last}"
+        )
     # A clean rerun: staging dirs of the killed exports removed, the next version, everything verifies.
-    before = saved_model.existing_versions(os.path.join(out, NAME))
+    before = saved_model._existing_versions(os.path.join(out, NAME))
     cmd, env = _cli(["export", lm_files[1], "--out", out, "--name", NAME])
     subprocess.run(cmd, env=env, cwd=REPO_ROOT, check=True, capture_output=True, timeout=600)
-    after = saved_model.existing_versions(os.path.join(out, NAME))
+    after = saved_model._existing_versions(os.path.join(out, NAME))
     assert after == before + [before[-1] + 1]
     for root in (out, os.path.join(out, NAME), os.path.join(out, "onnx"), os.path.join(out, "keras")):
         assert not [n for n in os.listdir(root) if _atomic.is_temporary(n)], os.listdir(root)
     vcmd, venv = _cli(["verify", out, "--shapes", "1x3"])
     result = subprocess.run(vcmd, env=venv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    with open(os.path.join(out, cli.MANIFEST)) as f:
+    with open(os.path.join(out, cli._MANIFEST)) as f:
         assert json.load(f)["models"][NAME]["saved_model"] == os.path.join(NAME, str(after[-1]))

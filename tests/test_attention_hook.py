@@ -197,10 +197,12 @@ def test_efficient_op_matches_float64_reference_outputs_and_gradients(projected,
     proj = [tf.Variable(x.astype("float32")) for x in (e, f)] if projected else []
     cot = tf.constant(rng.normal(size=(b, t, h, m)))
     with tf.GradientTape(persistent=True) as tape:
-        out = lops.efficient_attention(*inputs, key_mask=mask, **dict(zip(("projection_key", "projection_value"), proj)))
+        projections = dict(zip(("projection_key", "projection_value"), proj))
+        out = lops.efficient_attention(*inputs, key_mask=mask, **projections)
         ref = lops.efficient_attention_reference(
-            *(tf.cast(x, "float64") for x in inputs), key_mask=mask,
-            **dict(zip(("projection_key", "projection_value"), proj)),
+            *(tf.cast(x, "float64") for x in inputs),
+            key_mask=mask,
+            **projections,
         )
         loss = tf.reduce_sum(tf.cast(out, "float64") * cot)
         loss_ref = tf.reduce_sum(ref * cot)
@@ -268,8 +270,6 @@ def _private_keras_imports(path):
 
 def test_no_module_imports_private_keras():
     root = pathlib.Path(keras_linattn.__file__).parent
-    offenders = {
-        str(p.relative_to(root)): _private_keras_imports(p) for p in sorted(root.rglob("*.py"))
-    }
+    offenders = {str(p.relative_to(root)): _private_keras_imports(p) for p in sorted(root.rglob("*.py"))}
     offenders = {p: names for p, names in offenders.items() if names}
     assert not offenders, offenders

@@ -39,6 +39,7 @@ from keras_linattn.layers import (
     LinearTransformerEncoder,
 )
 from keras_linattn.models import LinearCausalLM
+from keras_linattn.ops.core import _check_state, _zero_state
 from keras_linattn.regularizers import OrthogonalRegularizer
 
 F = np.float32
@@ -182,7 +183,7 @@ class Env:
         """The step graph of `lm` exported to ONNX (with its full graph)."""
         full = self.path("lm.onnx")
         export.export_onnx(self.lm, full)
-        return export.onnx_export.default_step_path(full)
+        return export.onnx_export._default_step_path(full)
 
     @cached_property
     def generator(self):
@@ -250,14 +251,14 @@ ROWS = [
     ("ops.linear_attention/initial_state not a pair", lambda e: la.linear_attention(o(1, 4, 1, 4), o(1, 4, 1, 4), o(1, 4, 1, 2), initial_state=z(1, 1, 4, 2)), V, ["pair (S, z)", "Received: initial_state="]),
     ("ops.linear_attention/eps=-1", lambda e: la.linear_attention(o(1, 4, 1, 4), o(1, 4, 1, 4), o(1, 4, 1, 2), eps=-1.0), V, ["eps=-1.0"]),
     ("ops.linear_attention/eps=nan", lambda e: la.linear_attention(o(1, 4, 1, 4), o(1, 4, 1, 4), o(1, 4, 1, 2), eps=float("nan")), V, ["eps=nan"]),
-    # --- linear_attention_step / check_state / zero_state
-    ("ops.linear_attention_step/q_t rank 4", lambda e: la.linear_attention_step(o(1, 1, 1, 4), o(1, 1, 4), o(1, 1, 2), la.zero_state(1, 1, 4, 2)), V, ["q_t", "(1, 1, 1, 4)"]),
+    # --- linear_attention_step, and the private state helpers of ops.core
+    ("ops.linear_attention_step/q_t rank 4", lambda e: la.linear_attention_step(o(1, 1, 1, 4), o(1, 1, 4), o(1, 1, 2), _zero_state(1, 1, 4, 2)), V, ["q_t", "(1, 1, 1, 4)"]),
     ("ops.linear_attention_step/state z shape", lambda e: la.linear_attention_step(o(1, 1, 4), o(1, 1, 4), o(1, 1, 2), (z(1, 1, 4, 2), z(1, 1, 5))), V, ["state", "(1, 1, 5)"]),
     ("ops.linear_attention_step/state=None", lambda e: la.linear_attention_step(o(1, 1, 4), o(1, 1, 4), o(1, 1, 2), None), V, ["state=None"]),
-    ("ops.linear_attention_step/eps=-1", lambda e: la.linear_attention_step(o(1, 1, 4), o(1, 1, 4), o(1, 1, 2), la.zero_state(1, 1, 4, 2), eps=-1.0), V, ["eps=-1.0"]),
-    ("ops.check_state/batch mismatch", lambda e: la.check_state((z(2, 1, 4, 2), z(3, 1, 4)), 1, 4, 2), V, ["S.shape=(2, 1, 4, 2)", "z.shape=(3, 1, 4)"]),
-    ("ops.zero_state/batch_size=-1", lambda e: la.zero_state(-1, 1, 4, 2), V, ["batch_size=-1"]),
-    ("ops.zero_state/num_heads=0", lambda e: la.zero_state(1, 0, 4, 2), V, ["num_heads=0"]),
+    ("ops.linear_attention_step/eps=-1", lambda e: la.linear_attention_step(o(1, 1, 4), o(1, 1, 4), o(1, 1, 2), _zero_state(1, 1, 4, 2), eps=-1.0), V, ["eps=-1.0"]),
+    ("ops.core._check_state/batch mismatch", lambda e: _check_state((z(2, 1, 4, 2), z(3, 1, 4)), 1, 4, 2), V, ["S.shape=(2, 1, 4, 2)", "z.shape=(3, 1, 4)"]),
+    ("ops.core._zero_state/batch_size=-1", lambda e: _zero_state(-1, 1, 4, 2), V, ["batch_size=-1"]),
+    ("ops.core._zero_state/num_heads=0", lambda e: _zero_state(1, 0, 4, 2), V, ["num_heads=0"]),
     ("ops.kernel_attention_reference/v rank 3", lambda e: la.kernel_attention_reference(o(1, 4, 1, 4), o(1, 4, 1, 4), o(1, 4, 2)), V, ["`v`", "v.shape=(1, 4, 2)"]),
     ("ops.kernel_attention_reference/causal S != T", lambda e: la.kernel_attention_reference(o(1, 4, 1, 4), o(1, 6, 1, 4), o(1, 6, 1, 2), causal=True), V, ["causal=True", "q_features.shape[1]=4", "k_features.shape[1]=6"]),
     ("ops.kernel_attention_weights/feature dim mismatch", lambda e: la.kernel_attention_weights(o(1, 4, 1, 4), o(1, 4, 1, 5)), V, ["k_features.shape=(1, 4, 1, 5)"]),
@@ -440,8 +441,8 @@ ROWS = [
     ("read_warmup_requests/records not PredictionLog", lambda e: export.read_warmup_requests(e.not_prediction_logs), V, ["PredictionLog", "records.tfrecord"]),
     ("write_warmup_requests/model_name=''", lambda e: export.write_warmup_requests(e.path("w"), None, ""), V, ["model_name=''"]),
     ("write_warmup_requests/batch_size=0", lambda e: export.write_warmup_requests(e.path("w"), None, "m", batch_size=0), V, ["batch_size=0"]),
-    ("read_metadata/corrupt file", lambda e: export.read_metadata(e.corrupt_onnx), V, ["path=", "corrupt.onnx"]),
-    ("read_metadata/missing file", lambda e: export.read_metadata(e.path("missing.onnx")), V, ["path=", "missing.onnx"]),
+    ("check_pair/corrupt file", lambda e: export.check_pair(e.corrupt_onnx), V, ["path=", "corrupt.onnx"]),
+    ("check_pair/missing file", lambda e: export.check_pair(e.path("missing.onnx")), V, ["path=", "missing.onnx"]),
 ]
 
 

@@ -24,7 +24,9 @@ FEATURE_MAPS = feature_maps.available()
 
 
 def _layer(feature_map="elu", **kwargs):
-    layer = LinearAttention(num_heads=2, key_dim=4, feature_map=step_test_feature_map(feature_map), chunk_size=CHUNK, **kwargs)
+    layer = LinearAttention(
+        num_heads=2, key_dim=4, feature_map=step_test_feature_map(feature_map), chunk_size=CHUNK, **kwargs
+    )
     layer.build((None, None, DIM), (None, None, DIM))
     return layer
 
@@ -58,7 +60,9 @@ def test_step_matches_parallel_causal(rng, feature_map):
     parallel = np.asarray(layer(x, x, use_causal_mask=True))
     stepped, (s, z) = run_steps(layer, x, self_attention=True)
     # Step and parallel are both float32 (paths=2).
-    assert_close(stepped, parallel, n=_n_output(layer, T), conditioning=_conditioning(layer, x), paths=2, what="outputs")
+    assert_close(
+        stepped, parallel, n=_n_output(layer, T), conditioning=_conditioning(layer, x), paths=2, what="outputs"
+    )
     # The final recurrent state is the parallel path's returned state.
     _, (s_par, z_par) = layer(x, x, use_causal_mask=True, return_state=True)
     assert_close(s, s_par, n=_n_state(layer, T), paths=2, what="S")
@@ -87,8 +91,11 @@ def test_split_and_resume_matches_one_pass(rng, feature_map):
         y, state = layer(x[:, lo:hi], x[:, lo:hi], use_causal_mask=True, return_state=True, initial_state=state)
         pieces.append(np.asarray(y))
     assert_close(
-        np.concatenate(pieces, axis=1), full,
-        n=_n_output(layer, x.shape[1]), conditioning=_conditioning(layer, x), paths=2,  # S = 11 keys at most
+        np.concatenate(pieces, axis=1),
+        full,
+        n=_n_output(layer, x.shape[1]),
+        conditioning=_conditioning(layer, x),
+        paths=2,  # S = 11 keys at most
     )
 
 
@@ -100,7 +107,9 @@ def test_cell_in_keras_rnn_matches_parallel_layer(rng, feature_map):
     outputs, s_flat, z_flat = rnn(x)
     parallel, (s, z) = layer(x, x, use_causal_mask=True, return_state=True)
     # keras.layers.RNN runs the recurrent step: float32 against float32 (paths=2).
-    assert_close(outputs, parallel, n=_n_output(layer, T), conditioning=_conditioning(layer, x), paths=2, what="outputs")
+    assert_close(
+        outputs, parallel, n=_n_output(layer, T), conditioning=_conditioning(layer, x), paths=2, what="outputs"
+    )
     assert_close(np.reshape(s_flat, s.shape), s, n=_n_state(layer, T), paths=2, what="S")
     assert_close(np.reshape(z_flat, z.shape), z, n=_n_state(layer, T), paths=2, what="z")
 

@@ -113,4 +113,6 @@ def test_console_script_entry_point():
     )
     assert result.returncode == 0
     assert "{export,verify}" in result.stdout
-    np.testing.assert_equal(cli.build_parser().parse_args(["verify", "d", "--shapes", "1x2,3x4"]).shapes, [(1, 2), (3, 4)])
+    np.testing.assert_equal(
+        cli.build_parser().parse_args(["verify", "d", "--shapes", "1x2,3x4"]).shapes, [(1, 2), (3, 4)]
+    )

@@ -99,9 +99,17 @@ def test_verify_process_prints_one_line_and_exits_2(tmp_path):
     """The console entry point as a process: no traceback, one `error:` line, status 2."""
     out = _fault_exports.copy_export(tmp_path / "exported")
     truncate(os.path.join(out, NAME, "1", "variables", "variables.data-00000-of-00001"))
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run([sys.executable, "-m", "keras_linattn.cli", "verify", out], cwd=REPO_ROOT, env=env,
-                            capture_output=True, text=True, timeout=600)
+    env = dict(
+        os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "keras_linattn.cli", "verify", out],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     lines = result.stderr.strip().splitlines()
     assert "Traceback" not in result.stderr
@@ -142,8 +150,9 @@ def test_warmup_file(tmp_path):
     truncate(path)
     with pytest.raises(ValueError, match=re.escape(repr(path))) as info:
         export.read_warmup_requests(path)
-    _record("assets.extra/tf_serving_warmup_requests", "truncated", "`export.read_warmup_requests(path)`",
-            str(info.value))
+    _record(
+        "assets.extra/tf_serving_warmup_requests", "truncated", "`export.read_warmup_requests(path)`", str(info.value)
+    )
 
 
 @pytest.mark.parametrize("command", ["export", "verify"])
@@ -176,8 +185,14 @@ def _tiny_model():
 def _backup(tmp_path):
     backup_dir = str(tmp_path / "backup")
     x = np.ones((4, 3), "float32")
-    _tiny_model().fit(x, x[:, :2], epochs=1, batch_size=2, verbose=0,
-                      callbacks=[BackupAndRestore(backup_dir, delete_checkpoint=False)])
+    _tiny_model().fit(
+        x,
+        x[:, :2],
+        epochs=1,
+        batch_size=2,
+        verbose=0,
+        callbacks=[BackupAndRestore(backup_dir, delete_checkpoint=False)],
+    )
     return backup_dir, x
 
 
@@ -215,8 +230,12 @@ def test_damaged_tf_checkpoint_names_the_file(tmp_path, which):
     fresh = _tiny_model()
     with pytest.raises(ValueError, match=re.escape(repr(prefix))) as info:
         restore(tf.train.Checkpoint(model=fresh, step=tf.Variable(0, dtype=tf.int64)), str(tmp_path / "ckpt"))
-    _record(f"ckpt/ckpt-1.{'index' if which == 'index' else 'data-00000-of-00001'}", "truncated",
-            "`examples.multi_worker.train.restore`", str(info.value))
+    _record(
+        f"ckpt/ckpt-1.{'index' if which == 'index' else 'data-00000-of-00001'}",
+        "truncated",
+        "`examples.multi_worker.train.restore`",
+        str(info.value),
+    )
 
 
 def test_truncated_epoch_log_of_the_examples(tmp_path):

@@ -54,7 +54,9 @@ def _functional_model(feature_map=None):
     x = x + _attention(1, feature_map, "attention_1")(x, x)
     x = keras.layers.LayerNormalization(name="norm")(x)
     x = x + _attention(2, feature_map, "attention_2")(x, x)
-    out = keras.layers.Dense(3, kernel_initializer=keras.initializers.GlorotUniform(seed=1), name="head")(keras.layers.GlobalAveragePooling1D()(x))
+    out = keras.layers.Dense(3, kernel_initializer=keras.initializers.GlorotUniform(seed=1), name="head")(
+        keras.layers.GlobalAveragePooling1D()(x)
+    )
     return keras.Model(inp, out)
 
 
@@ -139,9 +141,7 @@ def test_distillation_lowers_kl_and_changes_only_feature_maps():
     flags = {layer.name: layer.trainable for layer in model._flatten_layers(include_self=True, recursive=True)}
     var_flags = {v.path: v.trainable for v in model.variables}
     before = {v.path: np.asarray(v).copy() for v in model.variables}
-    history = distill.distill_attention(
-        model, x, epochs=6, batch_size=8, learning_rate=0.05, verbose=0
-    )
+    history = distill.distill_attention(model, x, epochs=6, batch_size=8, learning_rate=0.05, verbose=0)
     assert history.layers == ["attention_1", "attention_2"]
     for name in history.layers:
         # Learning criterion (seeded): 6 epochs at learning rate 0.05 remove
@@ -149,13 +149,11 @@ def test_distillation_lowers_kl_and_changes_only_feature_maps():
         assert history.kl_after[name] < 0.7 * history.kl_before[name], (name, history)
     assert len(history.history["kl"]) == 6
     assert history.history["kl"][-1] < history.history["kl"][0]
-    fm_paths = {
-        v.path for name in history.layers for v in model.get_layer(name).feature_map.weights
-    }
+    fm_paths = {v.path for name in history.layers for v in model.get_layer(name).feature_map.weights}
     for v in model.variables:
         changed = not np.array_equal(np.asarray(v), before[v.path])
         assert changed == (v.path in fm_paths), v.path
-    assert {l.name: l.trainable for l in model._flatten_layers(include_self=True, recursive=True)} == flags
+    assert {layer.name: layer.trainable for layer in model._flatten_layers(include_self=True, recursive=True)} == flags
     assert {v.path: v.trainable for v in model.variables} == var_flags
     assert all("call" not in layer.__dict__ for layer in model._flatten_layers())
     fresh = distill.attention_kl(model, x, batch_size=8)
@@ -166,8 +164,12 @@ def test_distillation_lowers_kl_and_changes_only_feature_maps():
         h = np.asarray(keras.Model(model.input, model.get_layer(inputs[name]).output)(x))
         kl, cross, entropy = _numpy_kl(model.get_layer(name), h, h, parts=True)
         assert_close(
-            fresh[name], history.kl_after[name], n=_kl_reduction_length(8),
-            conditioning=_kl_conditioning(cross, entropy, kl), paths=2, what=name,
+            fresh[name],
+            history.kl_after[name],
+            n=_kl_reduction_length(8),
+            conditioning=_kl_conditioning(cross, entropy, kl),
+            paths=2,
+            what=name,
         )
 
 
@@ -213,7 +215,9 @@ def test_subclassed_model_reads_causal_flag_and_keras_mask():
     expected, cross, entropy = _numpy_kl(layer, h, h, causal=True, key_mask=tokens != 0, parts=True)
     # Against the float64 NumPy definition (paths=1).
     assert_close(
-        kl["inner_attention"], expected, n=_kl_reduction_length(4),
+        kl["inner_attention"],
+        expected,
+        n=_kl_reduction_length(4),
         conditioning=_kl_conditioning(cross, entropy, expected),
     )
     non_causal = distill.attention_kl(model, tokens, batch_size=4, causal=False)
@@ -239,11 +243,11 @@ def test_flags_and_hooks_restored_when_training_fails():
     model = _functional_model()
     x = _data(8)
     model(x)
-    flags = {l.name: l.trainable for l in model._flatten_layers(include_self=True, recursive=True)}
+    flags = {layer.name: layer.trainable for layer in model._flatten_layers(include_self=True, recursive=True)}
     bad = tf.data.Dataset.from_tensor_slices(np.zeros((8, T, DIM + 1), "float32")).batch(4)
     with pytest.raises(Exception):
         distill.distill_attention(model, bad, validation_data=x, verbose=0)
-    assert {l.name: l.trainable for l in model._flatten_layers(include_self=True, recursive=True)} == flags
+    assert {layer.name: layer.trainable for layer in model._flatten_layers(include_self=True, recursive=True)} == flags
     assert all("call" not in layer.__dict__ for layer in model._flatten_layers())
 
 
@@ -309,8 +313,21 @@ def test_distillation_example_runs(tmp_path):
 
     results = run.main(
         [
-            "--train-size", "512", "--test-size", "128", "--epochs", "2", "--layers", "1",
-            "--distill-epochs", "1", "--distill-steps", "20", "--finetune-epochs", "0", "--no-jit",
+            "--train-size",
+            "512",
+            "--test-size",
+            "128",
+            "--epochs",
+            "2",
+            "--layers",
+            "1",
+            "--distill-epochs",
+            "1",
+            "--distill-steps",
+            "20",
+            "--finetune-epochs",
+            "0",
+            "--no-jit",
         ]
     )
     assert results["kl_after"]["attention_0"] < results["kl_before"]["attention_0"]

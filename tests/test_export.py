@@ -305,7 +305,8 @@ def test_lm_greedy_decoding_matches_keras_generate(lm_export, rng):
     expected = np.asarray(model.generate(prompt, max_length=max_length))  # Keras, XLA-compiled
     with export.SavedModelRunner(version_dir) as runner:
         # 1. the generate signature (tf.while_loop inside the SavedModel)
-        got = runner.run("generate", {"prompt_ids": prompt, "padding_mask": np.ones_like(prompt), "max_length": np.int32(max_length)})["output_ids"]
+        feeds = {"prompt_ids": prompt, "padding_mask": np.ones_like(prompt), "max_length": np.int32(max_length)}
+        got = runner.run("generate", feeds)["output_ids"]
         np.testing.assert_array_equal(got, expected)
         # 2. the step signature looped from Python, state explicit in and out
         state = [np.asarray(s) for s in model.get_initial_state(3)]
@@ -342,13 +343,22 @@ def test_lm_sampled_generation_is_seeded(lm_export):
     prompt = np.array([[1, 2, 3], [4, 5, 6]], "int32")
 
     def sample(seed, temperature=1.0):
-        feeds = {"prompt_ids": prompt, "padding_mask": np.ones_like(prompt), "max_length": np.int32(10), "temperature": np.float32(temperature),
-                 "top_k": np.int32(0), "top_p": np.float32(1.0), "seed": np.int64(seed)}
+        feeds = {
+            "prompt_ids": prompt,
+            "padding_mask": np.ones_like(prompt),
+            "max_length": np.int32(10),
+            "temperature": np.float32(temperature),
+            "top_k": np.int32(0),
+            "top_p": np.float32(1.0),
+            "seed": np.int64(seed),
+        }
         return runner.run("generate_sampled", feeds)["output_ids"]
 
     with export.SavedModelRunner(version_dir) as runner:
         a, b, c = sample(1), sample(1), sample(2)
-        greedy = runner.run("generate", {"prompt_ids": prompt, "padding_mask": np.ones_like(prompt), "max_length": np.int32(10)})["output_ids"]
+        greedy = runner.run(
+            "generate", {"prompt_ids": prompt, "padding_mask": np.ones_like(prompt), "max_length": np.int32(10)}
+        )["output_ids"]
         cold = sample(5, temperature=1e-4)
         zero = sample(5, temperature=0.0)
     np.testing.assert_array_equal(a, b)
@@ -387,6 +397,8 @@ def test_lm_generate_without_new_tokens(lm_export):
     model, version_dir = lm_export
     prompt = np.array([[3, 1, 4, 1]], "int32")
     with export.SavedModelRunner(version_dir) as runner:
-        got = runner.run("generate", {"prompt_ids": prompt, "padding_mask": np.ones_like(prompt), "max_length": np.int32(4)})["output_ids"]
+        got = runner.run(
+            "generate", {"prompt_ids": prompt, "padding_mask": np.ones_like(prompt), "max_length": np.int32(4)}
+        )["output_ids"]
     np.testing.assert_array_equal(got, model.generate(prompt, max_length=4))
     np.testing.assert_array_equal(got, prompt)

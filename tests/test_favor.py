@@ -126,7 +126,7 @@ def test_orthogonal_features_beat_iid_features():
 @pytest.mark.parametrize("scaling", ["chi", "sqrt"])
 def test_projection_structure(kind, scaling):
     rng = np.random.default_rng(0)
-    w = random_features.gaussian_projection(rng, 40, 8, kind, scaling).astype("float64")  # [m, D]
+    w = random_features._gaussian_projection(rng, 40, 8, kind, scaling).astype("float64")  # [m, D]
     assert w.shape == (40, 8)
     norms = np.linalg.norm(w, axis=1)
     # w is float64 NumPy rounded to float32: its norms (over D = 8) and the
@@ -149,7 +149,7 @@ def test_projection_structure(kind, scaling):
 
 def test_chi_norms_match_gaussian_second_moment():
     rng = np.random.default_rng(1)
-    w = random_features.gaussian_projection(rng, 4096, 16, "orthogonal", "chi")
+    w = random_features._gaussian_projection(rng, 4096, 16, "orthogonal", "chi")
     # rows of N(0, I_D): E|w|^2 = D, Var|w|^2 = 2D
     sq = np.sum(w.astype("float64") ** 2, axis=1)
     # Statistical: 4 standard errors of the mean of 4096 draws, sqrt(Var / N).

@@ -188,7 +188,8 @@ def test_keras_save_load_with_non_default_arguments(rng, tmp_path):
     x = rng.normal(size=(2, 19, DIM)).astype("float32")
     np.testing.assert_array_equal(np.asarray(model(x)), np.asarray(loaded(x)))
     lcfg = loaded.layers[-1].get_config()
-    for key in ("num_heads", "key_dim", "value_dim", "chunk_size", "dropout", "use_bias", "output_shape", "epsilon", "seed"):
+    keys = ("num_heads", "key_dim", "value_dim", "chunk_size", "dropout", "use_bias", "output_shape", "epsilon", "seed")
+    for key in keys:
         assert lcfg[key] == layer.get_config()[key]
     assert loaded.layers[-1].feature_map.epsilon == 1e-3
 

@@ -86,7 +86,9 @@ def test_labels_match_independent_evaluation(splits):
 
 @pytest.mark.parametrize("min_length,max_length", [(1, 12), (20, 40), (60, 64)])
 def test_length_depth_and_arity_bounds(min_length, max_length):
-    out = generator.generate({"train": 60}, seed=0, min_length=min_length, max_length=max_length, max_depth=4, max_args=5)
+    out = generator.generate(
+        {"train": 60}, seed=0, min_length=min_length, max_length=max_length, max_depth=4, max_args=5
+    )
     for source, _ in out["train"]:
         length = len(source.split())
         assert min_length <= length <= max_length
@@ -192,26 +194,44 @@ def test_train_script_small_run(tmp_path, capsys):
     seeds = (TEST_SEED, TEST_SEED + 1)
     results = train.main(
         [
-            "--variants", "softmax,elu",
-            "--seeds", ",".join(map(str, seeds)),
-            "--data-seed", str(TEST_SEED),
-            "--steps", "200",
-            "--eval-every", "100",
-            "--batch-size", "32",
-            "--num-train", str(num_train),
-            "--num-eval", str(num_eval),
-            "--min-length", str(min_length),
-            "--max-length", str(max_length),
-            "--seq-len", str(max_length),  # nothing truncated
-            "--hidden-dim", "16",
-            "--intermediate-dim", "16",
-            "--data-dir", str(tmp_path),
+            "--variants",
+            "softmax,elu",
+            "--seeds",
+            ",".join(map(str, seeds)),
+            "--data-seed",
+            str(TEST_SEED),
+            "--steps",
+            "200",
+            "--eval-every",
+            "100",
+            "--batch-size",
+            "32",
+            "--num-train",
+            str(num_train),
+            "--num-eval",
+            str(num_eval),
+            "--min-length",
+            str(min_length),
+            "--max-length",
+            str(max_length),
+            "--seq-len",
+            str(max_length),  # nothing truncated
+            "--hidden-dim",
+            "16",
+            "--intermediate-dim",
+            "16",
+            "--data-dir",
+            str(tmp_path),
             "--no-jit",
-            "--verbose", "0",
+            "--verbose",
+            "0",
         ]
     )
     assert [(r["variant"], r["seed"]) for r in results] == [
-        ("softmax", seeds[0]), ("softmax", seeds[1]), ("elu", seeds[0]), ("elu", seeds[1])
+        ("softmax", seeds[0]),
+        ("softmax", seeds[1]),
+        ("elu", seeds[0]),
+        ("elu", seeds[1]),
     ]
     # Chance: the majority-class rate p0 of the test split (10 classes, not balanced: p0 >= 1/10; the
     # builder's splits are the generator's). A predictor that ignores its input scores at
@@ -219,7 +239,9 @@ def test_train_script_small_run(tmp_path, capsys):
     # N test examples above it, p0 + 3 * sqrt(p0 (1 - p0) / N).
     splits = generator.generate(
         {"train": num_train, "validation": num_eval, "test": num_eval},
-        seed=TEST_SEED, min_length=min_length, max_length=max_length,
+        seed=TEST_SEED,
+        min_length=min_length,
+        max_length=max_length,
     )
     counts = np.bincount([label for _, label in splits["test"]], minlength=generator.NUM_CLASSES)
     p0 = counts.max() / num_eval
@@ -239,4 +261,3 @@ def test_unknown_variant_raises():
 
     with pytest.raises(ValueError, match="variant='nope'"):
         train.resolve_variants(["nope"], [1])
-

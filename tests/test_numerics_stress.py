@@ -328,7 +328,8 @@ def _table():
                         b = _bound_against_float32(name, policy, scale, r["conditioning"])
                         cells.append(f"{r['err']:.1e} ({'excl.' if b is None else f'<= {b:.1e}'})")
                     replay.append("n/a" if np.isnan(r["replay_err"]) else f"{r['replay_err']:.1e}")
-                print(f"| {name} | {scale:g} | {causal} | {cells[0]} | {cells[1]} | {' / '.join(replay)} | {'/'.join(fin)} |")
+                replays, finite = " / ".join(replay), "/".join(fin)
+                print(f"| {name} | {scale:g} | {causal} | {cells[0]} | {cells[1]} | {replays} | {finite} |")
     for name in ("elu", "favor+", "hedgehog"):
         for length in (8192, 32768):
             outputs, expected = _long(name, length, POLICIES)

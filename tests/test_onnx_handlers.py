@@ -17,7 +17,7 @@ from tests.tolerance import assert_close
 
 def _run_onnx(tmp_path, fn, signature, feeds):
     path = str(tmp_path / "op.onnx")
-    onnx_export.convert_function(fn, signature, path)
+    onnx_export._convert_function(fn, signature, path)
     session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
     return session.run(None, feeds)[0]
 

@@ -167,7 +167,7 @@ def test_step_equals_parallel(rng):
     t = 23
     q, k, v = _inputs(rng, t)
     full = np.asarray(lops.linear_attention(q, k, v, causal=True, chunk_size=8))
-    state = lops.zero_state(B, H, C, M)
+    state = lops.core._zero_state(B, H, C, M)
     outs = []
     for i in range(t):
         out, state = lops.linear_attention_step(q[:, i], k[:, i], v[:, i], state)

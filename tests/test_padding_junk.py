@@ -64,7 +64,7 @@ def test_a_masked_step_keeps_the_state_even_with_nan_key_and_value():
     from keras_linattn import ops as la
 
     rng = np.random.default_rng(4)
-    state = la.zero_state(2, 1, 3, 2)
+    state = la.core._zero_state(2, 1, 3, 2)
     state = (state[0] + 1.0, state[1] + 1.0)
     q = rng.uniform(0.1, 1, (2, 1, 3)).astype("float32")
     k = np.full((2, 1, 3), np.nan, "float32")
@@ -98,7 +98,7 @@ def test_float_masks_mean_nonzero_is_real_in_the_ops_and_the_oracle(causal):
     s, c = 6, 3
     assert_close(expected, oracle, n=s + c, what="oracle")  # S keys + C features
     # Stepping with the float mask gives the same outputs.
-    state = la.zero_state(2, 2, 3, 4)
+    state = la.core._zero_state(2, 2, 3, 4)
     if causal:
         steps = []
         for t in range(6):

@@ -13,8 +13,6 @@ M value dim, L chunk length.
 
 import os
 
-import keras
-
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -22,7 +20,8 @@ from hypothesis import strategies as st
 
 from keras_linattn import feature_maps
 from keras_linattn.layers import LinearAttention
-from keras_linattn.ops import kernel_attention_reference, linear_attention, linear_attention_step, zero_state
+from keras_linattn.ops import kernel_attention_reference, linear_attention, linear_attention_step
+from keras_linattn.ops.core import _zero_state as zero_state
 from tests.tolerance import assert_close, normalizer_conditioning
 
 # Under CI (CI=true) the examples are derandomized: every run checks the same

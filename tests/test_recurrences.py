@@ -70,7 +70,10 @@ def test_gated_matches_oracle_outputs_and_gradients(rng, t, chunk_size, width, n
     q, k, v = _features(rng, t)
     g = _log_decay(rng, t, width)
     mask = _padding(rng, t)
-    state = (np.abs(rng.normal(size=(B, H, C, M))).astype("float32"), np.abs(rng.normal(size=(B, H, C))).astype("float32"))
+    state = (
+        np.abs(rng.normal(size=(B, H, C, M))).astype("float32"),
+        np.abs(rng.normal(size=(B, H, C))).astype("float32"),
+    )
     w = rng.normal(size=(B, t, H, M))
 
     def fast(q_, k_, v_, g_):
@@ -79,7 +82,9 @@ def test_gated_matches_oracle_outputs_and_gradients(rng, t, chunk_size, width, n
         )
 
     def oracle(q_, k_, v_, g_):
-        return lops.gated_linear_attention_reference(q_, k_, v_, g_, key_mask=mask, initial_state=state, normalize=normalize)[0]
+        return lops.gated_linear_attention_reference(
+            q_, k_, v_, g_, key_mask=mask, initial_state=state, normalize=normalize
+        )[0]
 
     cond = _decay_conditioning(g, chunk_size, mask)
     assert_close(fast(q, k, v, g), oracle(q, k, v, g), n=t + C, conditioning=cond, what="outputs")  # T keys, C features

@@ -312,15 +312,45 @@ def test_sigkill_at_a_random_step_then_rerun_equals_uninterrupted(tmp_path, feat
     with np.load(out) as f:
         got = [f[f"arr_{i}"] for i in range(len(f.files))]
     expected = worker.train(feature_map)  # uninterrupted, in this process
-    _assert_same_weights(got, expected, n=N_WORKER, what=f"{feature_map} killed at step {step}, resumed at {resumed_from}")
+    what = f"{feature_map} killed at step {step}, resumed at {resumed_from}"
+    _assert_same_weights(got, expected, n=N_WORKER, what=what)
     assert not os.path.exists(backup_dir)
 
 
 CHAR_LM_ARGS = [
-    "--steps", "16", "--eval-every", "4", "--validation-steps", "1", "--max-chars", "20000",
-    "--sequence-length", "16", "--batch-size", "4", "--num-layers", "1", "--hidden-dim", "16",
-    "--num-heads", "2", "--intermediate-dim", "32", "--chunk-size", "8", "--generate-length", "2",
-    "--num-samples", "1", "--sampler", "greedy", "--verbose", "0", "--no-jit", "--backup-every", "2",
+    "--steps",
+    "16",
+    "--eval-every",
+    "4",
+    "--validation-steps",
+    "1",
+    "--max-chars",
+    "20000",
+    "--sequence-length",
+    "16",
+    "--batch-size",
+    "4",
+    "--num-layers",
+    "1",
+    "--hidden-dim",
+    "16",
+    "--num-heads",
+    "2",
+    "--intermediate-dim",
+    "32",
+    "--chunk-size",
+    "8",
+    "--generate-length",
+    "2",
+    "--num-samples",
+    "1",
+    "--sampler",
+    "greedy",
+    "--verbose",
+    "0",
+    "--no-jit",
+    "--backup-every",
+    "2",
 ]
 
 
@@ -369,10 +399,35 @@ def test_char_lm_example_sigkill_then_rerun_equals_uninterrupted(tmp_path, capsy
 def test_multi_worker_loop_sigkill_then_rerun_equals_uninterrupted(tmp_path):
     """The custom loop (one local worker) checkpoints through tf.train.CheckpointManager."""
     common = [
-        "-m", "examples.multi_worker.train", "--steps", "10", "--checkpoint-every", "3", "--max-chars", "20000",
-        "--sequence-length", "16", "--per-replica-batch", "4", "--num-layers", "1", "--hidden-dim", "16",
-        "--num-heads", "2", "--intermediate-dim", "32", "--chunk-size", "8", "--feature-map", "favor+",
-        "--redraw-every", "2", "--dropout", "0.1", "--log-steps",
+        "-m",
+        "examples.multi_worker.train",
+        "--steps",
+        "10",
+        "--checkpoint-every",
+        "3",
+        "--max-chars",
+        "20000",
+        "--sequence-length",
+        "16",
+        "--per-replica-batch",
+        "4",
+        "--num-layers",
+        "1",
+        "--hidden-dim",
+        "16",
+        "--num-heads",
+        "2",
+        "--intermediate-dim",
+        "32",
+        "--chunk-size",
+        "8",
+        "--feature-map",
+        "favor+",
+        "--redraw-every",
+        "2",
+        "--dropout",
+        "0.1",
+        "--log-steps",
     ]
     reference = str(tmp_path / "reference.npz")
     _run_to_end(common + ["--weights-out", reference])
@@ -406,8 +461,17 @@ def _two_workers(args, kill_step=None, delay=0.0):
     for index in range(2):
         env = _env()
         env["TF_CONFIG"] = json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})
-        procs.append(subprocess.Popen([sys.executable, *args], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, bufsize=1))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *args],
+                cwd=REPO_ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                bufsize=1,
+            )
+        )
     lines = []
     try:
         for line in procs[0].stdout:
@@ -433,13 +497,38 @@ def _two_workers(args, kill_step=None, delay=0.0):
 def test_two_worker_loop_sigkill_then_rerun_equals_uninterrupted(tmp_path):
     """Both workers of the custom loop killed (a pre-empted job) and restarted: same weights."""
     common = [
-        "-m", "examples.multi_worker.train", "--steps", "8", "--checkpoint-every", "2", "--max-chars", "20000",
-        "--sequence-length", "16", "--per-replica-batch", "2", "--num-layers", "1", "--hidden-dim", "16",
-        "--num-heads", "2", "--intermediate-dim", "32", "--chunk-size", "8", "--feature-map", "favor+",
-        "--redraw-every", "2", "--dropout", "0.1", "--log-steps",
+        "-m",
+        "examples.multi_worker.train",
+        "--steps",
+        "8",
+        "--checkpoint-every",
+        "2",
+        "--max-chars",
+        "20000",
+        "--sequence-length",
+        "16",
+        "--per-replica-batch",
+        "2",
+        "--num-layers",
+        "1",
+        "--hidden-dim",
+        "16",
+        "--num-heads",
+        "2",
+        "--intermediate-dim",
+        "32",
+        "--chunk-size",
+        "8",
+        "--feature-map",
+        "favor+",
+        "--redraw-every",
+        "2",
+        "--dropout",
+        "0.1",
+        "--log-steps",
     ]
     reference = str(tmp_path / "reference.npz")
-    assert any("replicas\": 2" in line for line in _two_workers(common + ["--weights-out", reference]))
+    assert any('replicas": 2' in line for line in _two_workers(common + ["--weights-out", reference]))
     backup_dir, out = str(tmp_path / "ckpt"), str(tmp_path / "out.npz")
     rng = np.random.default_rng(TEST_SEED)
     step = int(rng.integers(3, 7))
@@ -454,9 +543,31 @@ def test_two_worker_loop_sigkill_then_rerun_equals_uninterrupted(tmp_path):
 
 
 LISTOPS_ARGS = [
-    "--variants", "elu", "--steps", "4", "--eval-every", "2", "--batch-size", "8", "--num-train", "64",
-    "--num-eval", "16", "--min-length", "4", "--max-length", "32", "--seq-len", "32", "--hidden-dim", "16",
-    "--intermediate-dim", "16", "--no-jit", "--verbose", "0",
+    "--variants",
+    "elu",
+    "--steps",
+    "4",
+    "--eval-every",
+    "2",
+    "--batch-size",
+    "8",
+    "--num-train",
+    "64",
+    "--num-eval",
+    "16",
+    "--min-length",
+    "4",
+    "--max-length",
+    "32",
+    "--seq-len",
+    "32",
+    "--hidden-dim",
+    "16",
+    "--intermediate-dim",
+    "16",
+    "--no-jit",
+    "--verbose",
+    "0",
 ]
 
 
@@ -498,9 +609,31 @@ def test_text_classification_rerun_after_a_crash_matches(tmp_path, capsys):
 
     from examples.text_classification import train
 
-    args = ["--steps", "6", "--eval-every", "2", "--batch-size", "8", "--sequence-length", "24", "--num-layers",
-            "1", "--hidden-dim", "16", "--num-heads", "2", "--intermediate-dim", "16", "--feature-map", "oglu",
-            "--verbose", "0", "--no-jit", "--backup-every", "3"]
+    args = [
+        "--steps",
+        "6",
+        "--eval-every",
+        "2",
+        "--batch-size",
+        "8",
+        "--sequence-length",
+        "24",
+        "--num-layers",
+        "1",
+        "--hidden-dim",
+        "16",
+        "--num-heads",
+        "2",
+        "--intermediate-dim",
+        "16",
+        "--feature-map",
+        "oglu",
+        "--verbose",
+        "0",
+        "--no-jit",
+        "--backup-every",
+        "3",
+    ]
     backup = ["--backup-dir", str(tmp_path / "backup")]
     with tfds.testing.mock_data(num_examples=32):
         reference, _ = train.main(args)

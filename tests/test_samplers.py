@@ -75,7 +75,11 @@ def test_seed_determinism_inside_xla(rng):
 
 def test_registry_and_serialization():
     assert samplers.available() == ["greedy", "random", "top_k", "top_p"]
-    for sampler in (samplers.get("top_k", k=3, temperature=0.5), samplers.TopPSampler(p=0.8, k=4), samplers.GreedySampler()):
+    for sampler in (
+        samplers.get("top_k", k=3, temperature=0.5),
+        samplers.TopPSampler(p=0.8, k=4),
+        samplers.GreedySampler(),
+    ):
         clone = samplers.deserialize(samplers.serialize(sampler))
         assert type(clone) is type(sampler) and clone.get_config() == sampler.get_config()
         assert samplers.get(samplers.serialize(sampler)).get_config() == sampler.get_config()

@@ -77,7 +77,7 @@ def test_batching_config_uses_known_fields():
     known = {"max_batch_size", "batch_timeout_micros", "max_enqueued_batches", "num_batch_threads",
              "pad_variable_length_inputs", "allowed_batch_sizes", "thread_pool_name"}
     with open(os.path.join(KIT, "batching.config")) as f:
-        lines = [l.strip() for l in f if l.strip() and not l.strip().startswith("#")]
+        lines = [line.strip() for line in f if line.strip() and not line.strip().startswith("#")]
     fields = {}
     for line in lines:
         match = re.fullmatch(r"(\w+) \{ value: (\d+) \}|(\w+): (true|false)", line)
@@ -128,7 +128,9 @@ def test_rest_generate_body_reproduces_keras_generate(lm_export):
     model, version_dir = lm_export
     rest = load_client("rest_client")
     prompt = np.array([[1, 2, 3], [4, 5, 6]], np.int32)
-    body = rest.predict_body({"prompt_ids": prompt, "padding_mask": np.ones_like(prompt), "max_length": np.int32(10)}, "generate", "inputs")
+    body = rest.predict_body(
+        {"prompt_ids": prompt, "padding_mask": np.ones_like(prompt), "max_length": np.int32(10)}, "generate", "inputs"
+    )
     body = json.loads(json.dumps(body))
     assert body == {
         "signature_name": "generate",
@@ -138,7 +140,11 @@ def test_rest_generate_body_reproduces_keras_generate(lm_export):
         out = runner.run("generate", decode_rest_body(body, runner.input_info("generate")))
     np.testing.assert_array_equal(out["output_ids"], model.generate(prompt, max_length=10))
     with pytest.raises(ValueError, match="use request_format='inputs'"):
-        rest.predict_body({"prompt_ids": prompt, "padding_mask": np.ones_like(prompt), "max_length": np.int32(10)}, "generate", "instances")
+        rest.predict_body(
+            {"prompt_ids": prompt, "padding_mask": np.ones_like(prompt), "max_length": np.int32(10)},
+            "generate",
+            "instances",
+        )
 
 
 def test_rest_multi_input_instances_and_url():
@@ -194,9 +200,9 @@ def test_grpc_step_decoding_reproduces_keras_generate(lm_export):
         generate_request = grpc_client.predict_request(
             "lm", {"prompt_ids": prompt, "padding_mask": np.ones_like(prompt), "max_length": np.int32(9)}, "generate"
         )
-        generated = runner.run(
-            "generate", {k: tf.make_ndarray(v) for k, v in generate_request.inputs.items()}
-        )["output_ids"]
+        generated = runner.run("generate", {k: tf.make_ndarray(v) for k, v in generate_request.inputs.items()})[
+            "output_ids"
+        ]
     expected = model.generate(prompt, max_length=9)
     np.testing.assert_array_equal(tokens, expected)
     np.testing.assert_array_equal(generated, expected)

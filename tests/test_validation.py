@@ -249,7 +249,7 @@ def test_positive_ints_refused_the_same_way(value):
         lambda: LinearAttention(value, 4),
         lambda: LinearTransformerEncoder(value, 8),
         lambda: LinearTransformerDecoder(value, 8),
-        lambda: la_ops.zero_state(1, value, 4, 4),
+        lambda: la_ops._zero_state(1, value, 4, 4),
     ]
     for make in makers:
         assert _message(make) == want

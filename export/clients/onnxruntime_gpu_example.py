@@ -20,13 +20,13 @@ import time
 
 import numpy as np
 
-from keras_linattn.export import OnnxGenerator, OnnxPredictor, read_metadata
+from keras_linattn.export import OnnxGenerator, OnnxPredictor
 
 
 def run_encoder(path, batch, length, device, repeats):
     predictor = OnnxPredictor(path, device=device)
     print(f"provider: {predictor.provider} (io binding: {predictor.use_io_binding})")
-    meta = read_metadata(path)
+    meta = predictor.metadata
     rng = np.random.default_rng(0)
     feeds = {}
     for name, (dtype, shape) in predictor.inputs.items():

@@ -44,7 +44,9 @@ def predict_body(inputs, signature_name="serving_default", request_format="insta
     if request_format == "inputs":
         return {"signature_name": signature_name, "inputs": {k: v.tolist() for k, v in arrays.items()}}
     if request_format != "instances":
-        raise ValueError(f"`request_format` must be 'instances' or 'inputs'. Received: request_format={request_format!r}")
+        raise ValueError(
+            f"`request_format` must be 'instances' or 'inputs'. Received: request_format={request_format!r}"
+        )
     sizes = {name: (v.shape[0] if v.ndim else None) for name, v in arrays.items()}
     if None in sizes.values() or len(set(sizes.values())) != 1:
         raise ValueError(
@@ -65,14 +67,20 @@ def parse_response(body):
         raise RuntimeError(f"TF Serving error: {body['error']}")
     if "outputs" in body:
         outputs = body["outputs"]
-        return {k: np.asarray(v) for k, v in outputs.items()} if isinstance(outputs, dict) else {"output": np.asarray(outputs)}
+        return (
+            {k: np.asarray(v) for k, v in outputs.items()}
+            if isinstance(outputs, dict)
+            else {"output": np.asarray(outputs)}
+        )
     predictions = body["predictions"]
     if predictions and isinstance(predictions[0], dict):
         return {k: np.asarray([p[k] for p in predictions]) for k in predictions[0]}
     return {"output": np.asarray(predictions)}
 
 
-def predict(host, model, inputs, signature_name="serving_default", request_format="instances", version=None, timeout=60):
+def predict(
+    host, model, inputs, signature_name="serving_default", request_format="instances", version=None, timeout=60
+):
     """Sends a ``:predict`` request; returns numpy outputs."""
     body = json.dumps(predict_body(inputs, signature_name, request_format)).encode()
     request = urllib.request.Request(

@@ -21,10 +21,12 @@ import tensorflow as tf
 from keras_linattn import _atomic
 from keras_linattn.export import _specs
 
-METADATA_KEY = "keras_linattn"
-DEFAULT_OPSET = 17
+__all__ = ["check_pair", "export_onnx"]
+
+_METADATA_KEY = "keras_linattn"
+_DEFAULT_OPSET = 17
 # The generate graph's sampler hashes with BitwiseAnd/BitwiseXor (opset 18).
-GENERATE_MIN_OPSET = 18
+_GENERATE_MIN_OPSET = 18
 
 
 def _replace_with_sub(ctx, node, minuend, subtrahend):
@@ -76,7 +78,7 @@ def _erfc_handler(ctx, node, name, args):
     _replace_with_sub(ctx, node, one.output[0], erf.output[0])
 
 
-CUSTOM_OP_HANDLERS = {"FloorMod": (_floor_mod_handler, []), "Erfc": (_erfc_handler, [])}
+_CUSTOM_OP_HANDLERS = {"FloorMod": (_floor_mod_handler, []), "Erfc": (_erfc_handler, [])}
 
 
 def _check_path(path, name="path"):
@@ -103,7 +105,7 @@ def _convert(fn, input_signature, opset, metadata):
             tf_fn,
             input_signature=input_signature,
             opset=opset,
-            custom_op_handlers=CUSTOM_OP_HANDLERS,
+            custom_op_handlers=_CUSTOM_OP_HANDLERS,
         )
     finally:
         logger.setLevel(level)
@@ -116,12 +118,12 @@ def _convert(fn, input_signature, opset, metadata):
         ) from e
     if metadata is not None:
         entry = proto.metadata_props.add()
-        entry.key = METADATA_KEY
+        entry.key = _METADATA_KEY
         entry.value = json.dumps(metadata)
     return proto
 
 
-def convert_function(fn, input_signature, path, opset=DEFAULT_OPSET, metadata=None):
+def _convert_function(fn, input_signature, path, opset=_DEFAULT_OPSET, metadata=None):
     """Converts a Python function of named tensors to an ONNX file at `path`.
 
     The file is written in a staging directory next to `path`, checked with
@@ -142,12 +144,12 @@ def convert_function(fn, input_signature, path, opset=DEFAULT_OPSET, metadata=No
     return proto
 
 
-def default_step_path(path):
+def _default_step_path(path):
     root, ext = os.path.splitext(os.fspath(path))
     return f"{root}_step{ext or '.onnx'}"
 
 
-def default_generate_path(path):
+def _default_generate_path(path):
     root, ext = os.path.splitext(os.fspath(path))
     return f"{root}_generate{ext or '.onnx'}"
 
@@ -155,7 +157,7 @@ def default_generate_path(path):
 def export_onnx(
     model,
     path,
-    opset=DEFAULT_OPSET,
+    opset=_DEFAULT_OPSET,
     input_signature=None,
     step_path=None,
     include_step=True,
@@ -214,8 +216,8 @@ def export_onnx(
     model_meta = dict(description, graph=_specs.SERVING_DEFAULT, export_id=export_id)
     companions = {}  # kind -> path
     if with_step:
-        companions["step"] = os.fspath(step_path or default_step_path(path))
-        companions["generate"] = os.fspath(generate_path or default_generate_path(path))
+        companions["step"] = os.fspath(step_path or _default_step_path(path))
+        companions["generate"] = os.fspath(generate_path or _default_generate_path(path))
         for kind, companion in companions.items():
             model_meta[f"{kind}_file"] = _relative(companion, path)
     model_proto = _convert(specs.serving_fn(), specs.input_specs, opset, model_meta)
@@ -228,7 +230,7 @@ def export_onnx(
         protos["generate"] = _convert(
             specs.generate_fn(sampled=True, check_lengths=False),
             specs.generate_signature(sampled=True),
-            max(opset, GENERATE_MIN_OPSET),
+            max(opset, _GENERATE_MIN_OPSET),
             generate_meta,
         )
     with contextlib.ExitStack() as stack:
@@ -277,7 +279,7 @@ def check_pair(model_path, step_path=None):
             unreadable or missing, or when they carry different export ids
             (one of them is left from another export).
     """
-    model_meta = read_metadata(model_path)
+    model_meta = _read_metadata(model_path)
     checked = {}
     for kind in ("step", "generate"):
         expected = model_meta.get(f"{kind}_file")
@@ -298,7 +300,7 @@ def _check_companion(model_path, model_meta, kind, expected, path):
             f"{expected or os.path.basename(path)!r}, which is not there (a killed export?); "
             f"export again. Received: path={path!r}"
         )
-    meta = read_metadata(path)
+    meta = _read_metadata(path)
     model_id, companion_id = model_meta.get("export_id"), meta.get("export_id")
     if model_id != companion_id:
         raise ValueError(
@@ -308,7 +310,7 @@ def _check_companion(model_path, model_meta, kind, expected, path):
         )
 
 
-def read_metadata(path):
+def _read_metadata(path):
     """The keras_linattn description stored in an exported ONNX file (or {})."""
     import onnx
 
@@ -322,12 +324,12 @@ def read_metadata(path):
             f"`path` is not a valid ONNX file ({type(e).__name__}: {_first_line(e)}). Received: path={path!r}"
         ) from e
     for entry in proto.metadata_props:
-        if entry.key == METADATA_KEY:
+        if entry.key == _METADATA_KEY:
             try:
                 return json.loads(entry.value)
             except ValueError as e:
                 raise ValueError(
-                    f"The ONNX file's {METADATA_KEY} metadata is not valid JSON ({e}). Received: path={path!r}"
+                    f"The ONNX file's {_METADATA_KEY} metadata is not valid JSON ({e}). Received: path={path!r}"
                 ) from e
     return {}
 

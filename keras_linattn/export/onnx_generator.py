@@ -8,6 +8,8 @@ from keras_linattn.export import _specs
 from keras_linattn.export import onnx_export
 from keras_linattn.export.onnx_predictor import OnnxPredictor
 
+__all__ = ["OnnxGenerator"]
+
 
 class OnnxGenerator:
     """Generation with a causal LM exported by `export_onnx`.
@@ -54,9 +56,18 @@ class OnnxGenerator:
 
     Example:
 
-    >>> gen = OnnxGenerator("lm_step.onnx")  # doctest: +SKIP
-    >>> gen.generate(np.array([[1, 2, 3]]), max_length=16).shape  # doctest: +SKIP
-    (1, 16)
+    >>> import os, tempfile
+    >>> import keras
+    >>> from keras_linattn import export
+    >>> from keras_linattn.models import LinearCausalLM
+    >>> keras.utils.set_random_seed(0)
+    >>> lm = LinearCausalLM(vocabulary_size=32, num_layers=1, hidden_dim=16, num_heads=2, intermediate_dim=32)
+    >>> paths = export.export_onnx(lm, os.path.join(tempfile.mkdtemp(), "lm.onnx"))
+    >>> gen = OnnxGenerator(paths["step"], device="cpu")
+    >>> prompt = np.array([[1, 2, 3]], "int32")
+    >>> tokens = gen.generate(prompt, max_length=8)  # greedy
+    >>> tokens.shape, bool(np.array_equal(tokens, np.asarray(lm.generate(prompt, max_length=8))))  # Keras' tokens
+    ((1, 8), True)
     """
 
     def __init__(self, step_path, generate_path=None, **predictor_options):
@@ -69,7 +80,7 @@ class OnnxGenerator:
                 f"`new_state_<i>`. Received: inputs={names}, outputs={self.predictor.output_names}"
             )
         self.num_states = sum(1 for n in names if n.startswith("state_"))
-        self.metadata = onnx_export.read_metadata(step_path)
+        self.metadata = onnx_export._read_metadata(step_path)
         self._initial = self.metadata.get("initial_state")
         if generate_path is None and self.metadata.get("generate_file"):
             generate_path = os.path.join(

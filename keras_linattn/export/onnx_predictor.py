@@ -7,6 +7,8 @@ import numpy as np
 from keras_linattn._validation import check_non_negative_int
 from keras_linattn.export import _providers
 
+__all__ = ["OnnxPredictor"]
+
 _ORT_TO_NUMPY = {
     "tensor(float)": np.float32,
     "tensor(double)": np.float64,
@@ -64,11 +66,20 @@ class OnnxPredictor:
 
     Example:
 
-    >>> predictor = OnnxPredictor("model.onnx")
+    >>> import os, tempfile
+    >>> import keras
+    >>> from keras_linattn import export, layers
+    >>> keras.utils.set_random_seed(0)
+    >>> inputs = keras.Input((None, 16), name="features")
+    >>> model = keras.Model(inputs, layers.LinearAttention(2, 8, name="head")(inputs, inputs))
+    >>> paths = export.export_onnx(model, os.path.join(tempfile.mkdtemp(), "encoder.onnx"))
+    >>> predictor = OnnxPredictor(paths["model"], device="cpu")
     >>> predictor.provider
     'CPUExecutionProvider'
-    >>> predictor({"features": x})["head"].shape
-    (2, 100, 5)
+    >>> x = np.random.default_rng(0).normal(size=(2, 100, 16)).astype("float32")  # [B, T, width]
+    >>> y = predictor({"features": x})["head"]
+    >>> y.shape, bool(np.allclose(y, model.predict(x, verbose=0), atol=1e-4))
+    ((2, 100, 16), True)
     """
 
     def __init__(
@@ -116,11 +127,21 @@ class OnnxPredictor:
         self.inputs = {i.name: (_ORT_TO_NUMPY.get(i.type), list(i.shape)) for i in self.session.get_inputs()}
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
+        self._metadata = None
 
     @property
     def provider(self):
         """The provider that runs the graph (first of the session's list)."""
         return self.providers[0]
+
+    @property
+    def metadata(self):
+        """The keras_linattn description stored in the graph by `export_onnx` ({} for other graphs)."""
+        if self._metadata is None:
+            from keras_linattn.export import onnx_export
+
+            self._metadata = onnx_export._read_metadata(self.path)
+        return self._metadata
 
     # --------------------------------------------------------- validation
     def _as_dict(self, inputs):

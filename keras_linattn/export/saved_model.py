@@ -10,9 +10,11 @@ from keras_linattn import _atomic
 from keras_linattn.export import _specs
 from keras_linattn.export import warmup as warmup_lib
 
-DESCRIPTION_FILE = "keras_linattn.json"
+__all__ = ["check_integrity", "export_saved_model", "latest_version_dir", "read_description"]
+
+_DESCRIPTION_FILE = "keras_linattn.json"
 # The description file lists every other file of the version with its size and sha256.
-DESCRIPTION_PATH = "assets.extra/" + DESCRIPTION_FILE
+_DESCRIPTION_PATH = "assets.extra/" + _DESCRIPTION_FILE
 
 
 def _check_base_dir(base_dir):
@@ -25,7 +27,7 @@ def _check_base_dir(base_dir):
     return base_dir
 
 
-def existing_versions(base_dir):
+def _existing_versions(base_dir):
     """Sorted integer versions present in `base_dir` (what TF Serving would load).
 
     Staging directories of exports in progress or killed (``.tmp-*``) are
@@ -42,7 +44,7 @@ def existing_versions(base_dir):
 
 def _resolve_version(base_dir, version):
     if version is None:
-        versions = existing_versions(base_dir)
+        versions = _existing_versions(base_dir)
         return (versions[-1] + 1) if versions else 1
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise ValueError(
@@ -83,7 +85,7 @@ def _track(archive, model):
             archive.track(layer)
 
 
-def build_archive(specs, include_generate=True):
+def _build_archive(specs, include_generate=True):
     """A `keras.export.ExportArchive` with every signature of the model."""
     archive = keras.export.ExportArchive()
     _track(archive, specs.model)
@@ -168,14 +170,14 @@ def export_saved_model(
     try:
         with _atomic.staging_dir(base_dir) as tmp_dir:  # also removes what killed exports left
             export_dir = os.path.join(tmp_dir, "export")
-            archive = build_archive(specs, include_generate=include_generate)
+            archive = _build_archive(specs, include_generate=include_generate)
             archive.write_out(export_dir, verbose=verbose)
             _atomic.fault_point("saved_model:written")
             extra = os.path.join(export_dir, "assets.extra")
             os.makedirs(extra, exist_ok=True)
             if warmup:
                 warmup_lib.write_warmup_requests(
-                    os.path.join(extra, warmup_lib.WARMUP_FILE),
+                    os.path.join(extra, warmup_lib._WARMUP_FILE),
                     specs,
                     model_name=model_name,
                     batch_size=warmup_batch_size,
@@ -184,10 +186,10 @@ def export_saved_model(
                 )
             _atomic.fault_point("saved_model:warmup_written")
             description = specs.describe()
-            description["signatures"] = signature_names(specs, include_generate)
+            description["signatures"] = _signature_names(specs, include_generate)
             description["export_id"] = uuid.uuid4().hex
-            description["files"] = _atomic.tree_digests(export_dir, exclude={DESCRIPTION_PATH})
-            with open(os.path.join(extra, DESCRIPTION_FILE), "w") as f:
+            description["files"] = _atomic.tree_digests(export_dir, exclude={_DESCRIPTION_PATH})
+            with open(os.path.join(extra, _DESCRIPTION_FILE), "w") as f:
                 json.dump(description, f, indent=2)
             _atomic.fault_point("saved_model:staged")
             _atomic.fsync_tree(export_dir)
@@ -209,7 +211,7 @@ def export_saved_model(
     return final
 
 
-def signature_names(specs, include_generate=True):
+def _signature_names(specs, include_generate=True):
     names = [_specs.SERVING_DEFAULT]
     if specs.causal_lm:
         names.append(_specs.STEP)
@@ -236,13 +238,13 @@ def check_integrity(export_dir):
 
 def read_description(export_dir):
     """The JSON description written by `export_saved_model`."""
-    path = os.path.join(export_dir, "assets.extra", DESCRIPTION_FILE)
+    path = os.path.join(export_dir, "assets.extra", _DESCRIPTION_FILE)
     try:
         with open(path) as f:
             return json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(
-            f"`export_dir` has no readable assets.extra/{DESCRIPTION_FILE} (missing, truncated, or not "
+            f"`export_dir` has no readable assets.extra/{_DESCRIPTION_FILE} (missing, truncated, or not "
             f"written by `export_saved_model`): {e}. Received: export_dir={export_dir!r}"
         ) from e
 
@@ -251,7 +253,7 @@ def latest_version_dir(base_dir):
     """``base_dir/<largest version>``, or `base_dir` itself if it is a SavedModel."""
     if os.path.exists(os.path.join(base_dir, "saved_model.pb")):
         return base_dir
-    versions = existing_versions(base_dir)
+    versions = _existing_versions(base_dir)
     if not versions:
         raise ValueError(f"No SavedModel version found. Received: base_dir={base_dir!r}")
     return os.path.join(base_dir, str(versions[-1]))

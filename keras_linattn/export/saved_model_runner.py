@@ -4,6 +4,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.util import deprecation
 
+__all__ = ["SavedModelRunner"]
+
 
 class SavedModelRunner:
     """Executes the signatures of a SavedModel through a TF1 `Session`.
@@ -27,9 +29,18 @@ class SavedModelRunner:
 
     Example:
 
-    >>> runner = SavedModelRunner("models/lm/1")
-    >>> runner.run("serving_default", {"token_ids": ids})["logits"].shape
-    (2, 16, 256)
+    >>> import os, tempfile
+    >>> import keras
+    >>> from keras_linattn import export, layers
+    >>> keras.utils.set_random_seed(0)
+    >>> inputs = keras.Input((None, 16), name="features")
+    >>> model = keras.Model(inputs, layers.LinearAttention(2, 8, name="head")(inputs, inputs))
+    >>> version_dir = export.export_saved_model(model, os.path.join(tempfile.mkdtemp(), "encoder"))
+    >>> runner = SavedModelRunner(version_dir)
+    >>> x = np.random.default_rng(0).normal(size=(2, 7, 16)).astype("float32")  # [B, T, width]
+    >>> y = runner.run("serving_default", {"features": x})["head"]
+    >>> y.shape, bool(np.allclose(y, model.predict(x, verbose=0), atol=1e-5))
+    ((2, 7, 16), True)
     """
 
     def __init__(self, export_dir, tags=None):

@@ -6,9 +6,11 @@ import numpy as np
 
 from keras_linattn.export import _specs
 
-SAVED_MODEL_TOLERANCE = 1e-5
-ONNX_TOLERANCE = 1e-4
-DEFAULT_SHAPES = ((1, 7), (3, 13), (2, 70))
+__all__ = ["VerificationError", "VerificationReport", "differences", "verify"]
+
+_SAVED_MODEL_TOLERANCE = 1e-5
+_ONNX_TOLERANCE = 1e-4
+_DEFAULT_SHAPES = ((1, 7), (3, 13), (2, 70))
 
 
 class VerificationError(RuntimeError):
@@ -22,7 +24,7 @@ class VerificationError(RuntimeError):
         )
 
 
-class Check:
+class _Check:
     """One comparison: a backend and signature on one input shape."""
 
     def __init__(self, backend, signature, shape, max_abs, max_rel, tolerance, exact=False):
@@ -39,7 +41,7 @@ class Check:
         return dict(vars(self))
 
 
-def format_table(rows, header):
+def _format_table(rows, header):
     """Left-aligned text table: the header, a rule of dashes, then one line per row."""
     lines = [tuple(header)] + [tuple(row) for row in rows]
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
@@ -81,7 +83,7 @@ class VerificationReport:
                     "ok" if r.ok else "FAIL",
                 )
             )
-        return format_table(lines[1:], header)
+        return _format_table(lines[1:], header)
 
 
 def differences(actual, expected):
@@ -118,9 +120,9 @@ def verify(
     saved_model_dir=None,
     onnx_path=None,
     onnx_step_path=None,
-    shapes=DEFAULT_SHAPES,
-    saved_model_tolerance=SAVED_MODEL_TOLERANCE,
-    onnx_tolerance=ONNX_TOLERANCE,
+    shapes=_DEFAULT_SHAPES,
+    saved_model_tolerance=_SAVED_MODEL_TOLERANCE,
+    onnx_tolerance=_ONNX_TOLERANCE,
     decode_steps=5,
     seed=0,
     raise_on_failure=True,
@@ -166,7 +168,7 @@ def verify(
 
     # Damaged or mismatched files are named before anything runs.
     if saved_model_dir is not None and os.path.isfile(
-        os.path.join(saved_model_dir, "assets.extra", saved_model.DESCRIPTION_FILE)
+        os.path.join(saved_model_dir, "assets.extra", saved_model._DESCRIPTION_FILE)
     ):
         saved_model.check_integrity(saved_model_dir)
     if onnx_path is not None and onnx_step_path is not None:
@@ -194,12 +196,22 @@ def verify(
                 got = run(feeds)
                 for name, ref in expected.items():
                     abs_d, rel_d = differences(got[name], ref)
-                    row = report.add(Check(backend, f"{_specs.SERVING_DEFAULT}:{name}", (batch, length), abs_d, rel_d, tol))
+                    signature = f"{_specs.SERVING_DEFAULT}:{name}"
+                    row = report.add(_Check(backend, signature, (batch, length), abs_d, rel_d, tol))
                     say(f"{backend:12s} {row.signature} {batch}x{length}: rel {rel_d:.2e} {'ok' if row.ok else 'FAIL'}")
         if specs.causal_lm:
             _verify_decoding(
-                specs, report, runner, onnx_step_path, shapes, saved_model_tolerance, onnx_tolerance,
-                decode_steps, seed, onnx_device, say,
+                specs,
+                report,
+                runner,
+                onnx_step_path,
+                shapes,
+                saved_model_tolerance,
+                onnx_tolerance,
+                decode_steps,
+                seed,
+                onnx_device,
+                say,
             )
     finally:
         if runner is not None:
@@ -225,7 +237,7 @@ def _verify_decoding(specs, report, runner, onnx_step_path, shapes, sm_tol, onnx
             got.append(out[_specs.LOGITS])
             state = [out[_specs.new_state_name(i)] for i in range(len(state))]
         abs_d, rel_d = differences(np.stack(got, axis=1), expected)
-        row = report.add(Check("saved_model", f"{_specs.STEP}:logits", (batch, steps), abs_d, rel_d, sm_tol))
+        row = report.add(_Check("saved_model", f"{_specs.STEP}:logits", (batch, steps), abs_d, rel_d, sm_tol))
         say(f"saved_model  step {batch}x{steps}: rel {rel_d:.2e} {'ok' if row.ok else 'FAIL'}")
         if _specs.GENERATE in runner.signature_names:
             prompt = tokens[:, :2]
@@ -238,8 +250,19 @@ def _verify_decoding(specs, report, runner, onnx_step_path, shapes, sm_tol, onnx
             }
             sm_ids = runner.run(_specs.GENERATE, feeds)[_specs.OUTPUT_IDS]
             mismatches = float(np.sum(keras_ids != sm_ids)) if keras_ids.shape == sm_ids.shape else float("inf")
-            row = report.add(Check("saved_model", f"{_specs.GENERATE}:output_ids", (batch, max_length), mismatches, mismatches, 0, exact=True))
-            say(f"saved_model  generate {batch}x{max_length}: {int(mismatches) if np.isfinite(mismatches) else 'shape'} mismatching tokens")
+            row = report.add(
+                _Check(
+                    "saved_model",
+                    f"{_specs.GENERATE}:output_ids",
+                    (batch, max_length),
+                    mismatches,
+                    mismatches,
+                    0,
+                    exact=True,
+                )
+            )
+            count = int(mismatches) if np.isfinite(mismatches) else "shape"
+            say(f"saved_model  generate {batch}x{max_length}: {count} mismatching tokens")
     if onnx_step_path is not None:
         from keras_linattn.export.onnx_generator import OnnxGenerator
 
@@ -250,5 +273,5 @@ def _verify_decoding(specs, report, runner, onnx_step_path, shapes, sm_tol, onnx
             logits, state = gen.step(tokens[:, t], state)
             got.append(logits)
         abs_d, rel_d = differences(np.stack(got, axis=1), expected)
-        row = report.add(Check("onnx", f"{_specs.STEP}:logits", (batch, steps), abs_d, rel_d, onnx_tol))
+        row = report.add(_Check("onnx", f"{_specs.STEP}:logits", (batch, steps), abs_d, rel_d, onnx_tol))
         say(f"onnx         step {batch}x{steps}: rel {rel_d:.2e} {'ok' if row.ok else 'FAIL'}")

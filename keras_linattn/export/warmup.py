@@ -14,7 +14,9 @@ import tensorflow as tf
 from keras_linattn._validation import check_positive_int
 from keras_linattn.export import _specs
 
-WARMUP_FILE = "tf_serving_warmup_requests"
+__all__ = ["read_warmup_requests", "write_warmup_requests"]
+
+_WARMUP_FILE = "tf_serving_warmup_requests"
 
 
 def _serving_apis():
@@ -28,7 +30,7 @@ def _serving_apis():
     return predict_pb2, prediction_log_pb2
 
 
-def predict_request(model_name, signature_name, inputs):
+def _predict_request(model_name, signature_name, inputs):
     """A `PredictRequest` for named numpy inputs."""
     predict_pb2, _ = _serving_apis()
     request = predict_pb2.PredictRequest()
@@ -39,7 +41,7 @@ def predict_request(model_name, signature_name, inputs):
     return request
 
 
-def warmup_inputs(specs, batch_size=1, length=16, include_generate=True):
+def _warmup_inputs(specs, batch_size=1, length=16, include_generate=True):
     """(signature name, named numpy inputs) pairs used for warmup."""
     desc = specs.describe()
     requests = [
@@ -92,10 +94,10 @@ def write_warmup_requests(path, specs, model_name, batch_size=1, length=16, incl
     length = check_positive_int("length", length)
     _, prediction_log_pb2 = _serving_apis()
     with tf.io.TFRecordWriter(path) as writer:
-        for signature_name, inputs in warmup_inputs(specs, batch_size, length, include_generate):
+        for signature_name, inputs in _warmup_inputs(specs, batch_size, length, include_generate):
             log = prediction_log_pb2.PredictionLog(
                 predict_log=prediction_log_pb2.PredictLog(
-                    request=predict_request(model_name, signature_name, inputs)
+                    request=_predict_request(model_name, signature_name, inputs)
                 )
             )
             writer.write(log.SerializeToString())

@@ -5,6 +5,8 @@ from keras_linattn.feature_maps import _trainable
 from keras_linattn.feature_maps.oglu import OGLUFeatureMap
 from keras_linattn.feature_maps.registry import register
 
+__all__ = ["AOGLUFeatureMap"]
+
 
 @register("aoglu")
 @_trainable.document
@@ -35,11 +37,16 @@ class AOGLUFeatureMap(OGLUFeatureMap):
 
     Example:
 
-    >>> x = keras.random.normal((2, 100, 64))
-    >>> layer = keras_linattn.layers.LinearAttention(
-    ...     4, 16, feature_map=AOGLUFeatureMap(feature_dim=32, rank=8))
-    >>> layer(x, x).shape
-    (2, 100, 64)
+    >>> import keras
+    >>> import numpy as np
+    >>> import keras_linattn
+    >>> keras.utils.set_random_seed(0)
+    >>> x = np.random.default_rng(0).normal(size=(2, 100, 64)).astype("float32")  # [B, T, width]
+    >>> fm = AOGLUFeatureMap(feature_dim=32, rank=8)
+    >>> layer = keras_linattn.layers.LinearAttention(4, 16, feature_map=fm)
+    >>> y = np.asarray(layer(x, x))
+    >>> y.shape, bool(np.isfinite(y).all())
+    ((2, 100, 64), True)
     """
 
     def __init__(self, *, rank=None, **kwargs):

@@ -4,6 +4,8 @@ import keras
 
 from keras_linattn._validation import check_rank
 
+__all__ = ["FeatureMap"]
+
 
 class FeatureMap(keras.layers.Layer):
     """A feature map for kernelized attention, ``sim(q, k) = phi(q) . phi(k)``.

@@ -5,6 +5,8 @@ from keras import ops
 from keras_linattn.feature_maps.base import FeatureMap
 from keras_linattn.feature_maps.registry import register
 
+__all__ = ["EluFeatureMap"]
+
 
 @register("elu")
 class EluFeatureMap(FeatureMap):
@@ -12,9 +14,11 @@ class EluFeatureMap(FeatureMap):
 
     Example:
 
+    >>> import numpy as np
     >>> fm = EluFeatureMap()
-    >>> fm(np.zeros((1, 4, 2, 8))).shape
-    (1, 4, 2, 8)
+    >>> phi = np.asarray(fm(np.array([[[[-1.0, 0.0, 2.0]]]])))  # [B, T, H, D] = [1, 1, 1, 3]
+    >>> [round(float(v), 4) for v in phi.ravel()]  # elu(x) + 1: positive everywhere
+    [0.3679, 1.0, 3.0]
     """
 
     def feature_dim(self, input_dim):

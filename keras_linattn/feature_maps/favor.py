@@ -4,8 +4,10 @@ import math
 
 from keras import ops
 
-from keras_linattn.feature_maps.random_features import KEY_EXPONENT_CAP, RandomFeatureMap
+from keras_linattn.feature_maps.random_features import _KEY_EXPONENT_CAP, RandomFeatureMap
 from keras_linattn.feature_maps.registry import register
+
+__all__ = ["FavorPlusFeatureMap"]
 
 
 @register("favor+")
@@ -66,9 +68,12 @@ class FavorPlusFeatureMap(RandomFeatureMap):
 
     Example:
 
+    >>> import numpy as np
     >>> fm = FavorPlusFeatureMap(num_features=64, seed=0)
-    >>> fm(np.zeros((1, 4, 2, 16)), is_query=False, causal=True).shape
-    (1, 4, 2, 64)
+    >>> x = np.random.default_rng(0).normal(size=(1, 4, 2, 16)).astype("float32")  # [B, T, H, D]
+    >>> phi = np.asarray(fm(x, is_query=False, causal=True))
+    >>> phi.shape, bool((phi > 0).all())  # m positive random features per head
+    ((1, 4, 2, 64), True)
     """
 
     def feature_dim(self, input_dim):
@@ -85,5 +90,5 @@ class FavorPlusFeatureMap(RandomFeatureMap):
             stab = ops.max(exponent, axis=(1, 3), keepdims=True)  # [B, 1, H, 1]
             exponent = exponent - ops.stop_gradient(stab)
         else:
-            exponent = ops.minimum(exponent, KEY_EXPONENT_CAP)  # [B, T, H, m]
+            exponent = ops.minimum(exponent, _KEY_EXPONENT_CAP)  # [B, T, H, m]
         return ops.exp(exponent) / math.sqrt(self.num_features)  # [B, T, H, m]

@@ -4,8 +4,10 @@ import math
 
 from keras import ops
 
-from keras_linattn.feature_maps.random_features import KEY_EXPONENT_CAP, RandomFeatureMap
+from keras_linattn.feature_maps.random_features import _KEY_EXPONENT_CAP, RandomFeatureMap
 from keras_linattn.feature_maps.registry import register
+
+__all__ = ["FavorTrigFeatureMap"]
 
 
 @register("favor_trig")
@@ -51,9 +53,11 @@ class FavorTrigFeatureMap(RandomFeatureMap):
 
     Example:
 
+    >>> import numpy as np
     >>> fm = FavorTrigFeatureMap(num_features=32, seed=0)
-    >>> fm(np.zeros((1, 4, 2, 16))).shape
-    (1, 4, 2, 64)
+    >>> phi = np.asarray(fm(np.zeros((1, 4, 2, 16), "float32")))  # [sin(Wx), cos(Wx)] / sqrt(m) at x = 0
+    >>> phi.shape, bool(np.allclose(phi[..., :32], 0.0)), bool(np.allclose(phi[..., 32:], 32 ** -0.5))
+    ((1, 4, 2, 64), True, True)
     """
 
     # Signed features: the output ratio is unbounded near phi(q).z = 0 and
@@ -72,7 +76,7 @@ class FavorTrigFeatureMap(RandomFeatureMap):
             return trig
         half_sq_norm = 0.5 * ops.sum(ops.square(x), axis=-1, keepdims=True)  # [B, T, H, 1]
         if causal:
-            log_amp = ops.minimum(half_sq_norm, KEY_EXPONENT_CAP)  # [B, T, H, 1]
+            log_amp = ops.minimum(half_sq_norm, _KEY_EXPONENT_CAP)  # [B, T, H, 1]
         else:
             stab = ops.max(half_sq_norm, axis=1, keepdims=True)  # [B, 1, H, 1]
             log_amp = half_sq_norm - ops.stop_gradient(stab)  # [B, T, H, 1]

@@ -7,6 +7,8 @@ from keras_linattn._validation import check_non_negative_float
 from keras_linattn.feature_maps import _trainable
 from keras_linattn.feature_maps.registry import register
 
+__all__ = ["FFNFeatureMap"]
+
 
 @register("ffn")
 @_trainable.document
@@ -36,11 +38,19 @@ class FFNFeatureMap(_trainable.StackedFeatureMap):
 
     Example:
 
-    >>> x = keras.random.normal((2, 100, 64))
+    >>> import keras
+    >>> import numpy as np
+    >>> import keras_linattn
+    >>> keras.utils.set_random_seed(0)
+    >>> x = np.random.default_rng(0).normal(size=(2, 100, 64)).astype("float32")  # [B, T, width]
     >>> fm = FFNFeatureMap(depth=2, feature_dim=32)
     >>> layer = keras_linattn.layers.LinearAttention(4, 16, feature_map=fm)
-    >>> layer(x, x, use_causal_mask=True).shape
-    (2, 100, 64)
+    >>> x_changed = x.copy()
+    >>> x_changed[:, 60:] += 1.0  # change the future of token 59
+    >>> y = np.asarray(layer(x, x, use_causal_mask=True))
+    >>> y_changed = np.asarray(layer(x_changed, x_changed, use_causal_mask=True))
+    >>> y.shape, bool(np.array_equal(y[:, :60], y_changed[:, :60]))  # causal: tokens 0..59 unchanged
+    ((2, 100, 64), True)
     """
 
     def __init__(self, *, kernel_initializer="orthogonal", orthogonal_penalty=0.0, **kwargs):

@@ -7,8 +7,10 @@ from keras_linattn._validation import check_non_negative_float
 from keras_linattn.feature_maps import _trainable
 from keras_linattn.feature_maps.registry import register
 
+__all__ = ["GLUFeatureMap"]
 
-class GLUStack(_trainable.StackedFeatureMap):
+
+class _GLUStack(_trainable.StackedFeatureMap):
     """A head-wise stack of GLU units; the logic shared by `glu`, `oglu`, `aoglu`.
 
     Unit ``i`` maps ``u_{i-1}`` (``u_0 = x``) to
@@ -86,7 +88,7 @@ class GLUStack(_trainable.StackedFeatureMap):
 
 @register("glu")
 @_trainable.document
-class GLUFeatureMap(GLUStack):
+class GLUFeatureMap(_GLUStack):
     """GLU trainable kernel: a stack of gated linear units with a positive output.
 
     From Yorsh & Kovalenko 2022, "Linear Self-Attention Approximation via
@@ -108,11 +110,16 @@ class GLUFeatureMap(GLUStack):
 
     Example:
 
-    >>> x = keras.random.normal((2, 100, 64))
-    >>> layer = keras_linattn.layers.LinearAttention(
-    ...     4, 16, feature_map=GLUFeatureMap(depth=2, feature_dim=32))
-    >>> layer(x, x).shape
-    (2, 100, 64)
+    >>> import keras
+    >>> import numpy as np
+    >>> import keras_linattn
+    >>> keras.utils.set_random_seed(0)
+    >>> x = np.random.default_rng(0).normal(size=(2, 100, 64)).astype("float32")  # [B, T, width]
+    >>> fm = GLUFeatureMap(depth=2, feature_dim=32)
+    >>> layer = keras_linattn.layers.LinearAttention(4, 16, feature_map=fm)
+    >>> y = np.asarray(layer(x, x))
+    >>> y.shape, bool(np.isfinite(y).all())
+    ((2, 100, 64), True)
     """
 
     def __init__(self, *, kernel_initializer="glorot_uniform", **kwargs):

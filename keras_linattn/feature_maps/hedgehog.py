@@ -9,6 +9,8 @@ from keras_linattn._validation import check_bool, check_optional_positive_int
 from keras_linattn.feature_maps import _trainable
 from keras_linattn.feature_maps.registry import register
 
+__all__ = ["HedgehogFeatureMap"]
+
 
 @register("hedgehog")
 class HedgehogFeatureMap(_trainable.TrainableFeatureMap):
@@ -70,9 +72,11 @@ class HedgehogFeatureMap(_trainable.TrainableFeatureMap):
 
     Example:
 
+    >>> import numpy as np
     >>> fm = HedgehogFeatureMap(feature_dim=16)
-    >>> fm(np.zeros((1, 4, 2, 16)), is_query=False).shape
-    (1, 4, 2, 16)
+    >>> phi = np.asarray(fm(np.zeros((1, 4, 2, 16), "float32"), is_query=False))  # [B, T, H, D]
+    >>> phi.shape, bool((phi > 0).all())
+    ((1, 4, 2, 16), True)
     """
 
     def __init__(self, *, feature_dim=None, share_qk=True, use_bias=True, seed=None, feature_size=None, **kwargs):

@@ -3,13 +3,15 @@
 import keras
 
 from keras_linattn.feature_maps import _trainable
-from keras_linattn.feature_maps.glu import GLUStack
+from keras_linattn.feature_maps.glu import _GLUStack
 from keras_linattn.feature_maps.registry import register
+
+__all__ = ["OGLUFeatureMap"]
 
 
 @register("oglu")
 @_trainable.document
-class OGLUFeatureMap(GLUStack):
+class OGLUFeatureMap(_GLUStack):
     """OGLU: a GLU kernel whose filters are kept orthogonal.
 
     From Yorsh & Kovalenko 2022, "Linear Self-Attention Approximation via
@@ -34,11 +36,21 @@ class OGLUFeatureMap(GLUStack):
 
     Example:
 
-    >>> x = keras.random.normal((2, 100, 64))
-    >>> layer = keras_linattn.layers.LinearAttention(
-    ...     4, 16, feature_map=OGLUFeatureMap(orthogonal_penalty=0.1))
-    >>> layer(x, x, use_causal_mask=True).shape
-    (2, 100, 64)
+    >>> import keras
+    >>> import numpy as np
+    >>> import keras_linattn
+    >>> keras.utils.set_random_seed(0)
+    >>> x = np.random.default_rng(0).normal(size=(2, 100, 64)).astype("float32")  # [B, T, width]
+    >>> fm = OGLUFeatureMap(orthogonal_penalty=0.1)
+    >>> layer = keras_linattn.layers.LinearAttention(4, 16, feature_map=fm)
+    >>> x_changed = x.copy()
+    >>> x_changed[:, 60:] += 1.0  # change the future of token 59
+    >>> y = np.asarray(layer(x, x, use_causal_mask=True))
+    >>> y_changed = np.asarray(layer(x_changed, x_changed, use_causal_mask=True))
+    >>> y.shape, bool(np.array_equal(y[:, :60], y_changed[:, :60]))  # causal: tokens 0..59 unchanged
+    ((2, 100, 64), True)
+    >>> len(layer.losses)  # the orthogonality penalty of the filter weights
+    1
     """
 
     def __init__(self, *, orthogonal_penalty=0.01, gate_initializer="glorot_uniform", **kwargs):

@@ -14,8 +14,11 @@ from keras import ops
 from keras_linattn._validation import check_one_of, check_positive_float, check_positive_int, check_seed
 from keras_linattn.feature_maps.base import FeatureMap
 
-KINDS = ("orthogonal", "iid")
-SCALINGS = ("chi", "sqrt")
+__all__ = ["RandomFeatureMap"]
+
+
+_KINDS = ("orthogonal", "iid")
+_SCALINGS = ("chi", "sqrt")
 
 # Upper bound of the exponent of a causal key's features, shared by FAVOR+
 # (``w.x' - |x'|^2/2``) and FAVOR-trig (the amplitude ``|x'|^2/2``). For
@@ -24,10 +27,10 @@ SCALINGS = ("chi", "sqrt")
 # exactly on a random direction of a large-D projection (or a huge key for
 # FAVOR-trig) from overflowing float32 (exp(50) ~ 5e21, leaving room to sum
 # ~1e16 such keys).
-KEY_EXPONENT_CAP = 50.0
+_KEY_EXPONENT_CAP = 50.0
 
 
-def make_rng(seed, draw_index=0):
+def _make_rng(seed, draw_index=0):
     """NumPy generator for draw number `draw_index` of a map seeded with `seed`.
 
     ``seed=None`` takes fresh entropy from the OS. Draw 0 is the one made in
@@ -39,7 +42,7 @@ def make_rng(seed, draw_index=0):
     return np.random.default_rng([int(seed), int(draw_index)])
 
 
-def orthogonal_block(rng, dim):
+def _orthogonal_block(rng, dim):
     """A ``[dim, dim]`` Haar-distributed orthogonal matrix (QR of a Gaussian).
 
     The signs of ``diag(R)`` are folded into ``Q`` so that the distribution
@@ -52,7 +55,7 @@ def orthogonal_block(rng, dim):
     return q * signs[None, :]  # [D, D], orthonormal rows and columns
 
 
-def gaussian_projection(rng, num_features, dim, kind="orthogonal", scaling="chi"):
+def _gaussian_projection(rng, num_features, dim, kind="orthogonal", scaling="chi"):
     """Random projection ``W [m, D]`` whose rows ``w_i`` define the features.
 
     Args:
@@ -74,11 +77,11 @@ def gaussian_projection(rng, num_features, dim, kind="orthogonal", scaling="chi"
     """
     num_features = check_positive_int("num_features", num_features)
     dim = check_positive_int("dim", dim)
-    check_one_of("kind", kind, KINDS)
-    check_one_of("scaling", scaling, SCALINGS)
+    check_one_of("kind", kind, _KINDS)
+    check_one_of("scaling", scaling, _SCALINGS)
     if kind == "orthogonal":
         num_blocks = -(-num_features // dim)
-        blocks = [orthogonal_block(rng, dim) for _ in range(num_blocks)]  # each [D, D]
+        blocks = [_orthogonal_block(rng, dim) for _ in range(num_blocks)]  # each [D, D]
         directions = np.concatenate(blocks, axis=0)[:num_features]  # [m, D], unit rows
         if scaling == "chi":
             norms = np.linalg.norm(rng.standard_normal((num_features, dim)), axis=1)  # [m]
@@ -92,11 +95,11 @@ def gaussian_projection(rng, num_features, dim, kind="orthogonal", scaling="chi"
     return projection.astype("float32")
 
 
-def headwise_projection(rng, num_heads, num_features, dim, kind="orthogonal", scaling="chi"):
+def _headwise_projection(rng, num_heads, num_features, dim, kind="orthogonal", scaling="chi"):
     """Independent projections for each head: float32 ``[H, m, D]``."""
     check_positive_int("num_heads", num_heads)
     return np.stack(
-        [gaussian_projection(rng, num_features, dim, kind, scaling) for _ in range(num_heads)]
+        [_gaussian_projection(rng, num_features, dim, kind, scaling) for _ in range(num_heads)]
     )  # [H, m, D]
 
 
@@ -135,8 +138,8 @@ class RandomFeatureMap(FeatureMap):
     def __init__(self, num_features=256, kind="orthogonal", scaling="chi", scale=None, seed=None, **kwargs):
         super().__init__(**kwargs)
         self.num_features = check_positive_int("num_features", num_features)
-        self.kind = check_one_of("kind", kind, KINDS)
-        self.scaling = check_one_of("scaling", scaling, SCALINGS)
+        self.kind = check_one_of("kind", kind, _KINDS)
+        self.scaling = check_one_of("scaling", scaling, _SCALINGS)
         self.scale = check_positive_float("scale", scale, allow_none=True)
         self.seed = check_seed("seed", seed)
 
@@ -145,8 +148,8 @@ class RandomFeatureMap(FeatureMap):
         if heads_dim is None:
             return
         self._num_heads, self._dim = heads_dim
-        initial = headwise_projection(
-            make_rng(self.seed, 0), self._num_heads, self.num_features, self._dim, self.kind, self.scaling
+        initial = _headwise_projection(
+            _make_rng(self.seed, 0), self._num_heads, self.num_features, self._dim, self.kind, self.scaling
         )  # [H, m, D]
         self.projection = self.add_weight(
             name="projection",
@@ -190,12 +193,12 @@ class RandomFeatureMap(FeatureMap):
             )
         if seed is None:
             index = int(self.draw_index.numpy()) + 1
-            rng = make_rng(self.seed, index)
+            rng = _make_rng(self.seed, index)
         else:
             seed = check_seed("seed", seed)
             index = None  # an explicit seed leaves the sequence where it is
-            rng = make_rng(seed, 0)
-        new = headwise_projection(rng, self._num_heads, self.num_features, self._dim, self.kind, self.scaling)
+            rng = _make_rng(seed, 0)
+        new = _headwise_projection(rng, self._num_heads, self.num_features, self._dim, self.kind, self.scaling)
         self.projection.assign(new)  # [H, m, D]
         if index is not None:
             self.draw_index.assign(index)

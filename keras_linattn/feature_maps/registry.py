@@ -5,6 +5,9 @@ import keras
 from keras_linattn._registry import NameRegistry
 from keras_linattn.feature_maps.base import FeatureMap
 
+__all__ = ["available", "deserialize", "get", "register", "serialize"]
+
+
 _REGISTRY = NameRegistry("feature map", "feature_map", FeatureMap)
 
 

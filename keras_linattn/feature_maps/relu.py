@@ -6,6 +6,8 @@ from keras_linattn._validation import check_epsilon
 from keras_linattn.feature_maps.base import FeatureMap
 from keras_linattn.feature_maps.registry import register
 
+__all__ = ["ReluFeatureMap"]
+
 
 @register("relu")
 class ReluFeatureMap(FeatureMap):

@@ -8,6 +8,8 @@ from keras_linattn._validation import check_positive_float
 from keras_linattn.feature_maps.base import FeatureMap
 from keras_linattn.feature_maps.registry import register
 
+__all__ = ["TaylorFeatureMap"]
+
 
 @register("taylor")
 class TaylorFeatureMap(FeatureMap):

@@ -1,9 +1,26 @@
-"""Keras layers built on linear attention."""
+"""Keras layers built on linear attention.
 
+Each submodule declares its public names in its ``__all__``; this package
+re-exports exactly those.
+"""
+
+from keras_linattn.layers import (
+    efficient_attention,
+    linear_attention,
+    linear_attention_cell,
+    transformer_decoder,
+    transformer_encoder,
+)
 from keras_linattn.layers.efficient_attention import EfficientAttention
 from keras_linattn.layers.linear_attention import LinearAttention
 from keras_linattn.layers.linear_attention_cell import LinearAttentionCell
 from keras_linattn.layers.transformer_decoder import LinearTransformerDecoder
 from keras_linattn.layers.transformer_encoder import LinearTransformerEncoder
 
-__all__ = ["EfficientAttention", "LinearAttention", "LinearAttentionCell", "LinearTransformerDecoder", "LinearTransformerEncoder"]
+__all__ = [
+    *efficient_attention.__all__,
+    *linear_attention.__all__,
+    *linear_attention_cell.__all__,
+    *transformer_decoder.__all__,
+    *transformer_encoder.__all__,
+]

@@ -17,7 +17,6 @@ from keras import ops
 
 from keras_linattn import _validation
 from keras_linattn._docstrings import fill
-from keras_linattn.ops import core as la_ops
 
 # The projection arguments every attention layer takes, documented once.
 PROJECTION_ARGS_DOC = """\
@@ -249,7 +248,8 @@ class ProjectedAttention(keras.layers.Layer):
             "where the layer supports it)",
         )
         self.check_call_inputs(query, value, key)
-        if use_causal_mask and query.shape[1] is not None and key.shape[1] is not None and query.shape[1] != key.shape[1]:
+        t, s = query.shape[1], key.shape[1]  # T, S when static
+        if use_causal_mask and t is not None and s is not None and t != s:
             raise ValueError(
                 "`use_causal_mask=True` needs query and key of the same length. "
                 f"Received: query.shape={tuple(query.shape)}, key.shape={tuple(key.shape)}"
@@ -264,7 +264,9 @@ class ProjectedAttention(keras.layers.Layer):
             key_mask = ops.cast(key_mask, "bool")  # [B, S]
         q, k, v = self.project(query, value, key)  # [B, T, H, D], [B, S, H, D], [B, S, H, M]
         attended, state = self._compute_attention(
-            q, k, v,
+            q,
+            k,
+            v,
             key_mask=key_mask,
             use_causal_mask=use_causal_mask,
             training=training,
@@ -274,13 +276,12 @@ class ProjectedAttention(keras.layers.Layer):
         if not return_state:
             return output
         if state is None:
-            raise ValueError(
-                f"{type(self).__name__} keeps no state to return. Received: return_state={return_state!r}"
-            )
+            raise ValueError(f"{type(self).__name__} keeps no state to return. Received: return_state={return_state!r}")
         return output, state
 
-    def _compute_attention(self, query, key, value, key_mask=None, use_causal_mask=False, training=None,
-                           initial_state=None):
+    def _compute_attention(
+        self, query, key, value, key_mask=None, use_causal_mask=False, training=None, initial_state=None
+    ):
         """The attention between the projections: the one method a subclass overrides.
 
         Args:

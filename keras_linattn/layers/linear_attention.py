@@ -83,6 +83,8 @@ def _inverse_softplus_of_log_uniform(low, high, seed):
 
     return init
 
+__all__ = ["LinearAttention"]
+
 
 @keras.saving.register_keras_serializable(package="keras_linattn")
 @_projections.document
@@ -162,7 +164,7 @@ class LinearAttention(_projections.ProjectedAttention):
 
     >>> layer = LinearAttention(num_heads=4, key_dim=16, feature_map="elu")
     >>> x = keras.random.normal((2, 100, 64))
-    >>> layer(x, x, use_causal_mask=True).shape
+    >>> tuple(layer(x, x, use_causal_mask=True).shape)
     (2, 100, 64)
     """
 

@@ -19,10 +19,13 @@ from keras_linattn._validation import (
 )
 from keras_linattn.layers.linear_attention import LinearAttention, check_mechanisms
 
+# The blocks' public classes live in transformer_encoder.py and transformer_decoder.py.
+__all__ = []
+
 
 # The constructor arguments of both blocks, documented once (see
 # `keras_linattn._docstrings.fill`).
-BLOCK_ARGS_DOC = """\
+_BLOCK_ARGS_DOC = """\
         num_heads: number of attention heads H.
         intermediate_dim: hidden size of the feed-forward network.
         key_dim: size of each query/key head D; defaults to ``dim // num_heads``.
@@ -47,7 +50,7 @@ BLOCK_ARGS_DOC = """\
             sliding softmax window), passed to the block's attention. `decay`
             and `window_size` are causal: the encoder refuses them."""
 
-document = fill(block_args=BLOCK_ARGS_DOC)
+_document = fill(block_args=_BLOCK_ARGS_DOC)
 
 
 class _LinearTransformerBlock(keras.layers.Layer):

@@ -2,11 +2,13 @@
 
 import keras
 
-from keras_linattn.layers.transformer import _LinearTransformerBlock, document
+from keras_linattn.layers.transformer import _LinearTransformerBlock, _document
+
+__all__ = ["LinearTransformerDecoder"]
 
 
 @keras.saving.register_keras_serializable(package="keras_linattn")
-@document
+@_document
 class LinearTransformerDecoder(_LinearTransformerBlock):
     """Pre-norm transformer decoder block with causal linear self-attention.
 
@@ -39,11 +41,16 @@ class LinearTransformerDecoder(_LinearTransformerBlock):
 
     Example:
 
+    >>> import numpy as np
+    >>> keras.utils.set_random_seed(0)
     >>> block = LinearTransformerDecoder(num_heads=4, intermediate_dim=128)
-    >>> x = keras.random.normal((2, 10, 64))
-    >>> y = block(x)                                   # [2, 10, 64], causal
+    >>> x = np.random.default_rng(0).normal(size=(2, 10, 64)).astype("float32")  # [B, T, dim]
+    >>> y = np.asarray(block(x))  # causal
     >>> state = block.get_initial_state(2)
-    >>> y0, state = block.step(x[:, 0], state)         # equals y[:, 0]
+    >>> y0, state = block.step(x[:, 0], state)
+    >>> y1, state = block.step(x[:, 1], state)
+    >>> bool(np.allclose(np.stack([y0, y1], axis=1), y[:, :2], atol=1e-4))  # the recurrent form
+    True
     """
 
     _causal = True

@@ -2,11 +2,13 @@
 
 import keras
 
-from keras_linattn.layers.transformer import _LinearTransformerBlock, document
+from keras_linattn.layers.transformer import _LinearTransformerBlock, _document
+
+__all__ = ["LinearTransformerEncoder"]
 
 
 @keras.saving.register_keras_serializable(package="keras_linattn")
-@document
+@_document
 class LinearTransformerEncoder(_LinearTransformerBlock):
     """Pre-norm transformer encoder block with non-causal linear attention.
 
@@ -41,11 +43,16 @@ class LinearTransformerEncoder(_LinearTransformerBlock):
 
     Example:
 
+    >>> import numpy as np
+    >>> keras.utils.set_random_seed(0)
     >>> block = LinearTransformerEncoder(num_heads=4, intermediate_dim=128)
-    >>> x = keras.random.normal((2, 10, 64))
-    >>> mask = keras.ops.ones((2, 10), dtype="bool")
-    >>> block(x, padding_mask=mask).shape
-    (2, 10, 64)
+    >>> x = np.random.default_rng(0).normal(size=(2, 10, 64)).astype("float32")  # [B, T, dim]
+    >>> mask = np.ones((2, 10), bool)
+    >>> mask[1, 7:] = False  # the second row has 7 real tokens
+    >>> y = np.asarray(block(x, padding_mask=mask))
+    >>> y_short = np.asarray(block(x[1:, :7]))
+    >>> y.shape, bool(np.allclose(y[1, :7], y_short[0], atol=1e-4))  # padding changes no real token
+    ((2, 10, 64), True)
     """
 
     _causal = False

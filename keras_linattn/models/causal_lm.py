@@ -10,7 +10,8 @@ from keras_linattn import samplers as samplers_lib
 from keras_linattn.layers.linear_attention import check_mechanisms
 from keras_linattn.layers.transformer_decoder import LinearTransformerDecoder
 from keras_linattn.models import generation
-from keras_linattn.ops import core as la_ops
+
+__all__ = ["LinearCausalLM"]
 
 
 def _is_concrete(x):
@@ -305,7 +306,7 @@ class LinearCausalLM(keras.Model):
             offset += n
         return states
 
-    def check_state(self, state, batch_size=None, name="state"):
+    def _check_state(self, state, batch_size=None, name="state"):
         """Raises ValueError (naming `name`) unless `state` matches `state_spec`."""
         generation.check_state(self.state_spec(), state, batch_size=batch_size, name=name)
 
@@ -352,7 +353,7 @@ class LinearCausalLM(keras.Model):
             and chaining the states gives the logits of one pass.
         """
         token_ids = self._check_token_ids(token_ids, "token_ids", 2)
-        self.check_state(state, batch_size=token_ids.shape[0])
+        self._check_state(state, batch_size=token_ids.shape[0])
         return self._forward(token_ids, padding_mask, list(state), training, return_state=True)
 
     # ---------------------------------------------------------- recurrent
@@ -371,7 +372,7 @@ class LinearCausalLM(keras.Model):
             ``(logits_t [B, V] float32, new_state)``.
         """
         token_t = self._check_token_ids(token_t, "token_t", 1)
-        self.check_state(state, batch_size=token_t.shape[0])
+        self._check_state(state, batch_size=token_t.shape[0])
         position = ops.cast(state[-1], "int32")  # [B]
         x = self._embed(token_t, position)  # [B, dim]
         new_state = []

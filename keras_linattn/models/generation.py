@@ -43,6 +43,16 @@ StateSpec = _state.StateSpec
 zeros_state = _state.zeros_state
 check_state = _state.check_state
 
+__all__ = [
+    "StateSpec",
+    "check_generate_arguments",
+    "check_state",
+    "decode_loop",
+    "generate_tokens",
+    "prefill",
+    "zeros_state",
+]
+
 
 def check_generate_arguments(prompt_ids, max_length, padding_mask, vocabulary_size, max_sequence_length=None):
     """The contract's checks on a generate call, in NumPy (before any tracing).
@@ -66,14 +76,12 @@ def check_generate_arguments(prompt_ids, max_length, padding_mask, vocabulary_si
         raise ValueError(f"`prompt_ids` must hold integer token ids. Received: dtype={prompt.dtype}")
     if prompt.min() < 0 or prompt.max() >= vocabulary_size:
         raise ValueError(
-            f"`prompt_ids` must be in [0, {vocabulary_size}). "
-            f"Received: min={prompt.min()}, max={prompt.max()}"
+            f"`prompt_ids` must be in [0, {vocabulary_size}). Received: min={prompt.min()}, max={prompt.max()}"
         )
     prompt_length = prompt.shape[1]
     if isinstance(max_length, bool) or not isinstance(max_length, (int, np.integer)) or max_length < prompt_length:
         raise ValueError(
-            f"`max_length` must be an integer >= the prompt length {prompt_length}. "
-            f"Received: max_length={max_length!r}"
+            f"`max_length` must be an integer >= the prompt length {prompt_length}. Received: max_length={max_length!r}"
         )
     max_length = int(max_length)
     if max_sequence_length is not None and max_length > max_sequence_length:
@@ -86,8 +94,7 @@ def check_generate_arguments(prompt_ids, max_length, padding_mask, vocabulary_si
         mask = np.asarray(padding_mask).astype(bool)
         if mask.shape != prompt.shape:
             raise ValueError(
-                f"`padding_mask` must have the prompt's shape {prompt.shape}. "
-                f"Received: padding_mask.shape={mask.shape}"
+                f"`padding_mask` must have the prompt's shape {prompt.shape}. Received: padding_mask.shape={mask.shape}"
             )
         if not mask.any(axis=1).all() or (mask[:, 1:] < mask[:, :-1]).any():
             raise ValueError(

@@ -1,20 +1,18 @@
-"""Pure attention functions (no weights): linear and efficient attention, and exact references."""
+"""Pure attention functions (no weights): linear and efficient attention, and exact references.
 
-from keras_linattn.ops.core import (
-    DEFAULT_EPSILON,
-    check_state,
-    linear_attention,
-    linear_attention_step,
-    zero_state,
-)
+Each submodule declares its public names in its ``__all__``; this package
+re-exports exactly those.
+"""
+
+from keras_linattn.ops import core, decay, efficient, reference, short_conv, window
+from keras_linattn.ops.core import DEFAULT_EPSILON, linear_attention, linear_attention_step
 from keras_linattn.ops.decay import (
+    CHANNEL_CHUNK,
     gated_linear_attention,
     gated_linear_attention_reference,
     gated_linear_attention_step,
 )
 from keras_linattn.ops.efficient import efficient_attention
-from keras_linattn.ops.short_conv import causal_conv, causal_conv_reference, causal_conv_step
-from keras_linattn.ops.window import window_attention, window_attention_reference, window_attention_step
 from keras_linattn.ops.reference import (
     efficient_attention_reference,
     kernel_attention_reference,
@@ -22,26 +20,14 @@ from keras_linattn.ops.reference import (
     softmax_attention,
     softmax_attention_weights,
 )
+from keras_linattn.ops.short_conv import causal_conv, causal_conv_reference, causal_conv_step
+from keras_linattn.ops.window import window_attention, window_attention_reference, window_attention_step
 
 __all__ = [
-    "DEFAULT_EPSILON",
-    "causal_conv",
-    "causal_conv_reference",
-    "causal_conv_step",
-    "check_state",
-    "efficient_attention",
-    "efficient_attention_reference",
-    "gated_linear_attention",
-    "gated_linear_attention_reference",
-    "gated_linear_attention_step",
-    "kernel_attention_reference",
-    "kernel_attention_weights",
-    "linear_attention",
-    "linear_attention_step",
-    "softmax_attention",
-    "softmax_attention_weights",
-    "window_attention",
-    "window_attention_reference",
-    "window_attention_step",
-    "zero_state",
+    *core.__all__,
+    *decay.__all__,
+    *efficient.__all__,
+    *reference.__all__,
+    *short_conv.__all__,
+    *window.__all__,
 ]

@@ -26,13 +26,15 @@ from keras import ops
 
 from keras_linattn._validation import check_bool, check_epsilon, check_non_negative_int, check_positive_int, check_rank
 
+__all__ = ["DEFAULT_EPSILON", "linear_attention", "linear_attention_step"]
+
 DEFAULT_EPSILON = 1e-6
 # Added to the denominator guard so that a zero query feature vector with no
 # keys gives 0 / tiny = 0 instead of 0 / 0.
 _TINY = 1e-30
 
 
-def validate_inputs(q, k, v=None, key_mask=None, causal=False, names=("q_features", "k_features", "v")):
+def _validate_inputs(q, k, v=None, key_mask=None, causal=False, names=("q_features", "k_features", "v")):
     """Checks the ranks and shapes of attention inputs, naming the arguments.
 
     ``q [B, T, H, C]``, ``k [B, S, H, C]``, optional ``v [B, S, H, M]`` and
@@ -82,7 +84,7 @@ def validate_inputs(q, k, v=None, key_mask=None, causal=False, names=("q_feature
         )
 
 
-def check_state(state, num_heads, feature_dim, value_dim, batch_size=None, name="state"):
+def _check_state(state, num_heads, feature_dim, value_dim, batch_size=None, name="state"):
     """Validates a linear-attention state ``(S [B, H, C, M], z [B, H, C])``.
 
     Raises:
@@ -185,9 +187,9 @@ def linear_attention(
         ``[B, T, H, M]`` in the dtype of ``v`` (and the float32 state
         ``(S, z)`` if ``return_state``).
     """
-    validate_inputs(q_features, k_features, v, key_mask, causal)
+    _validate_inputs(q_features, k_features, v, key_mask, causal)
     if initial_state is not None:
-        check_state(
+        _check_state(
             initial_state, q_features.shape[2], q_features.shape[3], v.shape[3], name="initial_state"
         )
     chunk_size = check_positive_int("chunk_size", chunk_size)
@@ -228,7 +230,7 @@ def _causal_chunked(q, k, v, chunk_size, s0, z0):
     before normalization and the final state:
     ``(num [B, H, T, M], den [B, H, T, 1], (S, z))``.
     """
-    t_static = q.shape[2]  # S == T was checked by `validate_inputs`
+    t_static = q.shape[2]  # S == T was checked by `_validate_inputs`
     h, c, m = q.shape[1], q.shape[3], v.shape[3]
     batch = ops.shape(q)[0]
     length = ops.shape(q)[2]
@@ -295,7 +297,7 @@ def linear_attention_step(q_t, k_t, v_t, state, key_mask_t=None, eps=DEFAULT_EPS
     check_rank("q_t", q_t, 3)
     check_rank("k_t", k_t, 3)
     check_rank("v_t", v_t, 3)
-    check_state(state, q_t.shape[1], q_t.shape[2], v_t.shape[2])
+    _check_state(state, q_t.shape[1], q_t.shape[2], v_t.shape[2])
     check_epsilon("eps", eps, allow_zero=True)
     out_dtype = v_t.dtype
     q = ops.cast(q_t, "float32")  # [B, H, C]
@@ -314,7 +316,7 @@ def linear_attention_step(q_t, k_t, v_t, state, key_mask_t=None, eps=DEFAULT_EPS
     return ops.cast(out, out_dtype), (s, z)
 
 
-def zero_state(batch_size, num_heads, feature_dim, value_dim):
+def _zero_state(batch_size, num_heads, feature_dim, value_dim):
     """An empty state ``(S, z)``: zeros of ``[B, H, C, M]`` and ``[B, H, C]``."""
     if isinstance(batch_size, numbers.Integral):  # a symbolic batch size passes through
         batch_size = check_non_negative_int("batch_size", batch_size)

@@ -38,8 +38,8 @@ from keras_linattn.ops.core import (
     _heads_first,
     _mask_keys,
     _normalize,
-    check_state,
-    validate_inputs,
+    _check_state,
+    _validate_inputs,
 )
 
 __all__ = [
@@ -112,10 +112,10 @@ def gated_linear_attention(
     Returns:
         ``[B, T, H, M]`` in ``v``'s dtype (and ``(S, z)`` if `return_state`).
     """
-    validate_inputs(q_features, k_features, v, key_mask, causal=True)
+    _validate_inputs(q_features, k_features, v, key_mask, causal=True)
     _check_log_decay(log_decay, q_features)
     if initial_state is not None:
-        check_state(initial_state, q_features.shape[2], q_features.shape[3], v.shape[3], name="initial_state")
+        _check_state(initial_state, q_features.shape[2], q_features.shape[3], v.shape[3], name="initial_state")
     chunk_size = check_positive_int("chunk_size", chunk_size)
     check_bool("normalize", normalize)
     check_epsilon("eps", eps, allow_zero=True)
@@ -237,7 +237,7 @@ def gated_linear_attention_step(
     check_rank("k_t", k_t, 3)
     check_rank("v_t", v_t, 3)
     _check_log_decay(log_decay_t, q_t, name="log_decay_t", rank=3)
-    check_state(state, q_t.shape[1], q_t.shape[2], v_t.shape[2])
+    _check_state(state, q_t.shape[1], q_t.shape[2], v_t.shape[2])
     check_bool("normalize", normalize)
     out_dtype = v_t.dtype
     q = ops.cast(q_t, "float32")  # [B, H, C]
@@ -271,7 +271,7 @@ def gated_linear_attention_reference(
     ``out`` in ``v``'s dtype and the state in ``compute_dtype``.
     Differentiable (a Python loop of `keras.ops`), for gradient checks.
     """
-    validate_inputs(q_features, k_features, v, key_mask, causal=True)
+    _validate_inputs(q_features, k_features, v, key_mask, causal=True)
     _check_log_decay(log_decay, q_features)
     cast = lambda x: ops.cast(x, compute_dtype)  # noqa: E731
     q, k, vv, g = cast(q_features), cast(k_features), cast(v), cast(log_decay)

@@ -21,14 +21,16 @@ is the quadratic oracle of this function.
 
 from keras import ops
 
-from keras_linattn.ops.core import _mask_keys, validate_inputs
+from keras_linattn.ops.core import _mask_keys, _validate_inputs
+
+__all__ = ["efficient_attention"]
 
 # Finite stand-in for -inf before the softmax over the sequence: an all-padded
 # row then gives exp(0) * 0 = 0 instead of NaN, in the forward and backward pass.
 _NEG_LARGE = -1e30
 
 
-def check_projections(k, projection_key, projection_value):
+def _check_projections(k, projection_key, projection_value):
     """Both Linformer projections or neither; ``[K, N]`` each, ``N >= S`` when known.
 
     Raises:
@@ -75,8 +77,8 @@ def efficient_attention(q, k, v, key_mask=None, projection_key=None, projection_
     Returns:
         ``[B, T, H, M]`` in the dtype of ``v``.
     """
-    validate_inputs(q, k, v, key_mask, names=("q", "k", "v"))
-    check_projections(k, projection_key, projection_value)
+    _validate_inputs(q, k, v, key_mask, names=("q", "k", "v"))
+    _check_projections(k, projection_key, projection_value)
     out_dtype = v.dtype
     q = ops.softmax(ops.cast(q, "float32"), axis=-1)  # [B, T, H, D]
     k = _mask_keys(ops.cast(k, "float32"), key_mask)  # [B, S, H, D]

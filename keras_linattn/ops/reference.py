@@ -6,8 +6,16 @@ C feature dim, M value dim, K projected length.
 
 from keras import ops
 
-from keras_linattn.ops.core import validate_inputs
-from keras_linattn.ops.efficient import check_projections
+from keras_linattn.ops.core import _validate_inputs
+from keras_linattn.ops.efficient import _check_projections
+
+__all__ = [
+    "efficient_attention_reference",
+    "kernel_attention_reference",
+    "kernel_attention_weights",
+    "softmax_attention",
+    "softmax_attention_weights",
+]
 
 
 def _pair_mask(batch_t, batch_s, causal, key_mask, t, s):
@@ -31,7 +39,7 @@ def kernel_attention_reference(q_features, k_features, v, causal=False, key_mask
     dtype. Rows with no allowed key give 0. Refuses the inputs
     `linear_attention` refuses, with the same messages.
     """
-    validate_inputs(q_features, k_features, v, key_mask, causal)
+    _validate_inputs(q_features, k_features, v, key_mask, causal)
     q = ops.cast(q_features, compute_dtype)
     k = ops.cast(k_features, compute_dtype)
     v32 = ops.cast(v, compute_dtype)
@@ -52,7 +60,7 @@ def kernel_attention_weights(q_features, k_features, causal=False, key_mask=None
     Computed in ``compute_dtype``: float32 by default, because the
     distillation loss trains through it (pass "float64" for an oracle).
     """
-    validate_inputs(q_features, k_features, None, key_mask, causal)
+    _validate_inputs(q_features, k_features, None, key_mask, causal)
     q = ops.cast(q_features, compute_dtype)
     k = ops.cast(k_features, compute_dtype)
     scores = ops.einsum("bthc,bshc->bhts", q, k)  # [B, H, T, S]
@@ -70,7 +78,7 @@ def softmax_attention_weights(q, k, causal=False, key_mask=None, scale=None, com
     ``compute_dtype``: float32 by default, because the distillation loss
     trains through it (pass "float64" for an oracle).
     """
-    validate_inputs(q, k, None, key_mask, causal, names=("q", "k", "v"))
+    _validate_inputs(q, k, None, key_mask, causal, names=("q", "k", "v"))
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise ValueError(f"`scale` must be a number or None. Received: scale={scale!r}")
     q = ops.cast(q, compute_dtype)
@@ -92,7 +100,7 @@ def softmax_attention(q, k, v, causal=False, key_mask=None, scale=None, compute_
 
     Computed in ``compute_dtype`` (float64: an oracle) and returned in ``v``'s dtype.
     """
-    validate_inputs(q, k, v, key_mask, causal, names=("q", "k", "v"))
+    _validate_inputs(q, k, v, key_mask, causal, names=("q", "k", "v"))
     weights = softmax_attention_weights(q, k, causal, key_mask, scale, compute_dtype)  # [B, H, T, S]
     out = ops.einsum("bhts,bshm->bthm", weights, ops.cast(v, compute_dtype))
     return ops.cast(out, v.dtype)
@@ -112,8 +120,8 @@ def efficient_attention_reference(
     contribute nothing. Computed in ``compute_dtype`` (float64: an oracle) and
     returned in ``v``'s dtype; a row with no real key gives 0.
     """
-    validate_inputs(q, k, v, key_mask, names=("q", "k", "v"))
-    check_projections(k, projection_key, projection_value)
+    _validate_inputs(q, k, v, key_mask, names=("q", "k", "v"))
+    _check_projections(k, projection_key, projection_value)
     out_dtype = v.dtype
     q = ops.softmax(ops.cast(q, compute_dtype), axis=-1)  # [B, T, H, D]
     k = ops.cast(k, compute_dtype)  # [B, S, H, D]

@@ -35,8 +35,8 @@ from keras_linattn.ops.core import (
     _heads_first,
     _mask_keys,
     _normalize,
-    check_state,
-    validate_inputs,
+    _check_state,
+    _validate_inputs,
 )
 
 __all__ = ["window_attention", "window_attention_reference", "window_attention_step"]
@@ -100,8 +100,8 @@ def window_attention(
     """
     window = check_positive_int("window", window)
     check_rank("q", q, 4)
-    validate_inputs(q_features, k_features_all, v_all, valid_all, names=("q_features", "k_features_all", "v_all"))
-    validate_inputs(q, k_all, None, valid_all, names=("q", "k_all", "v_all"))
+    _validate_inputs(q_features, k_features_all, v_all, valid_all, names=("q_features", "k_features_all", "v_all"))
+    _validate_inputs(q, k_all, None, valid_all, names=("q", "k_all", "v_all"))
     t, total = q.shape[1], k_all.shape[1]
     if t is not None and total is not None and total != t + window:
         raise ValueError(
@@ -109,7 +109,7 @@ def window_attention(
             f"Received: k_all.shape={tuple(k_all.shape)}, q.shape={tuple(q.shape)}"
         )
     if initial_state is not None:
-        check_state(initial_state, q_features.shape[2], q_features.shape[3], v_all.shape[3], name="initial_state")
+        _check_state(initial_state, q_features.shape[2], q_features.shape[3], v_all.shape[3], name="initial_state")
     scale = _check_scale(scale, q)
     check_epsilon("eps", eps, allow_zero=True)
     out_dtype = v_all.dtype
@@ -189,7 +189,7 @@ def window_attention_step(
     """
     check_rank("q_t", q_t, 3)
     check_rank("k_t", k_t, 3)
-    check_state(state, q_features_t.shape[1], q_features_t.shape[2], v_t.shape[2])
+    _check_state(state, q_features_t.shape[1], q_features_t.shape[2], v_t.shape[2])
     if not isinstance(buffer, (tuple, list)) or len(buffer) != 3:
         raise ValueError(f"`buffer` must be (keys, values, valid). Received: buffer={buffer!r}")
     scale = _check_scale(scale, q_t)
@@ -201,7 +201,10 @@ def window_attention_step(
     s, z = (ops.cast(x, "float32") for x in state)
     s = s + kf_old[..., :, None] * v_old[..., None, :]  # [B, H, C, M]
     z = z + kf_old  # [B, H, C]
-    new_ok = ops.ones_like(valid[:, :1]) if key_mask_t is None else ops.cast(ops.cast(key_mask_t, "bool"), "float32")[:, None]
+    if key_mask_t is None:
+        new_ok = ops.ones_like(valid[:, :1])  # [B, 1]
+    else:
+        new_ok = ops.cast(ops.cast(key_mask_t, "bool"), "float32")[:, None]  # [B, 1]
     v_new = _mask_keys(ops.cast(v_t, "float32"), new_ok[:, 0] > 0)  # [B, H, M]
     keys = ops.concatenate([keys[:, 1:], ops.cast(k_t, "float32")[:, None]], axis=1)  # [B, W, H, D]
     values = ops.concatenate([values[:, 1:], v_new[:, None]], axis=1)  # [B, W, H, M]
@@ -226,7 +229,7 @@ def window_attention_reference(
     features ``[B, T, H, C]``, ``v [B, T, H, M]``, ``key_mask [B, T]``).
     """
     window = check_positive_int("window", window)
-    validate_inputs(q, k, v, key_mask, causal=True, names=("q", "k", "v"))
+    _validate_inputs(q, k, v, key_mask, causal=True, names=("q", "k", "v"))
     scale = _check_scale(scale, q)
     cast = lambda x: ops.cast(x, compute_dtype)  # noqa: E731
     t = q.shape[1]
