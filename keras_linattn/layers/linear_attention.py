@@ -24,7 +24,7 @@ CHANNEL_GATE_RANK = 16
 OUTPUT_NORM_EPSILON = 1e-6
 
 
-def check_mechanisms(decay, normalize, conv_size, window_size, causal=True):
+def _check_mechanisms(decay, normalize, conv_size, window_size, causal=True):
     """The rules of `LinearAttention`'s recall mechanisms, shared by the blocks and the LM.
 
     Returns ``(decay, normalize, conv_size, window_size)`` normalized.
@@ -62,7 +62,7 @@ def check_mechanisms(decay, normalize, conv_size, window_size, causal=True):
     return decay, normalize, conv_size, window_size
 
 
-def fixed_log_decay(num_heads):
+def _fixed_log_decay(num_heads):
     """RetNet's per-head decay, as logs: ``log(1 - 2 ** (-5 - h))`` for ``h = 0 .. H - 1``."""
     return np.log1p(-(2.0 ** (-5.0 - np.arange(num_heads, dtype="float64")))).astype("float32")
 
@@ -187,7 +187,7 @@ class LinearAttention(_projections.ProjectedAttention):
         _validation.check_positive_int("chunk_size", chunk_size)
         if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not 0 <= epsilon < float("inf"):
             raise ValueError(f"`epsilon` must be a non-negative finite number. Received: epsilon={epsilon!r}")
-        self.decay, self.normalize, self.conv_size, self.window_size = check_mechanisms(
+        self.decay, self.normalize, self.conv_size, self.window_size = _check_mechanisms(
             decay, normalize, conv_size, window_size
         )
         self.feature_map = feature_maps_lib.get(feature_map)
@@ -354,7 +354,7 @@ class LinearAttention(_projections.ProjectedAttention):
     def _log_decay(self, keys):
         """``log a_t`` from the projected keys ``[B, S, H, D]``: ``[B, S, H, 1]`` or ``[B, S, H, C]`` (float32)."""
         if self.decay == "fixed":
-            log_gamma = ops.convert_to_tensor(fixed_log_decay(self.num_heads))  # [H]
+            log_gamma = ops.convert_to_tensor(_fixed_log_decay(self.num_heads))  # [H]
             return ops.zeros(ops.shape(keys)[:3], "float32")[..., None] + log_gamma[:, None]  # [B, S, H, 1]
         x = ops.cast(keys, "float32")  # [B, S, H, D]
         if self.decay == "scalar":

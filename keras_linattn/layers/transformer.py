@@ -17,7 +17,7 @@ from keras_linattn._validation import (
     check_rate,
     check_seed,
 )
-from keras_linattn.layers.linear_attention import LinearAttention, check_mechanisms
+from keras_linattn.layers.linear_attention import LinearAttention, _check_mechanisms
 
 # The blocks' public classes live in transformer_encoder.py and transformer_decoder.py.
 __all__ = []
@@ -83,7 +83,7 @@ class _LinearTransformerBlock(keras.layers.Layer):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        self.decay, self.normalize, self.conv_size, self.window_size = check_mechanisms(
+        self.decay, self.normalize, self.conv_size, self.window_size = _check_mechanisms(
             decay, normalize, conv_size, window_size, causal=self._causal
         )
         self.num_heads = check_positive_int("num_heads", num_heads)

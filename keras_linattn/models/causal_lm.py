@@ -7,7 +7,7 @@ from keras import ops
 from keras_linattn import _validation
 from keras_linattn import feature_maps as feature_maps_lib
 from keras_linattn import samplers as samplers_lib
-from keras_linattn.layers.linear_attention import check_mechanisms
+from keras_linattn.layers.linear_attention import _check_mechanisms
 from keras_linattn.layers.transformer_decoder import LinearTransformerDecoder
 from keras_linattn.models import generation
 
@@ -124,7 +124,7 @@ class LinearCausalLM(keras.Model):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        self.decay, self.normalize, self.conv_size, self.window_size = check_mechanisms(
+        self.decay, self.normalize, self.conv_size, self.window_size = _check_mechanisms(
             decay, normalize, conv_size, window_size
         )
         for name, value in (
