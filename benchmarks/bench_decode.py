@@ -66,10 +66,11 @@ MB = 1e6
 
 
 # ----------------------------------------------------------------- models
-def build_ours(chunk_size=64):
+def build_ours(chunk_size=64, feature_map="elu", **mechanisms):
+    """The benchmark's LinearCausalLM; `mechanisms` are `LinearAttention`'s recall arguments."""
     from keras_linattn.models import LinearCausalLM
 
-    return LinearCausalLM(feature_map="elu", chunk_size=chunk_size, **CONFIG, name="ours")
+    return LinearCausalLM(feature_map=feature_map, chunk_size=chunk_size, **CONFIG, **mechanisms, name="ours")
 
 
 class KVCacheDecoder:
