@@ -1,7 +1,8 @@
 """`make demo`: the package end to end in a few minutes on a CPU.
 
-1. trains a small causal character LM whose attention uses the trainable
-   OGLU kernel, with `model.fit(jit_compile=True)` (XLA; Keras' default
+1. trains a small causal character LM whose linear attention has a short
+   causal convolution and a data-dependent decay gate (elu + 1 features,
+   ``conv_size=4, decay="scalar"``), with `model.fit(jit_compile=True)` (XLA; Keras' default
    "auto" does not enable XLA on a CPU-only TensorFlow), on the Python
    standard library's own source (local data, nothing is downloaded);
 2. generates a sample with the recurrent path (prefill + constant-cost steps);
@@ -40,10 +41,16 @@ def build_parser():
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--out", default="out/demo", help="directory for the model and exports")
-    parser.add_argument("--steps", type=int, default=300, help="training steps")
+    parser.add_argument("--steps", type=int, default=1200, help="training steps")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--sequence-length", type=int, default=128)
-    parser.add_argument("--feature-map", default="oglu", help="attention feature map")
+    parser.add_argument("--feature-map", default="elu", help="attention feature map")
+    parser.add_argument("--conv-size", type=int, default=4,
+                        help="short causal convolution on q/k/v (LinearAttention's conv_size); 0 for none")
+    parser.add_argument("--decay", default="scalar", choices=("none", "fixed", "scalar", "channel"),
+                        help="decay gate of the attention state (LinearAttention's decay)")
+    parser.add_argument("--window-size", type=int, default=0,
+                        help="sliding softmax window (LinearAttention's window_size); 0 for none")
     parser.add_argument("--max-chars", type=int, default=600_000, help="characters of corpus used")
     parser.add_argument("--generate-length", type=int, default=160)
     parser.add_argument("--seed", type=int, default=0)
@@ -73,7 +80,13 @@ def main(argv=None):
     val = data.windows(val_ids, args.sequence_length, args.batch_size)
     print(f"{len(corpus):,} characters, vocabulary {vocab.size}, {len(train_ids):,} training ids")
 
-    _banner(f"2/4 train: LinearCausalLM, feature map {args.feature_map!r}, jit_compile=True (XLA)")
+    mechanisms = dict(
+        conv_size=args.conv_size or None,
+        decay=None if args.decay == "none" else args.decay,
+        window_size=args.window_size or None,
+    )
+    described = ", ".join(f"{k}={v}" for k, v in mechanisms.items() if v is not None) or "no recall mechanism"
+    _banner(f"2/4 train: LinearCausalLM, feature map {args.feature_map!r}, {described}, jit_compile=True (XLA)")
     model = models.LinearCausalLM(
         vocabulary_size=vocab.size,
         num_layers=2,
@@ -82,6 +95,7 @@ def main(argv=None):
         intermediate_dim=256,
         feature_map=args.feature_map,
         chunk_size=64,
+        **mechanisms,
     )
     model.compile(
         optimizer=keras.optimizers.AdamW(learning_rate=3e-3, weight_decay=0.01),
