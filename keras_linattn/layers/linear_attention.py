@@ -12,10 +12,12 @@ from keras_linattn import feature_maps as feature_maps_lib
 from keras_linattn.layers import _projections
 from keras_linattn.ops import core as la_ops
 from keras_linattn.ops import decay as decay_ops
+from keras_linattn.ops import delta as delta_ops
 from keras_linattn.ops import short_conv as conv_ops
 from keras_linattn.ops import window as window_ops
 
 DECAYS = (None, "fixed", "scalar", "channel")
+UPDATES = ("add", "delta")
 # GLA's gate-logit normalizer: log a = logsigmoid(x W) / 16 keeps gates near 1 at initialization.
 CHANNEL_GATE_TEMPERATURE = 16.0
 # Rank of the low-rank projection of the per-channel gates (as in GLA).
@@ -24,10 +26,10 @@ CHANNEL_GATE_RANK = 16
 OUTPUT_NORM_EPSILON = 1e-6
 
 
-def _check_mechanisms(decay, normalize, conv_size, window_size, causal=True):
+def _check_mechanisms(decay, normalize, conv_size, window_size, causal=True, update="add", feature_map="elu"):
     """The rules of `LinearAttention`'s recall mechanisms, shared by the blocks and the LM.
 
-    Returns ``(decay, normalize, conv_size, window_size)`` normalized.
+    Returns ``(decay, normalize, conv_size, window_size, update)`` normalized.
 
     Raises:
         ValueError: naming the argument, for a value outside its rule or a
@@ -54,12 +56,45 @@ def _check_mechanisms(decay, normalize, conv_size, window_size, causal=True):
             "`window_size` needs `normalize=True`: the softmax window and the linear part share one "
             f"normalizer. Received: window_size={window_size!r}, normalize={normalize!r}"
         )
-    if not causal and (decay is not None or window_size is not None):
+    update = _validation.check_one_of("update", update, UPDATES)
+    if not causal and (decay is not None or window_size is not None or update == "delta"):
         raise ValueError(
-            "`decay` and `window_size` define a causal recurrence; this attention is not causal. "
-            f"Received: decay={decay!r}, window_size={window_size!r}"
+            "`decay`, `window_size` and `update='delta'` define a causal recurrence; this attention is not "
+            f"causal. Received: decay={decay!r}, window_size={window_size!r}, update={update!r}"
         )
-    return decay, normalize, conv_size, window_size
+    if update == "delta":
+        if normalize:
+            raise ValueError(
+                "`update='delta'` has no normalizer (its state is not a sum of positive weights): pass "
+                "`normalize=False`, which puts an RMSNorm on each head's output. "
+                f"Received: update={update!r}, normalize={normalize!r}"
+            )
+        if window_size is not None or decay == "channel":
+            raise ValueError(
+                "`update='delta'` takes `decay=None`, 'fixed' or 'scalar' (one gate per head: Gated "
+                f"DeltaNet) and no window. Received: decay={decay!r}, window_size={window_size!r}"
+            )
+    elif feature_map is None:
+        raise ValueError(
+            "`feature_map=None` (the identity, a signed kernel) needs `update='delta'`, which has no "
+            f"normalizer. Received: feature_map=None, update={update!r}"
+        )
+    return decay, normalize, conv_size, window_size, update
+
+
+def _l2_normalize(x):
+    """Unit L2 norm over the last axis, in float32 (the delta rule's keys and queries)."""
+    x = ops.cast(x, "float32")
+    return x * ops.rsqrt(ops.sum(ops.square(x), axis=-1, keepdims=True) + 1e-12)
+
+
+def _get_map(feature_map):
+    """A `FeatureMap`, or None for the identity (``update="delta"`` only)."""
+    return None if feature_map is None else feature_maps_lib.get(feature_map)
+
+
+def _serialize_map(feature_map):
+    return None if feature_map is None else feature_maps_lib.serialize(feature_map)
 
 
 def _fixed_log_decay(num_heads):
@@ -107,7 +142,8 @@ class LinearAttention(_projections.ProjectedAttention):
         value_dim: size of each value head M; defaults to `key_dim`.
         feature_map: a registered name (`keras_linattn.feature_maps.available()`),
             a serialized feature-map config, or a `FeatureMap` instance.
-            Default ``"elu"`` (elu + 1).
+            Default ``"elu"`` (elu + 1). None is the identity (with
+            ``update="delta"`` only, as in DeltaNet).
         chunk_size: chunk length of the causal algorithm. Default 64.
         epsilon: relative guard of the normalizer (see
             `keras_linattn.ops.linear_attention`). Keyword-only.
@@ -134,6 +170,14 @@ class LinearAttention(_projections.ProjectedAttention):
             (causal only; not with `decay` or ``normalize=False``). The
             decode state keeps a fixed buffer of the last W keys and values.
             Keyword-only.
+        update: ``"add"`` (default): the state only accumulates,
+            ``S_t = S_{t-1} + phi(k_t) v_t^T``. ``"delta"``: the delta rule
+            (DeltaNet), ``S_t = S_{t-1} + b_t k_t (v_t - S_{t-1}^T k_t)^T``
+            with ``phi(q)``, ``phi(k)`` L2-normalized per head and
+            ``b_t = sigmoid(w . k_t + c)`` per head: a key's old value is
+            overwritten instead of added to. With ``decay="fixed"`` or
+            ``"scalar"`` it is Gated DeltaNet. Needs ``normalize=False``
+            (no denominator); no window. Keyword-only.
 {projection_args}
         seed: seed of the dropout. Keyword-only.
 
@@ -181,19 +225,20 @@ class LinearAttention(_projections.ProjectedAttention):
         normalize=True,
         conv_size=None,
         window_size=None,
+        update="add",
         **kwargs,
     ):
         super().__init__(num_heads, key_dim, value_dim, **kwargs)
         _validation.check_positive_int("chunk_size", chunk_size)
         if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not 0 <= epsilon < float("inf"):
             raise ValueError(f"`epsilon` must be a non-negative finite number. Received: epsilon={epsilon!r}")
-        self.decay, self.normalize, self.conv_size, self.window_size = _check_mechanisms(
-            decay, normalize, conv_size, window_size
+        self.decay, self.normalize, self.conv_size, self.window_size, self.update = _check_mechanisms(
+            decay, normalize, conv_size, window_size, update=update, feature_map=feature_map
         )
-        self.feature_map = feature_maps_lib.get(feature_map)
+        self.feature_map = _get_map(feature_map)
         self.chunk_size = chunk_size
         self.epsilon = float(epsilon)
-        self.feature_dim = self.feature_map.feature_dim(key_dim)
+        self.feature_dim = key_dim if self.feature_map is None else self.feature_map.feature_dim(key_dim)
         if self.compute_dtype == "float16" and not getattr(self.feature_map, "float16_safe", True):
             raise ValueError(
                 f"Feature map {type(self.feature_map).__name__} gives outputs beyond the float16 "
@@ -205,10 +250,18 @@ class LinearAttention(_projections.ProjectedAttention):
     # ------------------------------------------------------------------ build
     def build(self, query_shape, value_shape, key_shape=None):
         super().build(query_shape, value_shape, key_shape)
-        if not self.feature_map.built:
+        if self.feature_map is not None and not self.feature_map.built:
             self.feature_map.build((None, None, self.num_heads, self.key_dim))
         h, d, m, c = self.num_heads, self.key_dim, self.value_dim, self.feature_dim
         seed = self.seed
+        if self.update == "delta":
+            self.beta_kernel = self.add_weight(
+                name="beta_kernel", shape=(h, d, h), initializer=self._fresh(self.kernel_initializer),
+                dtype="float32", autocast=False,
+            )
+            self.beta_bias = self.add_weight(
+                name="beta_bias", shape=(h,), initializer="zeros", dtype="float32", autocast=False
+            )
         if self.decay == "scalar":
             self.gate_kernel = self.add_weight(
                 name="gate_kernel", shape=(h, d, h), initializer=self._fresh(self.kernel_initializer),
@@ -264,8 +317,13 @@ class LinearAttention(_projections.ProjectedAttention):
     # ------------------------------------------------------------------- call
     def _features(self, q, k, causal, training):
         """Feature-maps projected heads: ``q [B, T, H, D], k [B, S, H, D]`` -> ``[B, T, H, C], [B, S, H, C]``."""
-        qf = self.feature_map(q, is_query=True, causal=causal, training=training)  # [B, T, H, C]
-        kf = self.feature_map(k, is_query=False, causal=causal, training=training)  # [B, S, H, C]
+        if self.feature_map is None:
+            qf, kf = q, k  # the identity (update="delta")
+        else:
+            qf = self.feature_map(q, is_query=True, causal=causal, training=training)  # [B, T, H, C]
+            kf = self.feature_map(k, is_query=False, causal=causal, training=training)  # [B, S, H, C]
+        if self.update == "delta":
+            qf, kf = _l2_normalize(qf), _l2_normalize(kf)
         return qf, kf
 
     def _compute_attention(self, query, key, value, key_mask=None, use_causal_mask=False, training=None,
@@ -304,13 +362,20 @@ class LinearAttention(_projections.ProjectedAttention):
             value, new_parts["conv_v"] = conv_ops.causal_conv(
                 value, self.conv_v, parts.get("conv_v"), key_mask, return_buffer=True
             )  # [B, S, H, M]
-        s0 = None if initial_state is None else (parts["S"], parts["z"])
+        s0 = None if initial_state is None or self.update == "delta" else (parts["S"], parts["z"])
         if self.window_size is not None:
             out, (s, z), buffers = self._window_attention(query, key, value, key_mask, parts, s0, training)
             new_parts.update(buffers)
         else:
             qf, kf = self._features(query, key, use_causal_mask, training)  # [B, T, H, C], [B, S, H, C]
-            if self.decay is not None:
+            if self.update == "delta":
+                log_decay = None if self.decay is None else self._log_decay(gate_input)[..., 0]  # [B, S, H]
+                out, s = delta_ops.delta_rule_attention(
+                    qf, kf, value, self._beta(gate_input), log_decay,
+                    key_mask=key_mask, chunk_size=self.chunk_size, initial_state=parts.get("S"), return_state=True,
+                )  # [B, T, H, M]
+                z = None
+            elif self.decay is not None:
                 out, (s, z) = decay_ops.gated_linear_attention(
                     qf, kf, value, self._log_decay(gate_input),
                     key_mask=key_mask, chunk_size=self.chunk_size, initial_state=s0, return_state=True,
@@ -323,6 +388,11 @@ class LinearAttention(_projections.ProjectedAttention):
                 )  # [B, T, H, M]
         new_parts.update(S=s, z=z)
         return self._output_norm(out), tuple(new_parts[entry.name] for entry in self.state_spec())
+
+    def _beta(self, keys):
+        """Delta-rule write strengths ``sigmoid(w . k + c)`` from the projected keys ``[B, S, H, D]``: ``[B, S, H]``."""
+        x = ops.cast(keys, "float32")  # [B, S, H, D]
+        return ops.sigmoid(ops.einsum("bshd,hdg->bsg", x, self.beta_kernel) + self.beta_bias)  # [B, S, H]
 
     def _window_attention(self, query, key, value, key_mask, parts, s0, training):
         """The sliding-window hybrid over a piece, with the buffered keys in front."""
@@ -376,7 +446,7 @@ class LinearAttention(_projections.ProjectedAttention):
     def state_spec(self):
         """The recurrent state, described once: a list of `StateSpec` (shapes without the batch dim).
 
-        Always ``S [H, C, M]`` and ``z [H, C]``; with `conv_size` K, the
+        ``S [H, C, M]``, and ``z [H, C]`` unless ``update="delta"``; with `conv_size` K, the
         last ``K - 1`` convolution inputs ``conv_q [K-1, H, D]``,
         ``conv_k [K-1, H, D]``, ``conv_v [K-1, H, M]``; with `window_size` W,
         the window's buffer ``window_k [W, H, D]``, ``window_v [W, H, M]``
@@ -386,7 +456,9 @@ class LinearAttention(_projections.ProjectedAttention):
         signatures are derived from it.
         """
         h, c, m, d = self.num_heads, self.feature_dim, self.value_dim, self.key_dim
-        spec = [_state.StateSpec("S", (h, c, m), "float32"), _state.StateSpec("z", (h, c), "float32")]
+        spec = [_state.StateSpec("S", (h, c, m), "float32")]
+        if self.update == "add":
+            spec.append(_state.StateSpec("z", (h, c), "float32"))
         if self.conv_size is not None:
             k = self.conv_size - 1
             spec += [
@@ -447,8 +519,15 @@ class LinearAttention(_projections.ProjectedAttention):
             q, new_parts["conv_q"] = conv_ops.causal_conv_step(q, self.conv_q, parts["conv_q"])  # [B, H, D]
             k, new_parts["conv_k"] = conv_ops.causal_conv_step(k, self.conv_k, parts["conv_k"])  # [B, H, D]
             v, new_parts["conv_v"] = conv_ops.causal_conv_step(v, self.conv_v, parts["conv_v"])  # [B, H, M]
-        state_sz = (parts["S"], parts["z"])
-        if self.window_size is not None:
+        state_sz = (parts["S"], parts.get("z"))
+        if self.update == "delta":
+            qf, kf = self._features(q[:, None], k[:, None], True, training)  # [B, 1, H, C]
+            log_decay = None if self.decay is None else self._log_decay(gate_input)[:, 0, :, 0]  # [B, H]
+            out, s_new = delta_ops.delta_rule_step(
+                qf[:, 0], kf[:, 0], v, self._beta(gate_input)[:, 0], parts["S"], log_decay
+            )  # [B, H, M]
+            state_sz = (s_new, None)
+        elif self.window_size is not None:
             buf_k = parts["window_k"]  # [B, W, H, D]
             # The oldest buffered key leaves the window now: its features join (S, z).
             qf, kf_old = self._features(q[:, None], ops.cast(buf_k[:, :1], q.dtype), True, training)
@@ -477,11 +556,12 @@ class LinearAttention(_projections.ProjectedAttention):
     def get_config(self):
         return {
             **super().get_config(),
-            "feature_map": feature_maps_lib.serialize(self.feature_map),
+            "feature_map": _serialize_map(self.feature_map),
             "chunk_size": self.chunk_size,
             "epsilon": self.epsilon,
             "decay": self.decay,
             "normalize": self.normalize,
             "conv_size": self.conv_size,
             "window_size": self.window_size,
+            "update": self.update,
         }

@@ -17,7 +17,7 @@ from keras_linattn._validation import (
     check_rate,
     check_seed,
 )
-from keras_linattn.layers.linear_attention import LinearAttention, _check_mechanisms
+from keras_linattn.layers.linear_attention import LinearAttention, _check_mechanisms, _get_map, _serialize_map
 
 # The blocks' public classes live in transformer_encoder.py and transformer_decoder.py.
 __all__ = []
@@ -44,7 +44,7 @@ _BLOCK_ARGS_DOC = """\
         use_bias: whether the dense layers have biases.
         kernel_initializer, bias_initializer: initializers of the dense layers.
         seed: seed of the dropout layers.
-        decay, normalize, conv_size, window_size: the recall mechanisms of
+        decay, normalize, conv_size, window_size, update: the recall mechanisms of
             `keras_linattn.layers.LinearAttention` (decay gates, dropping the
             normalizer for an output norm, a short causal convolution, a
             sliding softmax window), passed to the block's attention. `decay`
@@ -80,11 +80,12 @@ class _LinearTransformerBlock(keras.layers.Layer):
         normalize=True,
         conv_size=None,
         window_size=None,
+        update="add",
         **kwargs,
     ):
         super().__init__(**kwargs)
-        self.decay, self.normalize, self.conv_size, self.window_size = _check_mechanisms(
-            decay, normalize, conv_size, window_size, causal=self._causal
+        self.decay, self.normalize, self.conv_size, self.window_size, self.update = _check_mechanisms(
+            decay, normalize, conv_size, window_size, causal=self._causal, update=update, feature_map=feature_map
         )
         self.num_heads = check_positive_int("num_heads", num_heads)
         self.intermediate_dim = check_positive_int("intermediate_dim", intermediate_dim)
@@ -92,7 +93,7 @@ class _LinearTransformerBlock(keras.layers.Layer):
         self.value_dim = check_optional_positive_int("value_dim", value_dim)
         # A template (each attention layer owns a copy with the weights): kept
         # out of Keras' layer tracking so it is not listed as an unbuilt sublayer.
-        object.__setattr__(self, "feature_map", feature_maps_lib.get(feature_map))
+        object.__setattr__(self, "feature_map", _get_map(feature_map))
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
         self.dropout = check_rate("dropout", dropout)
         self.activation = keras.activations.get(activation)
@@ -138,7 +139,9 @@ class _LinearTransformerBlock(keras.layers.Layer):
             value_dim=self.value_dim,
             # A copy: the block's `feature_map` attribute stays an unbuilt
             # template and the attention layer owns the weights.
-            feature_map=feature_maps_lib.deserialize(feature_maps_lib.serialize(self.feature_map)),
+            feature_map=None if self.feature_map is None else feature_maps_lib.deserialize(
+                _serialize_map(self.feature_map)
+            ),
             chunk_size=self.chunk_size,
             dropout=self.dropout,
             use_bias=self.use_bias,
@@ -149,6 +152,7 @@ class _LinearTransformerBlock(keras.layers.Layer):
             normalize=self.normalize,
             conv_size=self.conv_size,
             window_size=self.window_size,
+            update=self.update,
             dtype=self.dtype_policy,
             name="self_attention",
         )
@@ -274,7 +278,7 @@ class _LinearTransformerBlock(keras.layers.Layer):
                 "intermediate_dim": self.intermediate_dim,
                 "key_dim": self.key_dim,
                 "value_dim": self.value_dim,
-                "feature_map": feature_maps_lib.serialize(self.feature_map),
+                "feature_map": _serialize_map(self.feature_map),
                 "chunk_size": self.chunk_size,
                 "dropout": self.dropout,
                 "activation": keras.activations.serialize(self.activation),
@@ -287,6 +291,7 @@ class _LinearTransformerBlock(keras.layers.Layer):
                 "normalize": self.normalize,
                 "conv_size": self.conv_size,
                 "window_size": self.window_size,
+                "update": self.update,
             }
         )
         return config

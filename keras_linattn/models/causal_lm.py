@@ -5,9 +5,8 @@ import numpy as np
 from keras import ops
 
 from keras_linattn import _validation
-from keras_linattn import feature_maps as feature_maps_lib
 from keras_linattn import samplers as samplers_lib
-from keras_linattn.layers.linear_attention import _check_mechanisms
+from keras_linattn.layers.linear_attention import _check_mechanisms, _get_map, _serialize_map
 from keras_linattn.layers.transformer_decoder import LinearTransformerDecoder
 from keras_linattn.models import generation
 
@@ -79,7 +78,7 @@ class LinearCausalLM(keras.Model):
         tie_embeddings: use the transposed token embedding as output projection.
         activation: feed-forward activation. Default "gelu".
         layer_norm_epsilon: epsilon of every layer norm.
-        decay, normalize, conv_size, window_size: the recall mechanisms of
+        decay, normalize, conv_size, window_size, update: the recall mechanisms of
             `keras_linattn.layers.LinearAttention`, used by every block
             (their decode state joins `state_spec`; decoding stays
             constant-cost per token).
@@ -121,11 +120,12 @@ class LinearCausalLM(keras.Model):
         normalize=True,
         conv_size=None,
         window_size=None,
+        update="add",
         **kwargs,
     ):
         super().__init__(**kwargs)
-        self.decay, self.normalize, self.conv_size, self.window_size = _check_mechanisms(
-            decay, normalize, conv_size, window_size
+        self.decay, self.normalize, self.conv_size, self.window_size, self.update = _check_mechanisms(
+            decay, normalize, conv_size, window_size, update=update, feature_map=feature_map
         )
         for name, value in (
             ("vocabulary_size", vocabulary_size),
@@ -152,7 +152,7 @@ class LinearCausalLM(keras.Model):
         self.intermediate_dim = intermediate_dim
         # A template (each attention layer owns a copy with the weights): kept
         # out of Keras' layer tracking so it is not listed as an unbuilt sublayer.
-        object.__setattr__(self, "feature_map", feature_maps_lib.get(feature_map))
+        object.__setattr__(self, "feature_map", _get_map(feature_map))
         self.key_dim = key_dim
         self.chunk_size = chunk_size
         self.dropout = dropout
@@ -183,7 +183,7 @@ class LinearCausalLM(keras.Model):
                 num_heads=num_heads,
                 intermediate_dim=intermediate_dim,
                 key_dim=key_dim,
-                feature_map=feature_maps_lib.serialize(self.feature_map),
+                feature_map=_serialize_map(self.feature_map),
                 chunk_size=chunk_size,
                 dropout=dropout,
                 activation=activation,
@@ -192,6 +192,7 @@ class LinearCausalLM(keras.Model):
                 normalize=self.normalize,
                 conv_size=self.conv_size,
                 window_size=self.window_size,
+                update=self.update,
                 dtype=self.dtype_policy,
                 name=f"decoder_block_{i}",
             )
@@ -524,7 +525,7 @@ class LinearCausalLM(keras.Model):
                 "hidden_dim": self.hidden_dim,
                 "num_heads": self.num_heads,
                 "intermediate_dim": self.intermediate_dim,
-                "feature_map": feature_maps_lib.serialize(self.feature_map),
+                "feature_map": _serialize_map(self.feature_map),
                 "key_dim": self.key_dim,
                 "chunk_size": self.chunk_size,
                 "dropout": self.dropout,
@@ -536,6 +537,7 @@ class LinearCausalLM(keras.Model):
                 "normalize": self.normalize,
                 "conv_size": self.conv_size,
                 "window_size": self.window_size,
+                "update": self.update,
             }
         )
         return config
