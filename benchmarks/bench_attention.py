@@ -20,6 +20,9 @@ feature map elu + 1):
     causal_conv       LinearAttention causal with conv_size=4
     causal_window     LinearAttention causal with window_size=64 (softmax
                       window + linear attention beyond it)
+    causal_delta, causal_gated_delta
+                      LinearAttention causal with update="delta" (DeltaNet),
+                      and with decay="scalar" (Gated DeltaNet)
 
 Time: one process; every implementation is traced and run once (warm-up), then
 the implementations are run in interleaved rounds (the order rotates from one
@@ -62,6 +65,8 @@ MECHANISMS = {
     "causal_channel": dict(decay="channel"),
     "causal_conv": dict(conv_size=4),
     "causal_window": dict(window_size=64),
+    "causal_delta": dict(update="delta", normalize=False),
+    "causal_gated_delta": dict(update="delta", normalize=False, decay="scalar"),
 }
 IMPLS = ("linear", "linear_causal", "mha", "kernel_attention", "kernel_attention_rf", "naive_causal") + tuple(
     MECHANISMS

@@ -31,6 +31,8 @@ CONFIGS = {
     "based": dict(feature_map="taylor", key_dim=4, conv_size=3, window_size=5),
     "scalar_conv": dict(decay="scalar", conv_size=4),
     "channel_conv_unnormalized": dict(decay="channel", conv_size=2, normalize=False),
+    "delta": dict(update="delta", normalize=False),
+    "gated_delta_conv_identity": dict(update="delta", normalize=False, decay="scalar", conv_size=4, feature_map=None),
 }
 
 
@@ -59,9 +61,17 @@ def _oracle(layer, x, mask):
         q = lops.causal_conv_reference(q, layer.conv_q, mask=keep)
         k = lops.causal_conv_reference(k, layer.conv_k, mask=keep)
         v = lops.causal_conv_reference(v, layer.conv_v, mask=keep)
-    qf = layer.feature_map(q, is_query=True, causal=True)
-    kf = layer.feature_map(k, is_query=False, causal=True)
-    if layer.window_size is not None:
+    if layer.feature_map is None:
+        qf, kf = q, k
+    else:
+        qf = layer.feature_map(q, is_query=True, causal=True)
+        kf = layer.feature_map(k, is_query=False, causal=True)
+    if layer.update == "delta":
+        # The layer's normalization (its 1e-12 keeps all-zero padded rows at 0).
+        qf, kf = (x * tf.math.rsqrt(tf.reduce_sum(x * x, axis=-1, keepdims=True) + 1e-12) for x in (qf, kf))
+        g = None if layer.decay is None else layer._log_decay(gate_input)[..., 0]
+        att = lops.delta_rule_reference(qf, kf, v, layer._beta(gate_input), g, key_mask=keep)[0]
+    elif layer.window_size is not None:
         att = lops.window_attention_reference(q, qf, k, kf, v, layer.window_size, keep, eps=layer.epsilon)
     else:
         if layer.decay is None:
@@ -155,7 +165,7 @@ def test_xla_matches_eager_and_fit_runs(rng, name):
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
 
 
-@pytest.mark.parametrize("name", ["scalar", "channel", "conv", "based", "scalar_unnormalized"])
+@pytest.mark.parametrize("name", ["scalar", "channel", "conv", "based", "scalar_unnormalized", "delta"])
 def test_mixed_bfloat16_is_close_to_float32_with_a_float32_state(rng, name):
     ref = _layer(name)
     x, mask = _inputs(rng)
@@ -182,7 +192,7 @@ def test_keras_round_trip(rng, tmp_path, name):
     loaded = keras.models.load_model(path)
     np.testing.assert_array_equal(loaded(x), model(x))
     restored = loaded.layers[-1]
-    for key in ("decay", "normalize", "conv_size", "window_size"):
+    for key in ("decay", "normalize", "conv_size", "window_size", "update"):
         assert getattr(restored, key) == getattr(layer, key)
 
 
@@ -195,6 +205,7 @@ def test_state_spec_describes_every_mechanism():
         (HEADS, c, 4), (HEADS, c), (2, HEADS, 4), (2, HEADS, 4), (2, HEADS, 4), (5, HEADS, 4), (5, HEADS, 4), (5,)
     ]
     assert [e.name for e in _layer("scalar").state_spec()] == ["S", "z"]
+    assert [e.name for e in _layer("delta").state_spec()] == ["S"]
 
 
 def test_fixed_decay_is_retnets():
@@ -222,6 +233,10 @@ def test_gates_are_in_the_unit_interval(rng):
         (dict(window_size=0), "`window_size` must be a positive integer or None"),
         (dict(window_size=4, decay="scalar"), "`window_size` cannot be combined with `decay`"),
         (dict(window_size=4, normalize=False), "`window_size` needs `normalize=True`"),
+        (dict(update="replace"), "`update` must be one of"),
+        (dict(update="delta"), "pass `normalize=False`"),
+        (dict(update="delta", normalize=False, decay="channel"), "takes `decay=None`, 'fixed' or 'scalar'"),
+        (dict(feature_map=None), "`feature_map=None` .* needs `update='delta'`"),
     ],
 )
 def test_bad_arguments(kwargs, match):
@@ -235,7 +250,7 @@ def test_bad_arguments(kwargs, match):
 
 def test_causal_mechanisms_refuse_non_causal_use(rng):
     x, _ = _inputs(rng)
-    for name in ("scalar", "window"):
+    for name in ("scalar", "window", "delta"):
         with pytest.raises(ValueError, match="causal recurrence"):
             _layer(name)(x, x)
         with pytest.raises(ValueError, match="this attention is not causal"):
@@ -245,7 +260,7 @@ def test_causal_mechanisms_refuse_non_causal_use(rng):
     assert block(x).shape == x.shape
 
 
-@pytest.mark.parametrize("name", ["scalar_conv", "based", "channel_conv_unnormalized"])
+@pytest.mark.parametrize("name", ["scalar_conv", "based", "channel_conv_unnormalized", "gated_delta_conv_identity"])
 def test_lm_step_matches_parallel_and_round_trips(rng, tmp_path, name):
     cfg = dict(CONFIGS[name])
     lm = LinearCausalLM(40, 2, DIM, HEADS, 32, chunk_size=CHUNK, **cfg)

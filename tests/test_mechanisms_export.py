@@ -24,6 +24,7 @@ CONFIGS = {
     "fixed": dict(decay="fixed"),
     "channel_unnormalized": dict(decay="channel", normalize=False),
     "window_elu": dict(window_size=6),
+    "gated_delta_conv": dict(update="delta", normalize=False, decay="scalar", conv_size=4, feature_map=None),
 }
 FAST = {"based", "scalar_conv"}
 

@@ -332,11 +332,11 @@ class LinearAttention(_projections.ProjectedAttention):
 
         ``state`` is a tuple with one entry per `state_spec` item.
         """
-        if not use_causal_mask and (self.decay is not None or self.window_size is not None):
+        if not use_causal_mask and (self.decay is not None or self.window_size is not None or self.update == "delta"):
             raise ValueError(
-                "`decay` and `window_size` define a causal recurrence: call the layer with "
+                "`decay`, `window_size` and `update='delta'` define a causal recurrence: call the layer with "
                 f"`use_causal_mask=True`. Received: decay={self.decay!r}, window_size={self.window_size!r}, "
-                "use_causal_mask=False"
+                f"update={self.update!r}, use_causal_mask=False"
             )
         if initial_state is not None:
             _state.check_state(self.state_spec(), initial_state, name="initial_state")

@@ -4,7 +4,7 @@ Each submodule declares its public names in its ``__all__``; this package
 re-exports exactly those.
 """
 
-from keras_linattn.ops import core, decay, efficient, reference, short_conv, window
+from keras_linattn.ops import core, decay, delta, efficient, reference, short_conv, window
 from keras_linattn.ops.core import DEFAULT_EPSILON, linear_attention, linear_attention_step
 from keras_linattn.ops.decay import (
     CHANNEL_CHUNK,
@@ -12,6 +12,7 @@ from keras_linattn.ops.decay import (
     gated_linear_attention_reference,
     gated_linear_attention_step,
 )
+from keras_linattn.ops.delta import DELTA_CHUNK, delta_rule_attention, delta_rule_reference, delta_rule_step
 from keras_linattn.ops.efficient import efficient_attention
 from keras_linattn.ops.reference import (
     efficient_attention_reference,
@@ -26,6 +27,7 @@ from keras_linattn.ops.window import window_attention, window_attention_referenc
 __all__ = [
     *core.__all__,
     *decay.__all__,
+    *delta.__all__,
     *efficient.__all__,
     *reference.__all__,
     *short_conv.__all__,

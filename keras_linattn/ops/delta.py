@@ -96,7 +96,11 @@ def _scan_chunks(step, carry, xs):
         c, y = step(c, [ta.read(i) for ta in inputs])
         return i + 1, c, acc.write(i, y)
 
-    _, carry, out = tf.while_loop(lambda i, c, acc: i < n, body, (tf.constant(0), carry, out))
+    # A static bound where the number of chunks is known: XLA needs one to differentiate the loop.
+    bound = xs[0].shape[0] if xs[0].shape[0] is not None else n
+    _, carry, out = tf.while_loop(
+        lambda i, c, acc: i < n, body, (tf.constant(0), carry, out), maximum_iterations=bound
+    )
     return carry, out.stack()
 
 
