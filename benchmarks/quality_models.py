@@ -58,6 +58,9 @@ MECHANISM_CONTENDERS = [
     ("elu+fixed decay", dict(feature_map="elu", decay="fixed")),
     ("taylor+conv4+window16", dict(feature_map="taylor", key_dim=16, conv_size=4, window_size=16)),  # Based
     ("elu+conv4+scalar decay", dict(feature_map="elu", conv_size=4, decay="scalar")),
+    # The delta rule: DeltaNet (identity features, L2-normalized q/k) and Gated DeltaNet.
+    ("delta+conv4", dict(feature_map=None, update="delta", normalize=False, conv_size=4)),
+    ("gated delta+conv4", dict(feature_map=None, update="delta", normalize=False, decay="scalar", conv_size=4)),
 ]
 
 ALL_CONTENDERS = dict(CONTENDERS + MECHANISM_CONTENDERS)
