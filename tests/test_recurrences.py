@@ -404,3 +404,17 @@ def test_delta_refuses_bad_gates(rng):
         lops.delta_rule_attention(q, k, v, beta, np.zeros((B, 4, H, 1), "float32"))
     with pytest.raises(ValueError, match="`initial_state` must be S"):
         lops.delta_rule_attention(q, k, v, beta, initial_state=np.zeros((B, H, C, M + 1), "float32"))
+
+
+def test_conv_of_an_empty_piece_is_empty_and_keeps_the_buffer(rng):
+    kernel = rng.normal(size=(4, H, D)).astype("float32")
+    buffer = rng.normal(size=(B, 3, H, D)).astype("float32")
+    empty = np.zeros((B, 0, H, D), "float32")
+    traced = tf.function(
+        lambda x: lops.causal_conv(x, kernel, buffer, return_buffer=True),
+        input_signature=[tf.TensorSpec((B, None, H, D), tf.float32)],
+    )
+    for fn in (lambda x: lops.causal_conv(x, kernel, buffer, return_buffer=True), traced):
+        y, new = fn(empty)
+        assert tuple(y.shape) == (B, 0, H, D)
+        np.testing.assert_array_equal(new, buffer)
