@@ -41,7 +41,7 @@ def build_parser():
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--out", default="out/demo", help="directory for the model and exports")
-    parser.add_argument("--steps", type=int, default=1200, help="training steps")
+    parser.add_argument("--steps", type=int, default=600, help="training steps")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--sequence-length", type=int, default=128)
     parser.add_argument("--feature-map", default="elu", help="attention feature map")
