@@ -1,7 +1,7 @@
 """Quality of every attention choice: MQAR recall and a character LM, same model, same budget.
 
     python -m benchmarks.bench_quality                       # MQAR default table (about an hour, 2 CPU cores)
-    python -m benchmarks.bench_quality --quick               # CI smoke run (seconds)
+    python -m benchmarks.bench_quality --quick               # CI smoke run (about a minute, mostly XLA compilation)
     python -m benchmarks.bench_quality --contenders all      # + the mechanism rows (decay, conv, window)
     python -m benchmarks.bench_quality --task lm             # bits/char on the stdlib's source
     python -m benchmarks.bench_quality --resume              # continue an interrupted run
