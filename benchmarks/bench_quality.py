@@ -1,7 +1,7 @@
 """Quality of every attention choice: MQAR recall and a character LM, same model, same budget.
 
     python -m benchmarks.bench_quality                       # MQAR default table (about an hour, 2 CPU cores)
-    python -m benchmarks.bench_quality --quick               # CI smoke run (seconds)
+    python -m benchmarks.bench_quality --quick               # CI smoke run (about a minute, mostly XLA compilation)
     python -m benchmarks.bench_quality --contenders all      # + the mechanism rows (decay, conv, window)
     python -m benchmarks.bench_quality --task lm             # bits/char on the stdlib's source
     python -m benchmarks.bench_quality --resume              # continue an interrupted run
@@ -26,10 +26,13 @@ min..max over seeds.
 
 Default budget: 12 contenders x 3 rates (logspace(-3, -2, 3)) x 2 seeds = 72
 runs of 800 steps, batch 32, 10k training / 1k test examples, on ONE
-setting, T=64, P=4, E=64, 1 head. On a 2-core CPU a run takes 40-50 s
-(about 12 s of it XLA compilation), so the default table takes about an
-hour; each further setting is another 72 runs (and longer sequences cost
-more per step), which is why the default is one setting and the issue's
+setting, T=64, P=4, E=64, 1 head. On the shared 2-core CPU where the
+table in ``results/quality_mqar.md`` was made, a run took 40-90 s (favor_trig
+about 150 s; the first 80-step interval, which includes XLA compilation,
+took ~20 s against ~5 s for the later ones): 63 s on average over the first
+33 runs, so the default table takes about an hour and a quarter there. Each
+further setting is another 72 runs (and longer sequences cost more per
+step), which is why the default is one setting and the issue's
 whole grid (T in 64, 128, 256 with T/16 pairs, widths 64 and 128) is opt-in:
 ``--settings full`` (several hours on a 2-core CPU).
 800 steps is short for MQAR: at the issue's calibration budget (3,000 steps
@@ -145,6 +148,9 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="CI smoke run: tiny MQAR (T=16, 2 pairs, V=16), "
                    "softmax and elu, 150 steps, one rate and seed")
     p.add_argument("--resume", action="store_true", help="reuse finished runs from <out-dir>/<prefix>_runs.json")
+    p.add_argument("--from-cache", action="store_true",
+                   help="train nothing: write the tables from the finished runs in the cache (MQAR); cells with "
+                   "missing runs say how many of their runs exist")
     p.add_argument("--out-dir", default=RESULTS_DIR)
     p.add_argument("--prefix", default=None, help="output file prefix (default quality_<task>)")
     p.add_argument("--no-plot", action="store_true")
@@ -165,6 +171,8 @@ def parse_args(argv=None):
         args.vocabulary = args.vocabulary or q["vocabulary"]
         if args.contenders == "default":
             args.contenders = ",".join(q["contenders"])
+    if args.from_cache and lm:
+        p.error("--from-cache renders MQAR tables; the LM task has no partial table")
     args.contender_list = parse_contenders(args.contenders)
     args.settings = (DEFAULT_SETTINGS if args.settings is None else FULL_SETTINGS if args.settings == "full"
                      else parse_settings(args.settings))
@@ -324,7 +332,7 @@ def environment():
 # ------------------------------------------------------------------------ main
 def benchmark_mqar(args, log=log_line):
     qm.check_supported(args.contender_list, width=args.settings[0][2], num_heads=args.num_heads)
-    cache = RunCache(os.path.join(args.out_dir, args.prefix + "_runs.json"), args.resume)
+    cache = RunCache(os.path.join(args.out_dir, args.prefix + "_runs.json"), args.resume or args.from_cache)
     total = len(args.contender_list) * len(args.settings) * len(args.lr_list) * len(args.seed_list)
     done, records, started = 0, [], time.perf_counter()
     for setting in args.settings:
@@ -341,6 +349,9 @@ def benchmark_mqar(args, log=log_line):
                     done += 1
                     key = run_key("mqar", name, kwargs, setting, lr, seed, budget)
                     record = cache.get(key)
+                    if record is None and args.from_cache:
+                        log(f"[{done}/{total}] missing {name} T={t} P={p} E={e} lr={lr:g} seed={seed}")
+                        continue
                     if record is None:
                         if train[seed] is None:
                             train[seed] = mqar.generate(args.num_train, t, p, v, seed=TRAIN_SEED_OFFSET + seed)
@@ -359,10 +370,13 @@ def benchmark_mqar(args, log=log_line):
     for setting in args.settings:
         for name, kwargs in args.contender_list:
             rs = [r for r in records if r["contender"] == name and tuple(r["setting"]) == setting]
+            if not rs:
+                continue
             t, p, e = setting
             table.append({"contender": name, "setting": list(setting),
                           "chance": mqar.chance_accuracy(p, args.vocabulary or 2 * t),
                           "state_floats_per_layer": qm.state_floats(kwargs, e, args.num_heads, t),
+                          "runs": len(rs), "planned_runs": len(args.lr_list) * len(args.seed_list),
                           **aggregate(rs, "accuracy")})
     return {"task": "mqar", "command": args.command, "environment": environment(),
             "config": {"settings": [list(s) for s in args.settings], "lrs": list(args.lr_list),
@@ -425,8 +439,9 @@ def render_markdown(results):
     cfg = results["config"]
     lines = [f"# {'MQAR recall' if results['task'] == 'mqar' else 'Character LM'}: quality per attention choice",
              "", f"Command: `{results['command']}`", "",
-             f"Environment: {json.dumps(results['environment'])}; total wall time {results['total_wall_s']:.0f} s "
-             "(cached runs excluded).", ""]
+             f"Environment: {json.dumps(results['environment'])}; wall time of this invocation "
+             f"{results['total_wall_s']:.0f} s (cached runs excluded); sum of the wall times of the runs in the "
+             f"tables {sum(r['wall_s'] for r in results['runs']):.0f} s over {len(results['runs'])} runs.", ""]
     if results["task"] == "mqar":
         settings = [tuple(s) for s in cfg["settings"]]
         lines += [f"Budget per run: steps {cfg['steps']} (by T; same for every contender), batch {cfg['batch_size']}, {cfg['num_train']} "
@@ -436,8 +451,13 @@ def render_markdown(results):
                   "### Test accuracy at the best rate: mean (min..max over seeds)", ""]
         cell = {(r["contender"], tuple(r["setting"])): r for r in results["table"]}
         names = list(dict.fromkeys(r["contender"] for r in results["table"]))
-        rows = [[n] + [f"{cell[n, s]['mean']:.3f} ({cell[n, s]['min']:.3f}..{cell[n, s]['max']:.3f})"
-                       for s in settings] for n in names]
+        def acc(c):
+            text = f"{c['mean']:.3f} ({c['min']:.3f}..{c['max']:.3f})"
+            if c.get("runs", 0) < c.get("planned_runs", 0):
+                text += f" [only {c['runs']} of {c['planned_runs']} runs]"
+            return text
+
+        rows = [[n] + [acc(cell[n, s]) if (n, s) in cell else "not run" for s in settings] for n in names]
         rows.append(["chance: 1/#values ; 1/P"] + [
             f"{cell[names[0], s]['chance']['uniform_value']:.3f} ; {cell[names[0], s]['chance']['in_context_value']:.3f}"
             for s in settings])
@@ -445,11 +465,11 @@ def render_markdown(results):
                   "### Best learning rate (mean accuracy per rate)", ""]
         rows = [[n] + [f"{cell[n, s]['best_lr']:g} ("
                        + ", ".join(f"{lr}: {a:.3f}" for lr, a in cell[n, s]["per_lr"].items()) + ")"
-                       for s in settings] for n in names]
+                       if (n, s) in cell else "not run" for s in settings] for n in names]
         lines += [format_table(["contender"] + [_setting_label(s) for s in settings], rows), "",
                   "### Wall time per run (s, mean over rates and seeds) and decode state per layer (floats)", ""]
         rows = [[n] + [f"{cell[n, s]['wall_s_mean']:.0f} s / {cell[n, s]['state_floats_per_layer']}"
-                       for s in settings] for n in names]
+                       if (n, s) in cell else "not run" for s in settings] for n in names]
         lines += [format_table(["contender"] + [_setting_label(s) for s in settings], rows), "",
                   "Softmax's state is its key/value cache at length T (it grows with T); linear attention's "
                   "is S and z (fixed).", ""]

@@ -127,7 +127,7 @@ def test_an_unsupported_contender_fails_before_training(monkeypatch, tmp_path, c
 
 
 def _table_cells(markdown, title):
-    lines = markdown.split(f"### {title}")[1].strip().splitlines()
+    lines = markdown.split(f"### {title}")[1].split("###")[0].strip().splitlines()
     return {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in lines[2:] if line.startswith("|")}
 
 
