@@ -5,12 +5,13 @@ float64 oracle, outputs and gradients, at lengths that are not multiples of
 the chunk and with padding; each step with the oracle token by token.
 """
 
+import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from keras_linattn import ops as lops
 from keras_linattn.ops.decay import CHANNEL_CHUNK
+from tests._backend import flat, gradients
 from tests.tolerance import assert_close
 
 B, H, C, M, D = 2, 3, 5, 4, 4
@@ -54,11 +55,8 @@ def _decay_conditioning(g, chunk_size, mask=None):
 
 
 def _grads(fn, inputs, w):
-    inputs = [tf.constant(x) for x in inputs]
-    with tf.GradientTape() as tape:
-        tape.watch(inputs)
-        loss = tf.reduce_sum(tf.cast(fn(*inputs), tf.float64) * w)
-    return np.concatenate([g.numpy().ravel() for g in tape.gradient(loss, inputs)])
+    _, grads = gradients(lambda *xs: (keras.ops.sum(keras.ops.cast(fn(*xs), "float64") * w), ()), inputs)
+    return flat(grads)
 
 
 # ------------------------------------------------------------------ decay
