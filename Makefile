@@ -46,13 +46,16 @@ test-onednn-off: $(STAMP)
 
 # Test files run a second time on the JAX backend (run by .ci/run); `make test`
 # already compares TensorFlow with JAX in subprocesses (tests/test_jax_backend.py,
-# tests/test_generate_parity.py). Only files that pass on JAX as they are: the
-# oracle tests of tests/test_ops.py and tests/test_linear_attention.py take
-# gradients with tf.GradientTape and need a backend-neutral gradient helper first.
-JAX_TESTS := tests/test_feature_maps_fixed.py
+# tests/test_generate_parity.py). Gradients go through tests/_backend.py (tape on
+# TensorFlow, jax.value_and_grad on JAX); tests/conftest.py turns on JAX's 64-bit
+# mode so that the float64 oracles are float64. -rsx prints every skip (tf_only)
+# and expected failure (a known JAX bug) with its reason. test_recurrences.py,
+# test_mechanisms.py and test_causal_lm.py are backend-neutral too but are not
+# in this list yet: on JAX they did not finish within 10 minutes on 2 workers.
+JAX_TESTS := tests/test_feature_maps_fixed.py tests/test_ops.py tests/test_linear_attention.py
 
 test-jax: $(STAMP)
-	KERAS_BACKEND=jax $(PYTEST) $(JAX_TESTS)
+	KERAS_BACKEND=jax $(PYTEST) -rx $(JAX_TESTS)
 
 # ruff (config: ruff.toml) over everything that is Python; run by .ci/run before the tests.
 lint: $(STAMP)

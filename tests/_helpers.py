@@ -5,13 +5,12 @@ import os
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from keras_linattn import ops as lops
 from keras_linattn.layers import LinearAttention
 from keras_linattn import feature_maps
 from keras_linattn.feature_maps.random_features import RandomFeatureMap
-from tests import conftest
+from tests import _backend, conftest
 from tests.tolerance import assert_close, normalizer_conditioning
 
 
@@ -74,24 +73,25 @@ def layer_conditioning(layer, query, value, key=None, causal=False, key_mask=Non
 
 
 def _outputs_and_gradients(fn, x, weights):
-    """``fn()`` and the gradients of a fixed cosine-weighted sum of it with respect
-    to ``x`` and ``weights``, flattened into one vector."""
-    with tf.GradientTape() as tape:
-        tape.watch(x)
-        out = fn()
-        loss = tf.reduce_sum(out * tf.cos(tf.range(out.shape[-1], dtype="float32")))
-    grads = tape.gradient(loss, [x] + weights)
-    return out.numpy(), np.concatenate([g.numpy().ravel() for g in grads])
+    """``fn(x)`` and the gradients of a fixed cosine-weighted sum of it with respect
+    to ``x`` and ``weights``, flattened into one vector (on either backend: `tests._backend`)."""
+
+    def loss(x_):
+        out = fn(x_)
+        return keras.ops.sum(out * keras.ops.cos(keras.ops.arange(out.shape[-1], dtype="float32"))), out
+
+    out, grads = _backend.gradients(loss, [x], weights)
+    return out, _backend.flat(grads)
 
 
 def assert_self_attention_matches_oracle(layer, x, causal, *, n, conditioning=1.0):
-    """The built layer's self-attention on the tensor ``x`` matches `oracle_forward`
+    """The built layer's self-attention on ``x`` matches `oracle_forward`
     (float64 attention): outputs, and gradients with respect to ``x`` and every
     trainable variable, each within the float32 error model for reduction
     length ``n`` (`tests.tolerance.assert_close`)."""
     weights = layer.trainable_variables
-    out, grads = _outputs_and_gradients(lambda: layer(x, x, use_causal_mask=causal), x, weights)
-    ref, ref_grads = _outputs_and_gradients(lambda: oracle_forward(layer, x, x, causal=causal), x, weights)
+    out, grads = _outputs_and_gradients(lambda x_: layer(x_, x_, use_causal_mask=causal), x, weights)
+    ref, ref_grads = _outputs_and_gradients(lambda x_: oracle_forward(layer, x_, x_, causal=causal), x, weights)
     assert_close(out, ref, n=n, conditioning=conditioning, what="outputs")
     assert_close(grads, ref_grads, n=n, conditioning=conditioning, what="gradients")
 

@@ -25,18 +25,42 @@ if os.environ.get("CI"):
 # Plain asserts in the shared helpers report their operands like those in tests.
 pytest.register_assert_rewrite("tests._helpers")
 
+# The oracles compute in float64 (docs/testing.md). JAX without 64-bit mode
+# silently computes float64 in float32 (a cast to "float64" gives float32):
+# under `KERAS_BACKEND=jax` (`make test-jax`) the suite turns it on, before any
+# array exists, and checks that it took.
+if keras.backend.backend() == "jax":
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+    assert keras.ops.cast(1.0, "float64").dtype == "float64", "JAX's 64-bit mode did not take"
+
 
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
 
 
 def pytest_collection_modifyitems(config, items):
-    if config.getoption("--runslow"):
-        return
-    skip = pytest.mark.skip(reason="slow: run `make test-slow` (pytest --runslow)")
+    """Skips `slow` tests without --runslow, and `tf_only` tests on a backend other than TensorFlow.
+
+    ``@pytest.mark.tf_only("reason")`` marks a test of something only
+    TensorFlow has (a SavedModel, `tf.data`...): under `KERAS_BACKEND=jax` it
+    is skipped with ``tf_only: reason``, which `-rs` prints. The reason is
+    required: a bare marker is an error, not a silent skip.
+    """
+    runslow = config.getoption("--runslow")
+    slow = pytest.mark.skip(reason="slow: run `make test-slow` (pytest --runslow)")
+    backend = keras.backend.backend()
     for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+        if "slow" in item.keywords and not runslow:
+            item.add_marker(slow)
+        marker = item.get_closest_marker("tf_only")
+        if marker is None:
+            continue
+        if len(marker.args) != 1 or not isinstance(marker.args[0], str) or not marker.args[0].strip():
+            raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.tf_only needs one reason string")
+        if backend != "tensorflow":
+            item.add_marker(pytest.mark.skip(reason=f"tf_only on {backend}: {marker.args[0]}"))
 
 
 @pytest.fixture(autouse=True)

@@ -1,10 +1,11 @@
 """keras_linattn.ops: the chunked / non-causal / recurrent paths against the quadratic oracle."""
 
+import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from keras_linattn import ops as lops
+from tests._backend import flat, gradients
 from tests.tolerance import assert_close, normalizer_conditioning
 
 B, H, C, M = 2, 3, 5, 4
@@ -30,13 +31,10 @@ def _padding(rng, s):
 
 
 def _grads(fn, q, k, v, w):
-    q, k, v = (tf.constant(x) for x in (q, k, v))
-    with tf.GradientTape() as tape:
-        tape.watch([q, k, v])
-        loss = tf.reduce_sum(fn(q, k, v) * w)
     # One flat vector of all gradients: the relative error is taken over the
     # whole gradient (some components, e.g. d/dq at T=1, are exactly zero).
-    return np.concatenate([g.numpy().ravel() for g in tape.gradient(loss, [q, k, v])])
+    _, grads = gradients(lambda q_, k_, v_: (keras.ops.sum(fn(q_, k_, v_) * w), ()), (q, k, v))
+    return flat(grads)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -210,11 +208,10 @@ def test_low_precision_inputs_accumulate_in_float32(rng, policy_dtype, causal):
     # float32 reference: its own error, bound(float32, S + C) ~ 3e-5, is negligible next to
     # the low-precision bound below, so paths=1.
     ref = np.asarray(lops.linear_attention(q, k, v, causal=causal))
-    low = lops.linear_attention(
-        tf.cast(q, policy_dtype), tf.cast(k, policy_dtype), tf.cast(v, policy_dtype), causal=causal
-    )
-    assert low.dtype == policy_dtype
-    low = np.asarray(tf.cast(low, "float32"))
+    cast = keras.ops.cast
+    low = lops.linear_attention(cast(q, policy_dtype), cast(k, policy_dtype), cast(v, policy_dtype), causal=causal)
+    assert keras.backend.standardize_dtype(low.dtype) == policy_dtype
+    low = keras.ops.convert_to_numpy(cast(low, "float32"))
     # policy_dtype rounds elementwise only (the inputs and the output): no reduction rounds in
     # it, so n=1. Sums over the S = 4096 keys rounded in policy_dtype would need n = S + C
     # (a bf16 bound of 2.0: no test); accumulating (S, z) in float32 is what this checks.
