@@ -176,7 +176,8 @@ def parse_args(argv=None):
     args.contender_list = parse_contenders(args.contenders)
     args.settings = (DEFAULT_SETTINGS if args.settings is None else FULL_SETTINGS if args.settings == "full"
                      else parse_settings(args.settings))
-    args.lr_list = tuple(float(x) for x in (args.lrs or (",".join(map(str, (3e-3,) if lm else DEFAULT_LRS)))).split(","))
+    default_lrs = ",".join(map(str, (3e-3,) if lm else DEFAULT_LRS))
+    args.lr_list = tuple(float(x) for x in (args.lrs or default_lrs).split(","))
     args.seed_list = tuple(int(x) for x in (args.seeds or ("0" if lm else "0,1")).split(","))
     args.batch_size = args.batch_size or (16 if lm else 32)
     args.num_heads = args.num_heads or (4 if lm else 1)
@@ -233,7 +234,8 @@ def _fit(model, train_ds, val_ds, steps, eval_every, log_prefix, log):
             point = {"step": (epoch + 1) * eval_every, "seconds": time.perf_counter() - start, **logs}
             curve.append(point)
             log(f"{log_prefix} step {point['step']:>5}  loss {logs.get('loss', float('nan')):.3f}  "
-                f"val_loss {logs.get('val_loss', float('nan')):.3f}  val_acc {logs.get('val_accuracy', float('nan')):.3f}"
+                f"val_loss {logs.get('val_loss', float('nan')):.3f}  "
+                f"val_acc {logs.get('val_accuracy', float('nan')):.3f}"
                 f"  {point['seconds']:.0f}s")
 
     model.fit(train_ds, epochs=epochs, steps_per_epoch=eval_every, validation_data=val_ds, verbose=0,
@@ -444,9 +446,11 @@ def render_markdown(results):
              f"tables {sum(r['wall_s'] for r in results['runs']):.0f} s over {len(results['runs'])} runs.", ""]
     if results["task"] == "mqar":
         settings = [tuple(s) for s in cfg["settings"]]
-        lines += [f"Budget per run: steps {cfg['steps']} (by T; same for every contender), batch {cfg['batch_size']}, {cfg['num_train']} "
+        lines += [f"Budget per run: steps {cfg['steps']} (by T; same for every contender), "
+                  f"batch {cfg['batch_size']}, {cfg['num_train']} "
                   f"training / {cfg['num_test']} test examples, {cfg['num_heads']} head(s), AdamW + warm-up/cosine, "
-                  f"rates {cfg['lrs']}, seeds {cfg['seeds']}. Vocabulary {cfg['vocabulary'] or '2T'}. Accuracy on query positions of the "
+                  f"rates {cfg['lrs']}, seeds {cfg['seeds']}. Vocabulary {cfg['vocabulary'] or '2T'}. "
+                  "Accuracy on query positions of the "
                   "held-out set after the last step.", "",
                   "### Test accuracy at the best rate: mean (min..max over seeds)", ""]
         cell = {(r["contender"], tuple(r["setting"])): r for r in results["table"]}
@@ -459,7 +463,8 @@ def render_markdown(results):
 
         rows = [[n] + [acc(cell[n, s]) if (n, s) in cell else "not run" for s in settings] for n in names]
         rows.append(["chance: 1/#values ; 1/P"] + [
-            f"{cell[names[0], s]['chance']['uniform_value']:.3f} ; {cell[names[0], s]['chance']['in_context_value']:.3f}"
+            f"{cell[names[0], s]['chance']['uniform_value']:.3f} ; "
+            f"{cell[names[0], s]['chance']['in_context_value']:.3f}"
             for s in settings])
         lines += [format_table(["contender"] + [_setting_label(s) for s in settings], rows), "",
                   "### Best learning rate (mean accuracy per rate)", ""]
