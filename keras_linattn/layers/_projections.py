@@ -138,10 +138,14 @@ class ProjectedAttention(keras.layers.Layer):
             )
         return (value if key is None else key), (value_mask if key_mask is None else key_mask)
 
+    @staticmethod
+    def _fresh(initializer):
+        """A copy of `initializer` for one weight: an initializer instance reuses its seed."""
+        return initializer.__class__.from_config(initializer.get_config())
+
     def _einsum_dense(self, equation, output_shape, bias_axes, name):
-        # A fresh initializer per weight: an initializer instance reuses its seed.
-        kernel_init = self.kernel_initializer.__class__.from_config(self.kernel_initializer.get_config())
-        bias_init = self.bias_initializer.__class__.from_config(self.bias_initializer.get_config())
+        kernel_init = self._fresh(self.kernel_initializer)
+        bias_init = self._fresh(self.bias_initializer)
         return _ProjectionDense(
             equation,
             output_shape=output_shape,

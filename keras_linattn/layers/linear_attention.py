@@ -310,10 +310,6 @@ class LinearAttention(_projections.ProjectedAttention):
                 name="output_norm_scale", shape=(h, m), initializer="ones", dtype="float32", autocast=False
             )
 
-    def _fresh(self, initializer):
-        # A fresh initializer per weight: an initializer instance reuses its seed.
-        return initializer.__class__.from_config(initializer.get_config())
-
     # ------------------------------------------------------------------- call
     def _features(self, q, k, causal, training):
         """Feature-maps projected heads: ``q [B, T, H, D], k [B, S, H, D]`` -> ``[B, T, H, C], [B, S, H, C]``."""

@@ -89,8 +89,7 @@ def _scan_chunks(step, carry, xs):
 
     n = tf.shape(xs[0])[0]
     inputs = [tf.TensorArray(x.dtype, size=n, element_shape=x.shape[1:]).unstack(x) for x in xs]
-    probe = step(carry, [x[0] for x in xs])[1]  # static shape and dtype of one output
-    out = tf.TensorArray(probe.dtype, size=n, element_shape=probe.shape)
+    out = tf.TensorArray(tf.float32, size=n)  # the chunk outputs (float32, shape inferred at the first write)
 
     def body(i, c, acc):
         c, y = step(c, [ta.read(i) for ta in inputs])
