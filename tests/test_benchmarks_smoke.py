@@ -193,3 +193,22 @@ def test_kernel_attention_unavailable_without_cache(tmp_path):
     with pytest.raises(anchors.AnchorUnavailable, match="not cached"):
         anchors.fetch_kernel_attention_source(str(tmp_path), allow_download=False)
     assert not os.listdir(tmp_path)
+
+
+def test_profile_reads_the_trace_and_its_groups_add_up(tmp_path):
+    from benchmarks import profile_attention as prof
+
+    assert prof.group_of("_MklBatchMatMulV2") == "matmul" and prof.group_of("Cumsum") == "scan"
+    assert prof.group_of("StridedSliceGrad") == "move" and prof.group_of("EluGrad") == "elementwise"
+    prof.main(["--impls", "linear_causal,projections", "--n", "64", "--steps", "1",
+               "--out-dir", str(tmp_path), "--prefix", "p"])
+    with open(tmp_path / "p.json") as f:
+        raw = json.load(f)
+    assert [r["impl"] for r in raw["impls"]] == ["linear_causal", "projections"]
+    for r in raw["impls"]:
+        assert r["op_self_time_per_step_s"] > 0
+        assert sum(r["groups_s"].values()) == pytest.approx(r["op_self_time_per_step_s"], rel=1e-6)
+        assert sum(op["self_s"] for op in r["op_types"]) == pytest.approx(r["op_self_time_per_step_s"], rel=1e-6)
+        assert any(op["group"] == "matmul" for op in r["op_types"])  # the projections at least
+    text = (tmp_path / "p.md").read_text()
+    assert "### Beyond the projections-only floor" in text and "| linear_causal |" in text

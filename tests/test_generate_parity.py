@@ -41,7 +41,11 @@ def _lm(feature_map):
     return lm
 
 
-@pytest.fixture(scope="module", params=FEATURE_MAPS)
+# elu in `make test`; the random (favor+) and trainable (oglu) maps in `make test-slow`
+# (the decode contract does not depend on the map: one export per map costs ~20 s).
+@pytest.fixture(scope="module", params=[
+    pytest.param(name, marks=() if name == "elu" else pytest.mark.slow) for name in FEATURE_MAPS
+])
 def exported(request, tmp_path_factory):
     keras.utils.set_random_seed(1234)
     lm = _lm(request.param)

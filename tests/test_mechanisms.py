@@ -149,7 +149,14 @@ def test_step_pieces_and_left_padding_equal_one_pass(rng, name):
     assert_close(np.asarray(full)[1:, 3:], unpadded, n=n, paths=2, what="left padding")
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+# XLA: the configurations that exercise every op kind (decay matmuls, channel
+# chunks, conv, window, the delta rule's loop) in `make test`; the rest in `make test-slow`.
+FAST_XLA = {"based", "scalar_conv", "channel_conv_unnormalized", "gated_delta_conv_identity"}
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=() if name in FAST_XLA else pytest.mark.slow) for name in CONFIGS
+])
 def test_xla_matches_eager_and_fit_runs(rng, name):
     layer = _layer(name)
     x, mask = _inputs(rng)

@@ -26,7 +26,9 @@ CONFIGS = {
     "window_elu": dict(window_size=6),
     "gated_delta_conv": dict(update="delta", normalize=False, decay="scalar", conv_size=4, feature_map=None),
 }
-FAST = {"based", "scalar_conv"}
+# Based (taylor + conv + window: every buffer kind in the state) in `make test`,
+# the rest in `make test-slow` (each export costs ~30-40 s on a 2-core machine).
+FAST = {"based"}
 
 
 def _params():

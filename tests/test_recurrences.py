@@ -352,6 +352,44 @@ def test_delta_matches_oracle_outputs_and_gradients(rng, t, chunk_size, gated):
     assert_close(_grads(fast, inputs, w), _grads(oracle, inputs, w), n=2 * n, conditioning=cond, what="gradients")
 
 
+@pytest.mark.parametrize("length", [1, 2, 5, 16, 32])
+def test_unit_lower_inverse_by_squaring_matches_float64(rng, length):
+    from keras_linattn.ops.delta import _unit_lower_inverse
+
+    # What the delta rule feeds it: |a_ij| <= 1 (beta <= 1, unit keys, decay <= 1).
+    a = np.tril(rng.uniform(-1, 1, (3, length, length)), -1).astype("float32")
+    expected = np.linalg.inv(np.eye(length) + a.astype("float64"))
+    # Each entry is a sum over at most 2^(log2 L) paths through products of L factors.
+    assert_close(_unit_lower_inverse(a), expected, n=2 * length, what="inverse")
+
+
+@pytest.mark.parametrize("solver", ["inverse", "substitution"])
+def test_delta_solvers_match_oracle_outputs_and_gradients(rng, solver):
+    t = 70  # two full chunks of 32 and a part
+    q, k, v, beta = _delta_inputs(rng, t)
+    g = (-np.abs(rng.normal(size=(B, t, H))) * 0.5).astype("float32")
+    mask = _padding(rng, t)
+    w = rng.normal(size=(B, t, H, M))
+    inputs = (q, k, v, beta, g)
+
+    def fast(q_, k_, v_, b_, g_):
+        return lops.delta_rule_attention(q_, k_, v_, b_, g_, key_mask=mask, chunk_size=32, solver=solver)
+
+    def oracle(q_, k_, v_, b_, g_):
+        return lops.delta_rule_reference(q_, k_, v_, b_, g_, key_mask=mask)[0]
+
+    n = t + DELTA_CHUNK + C + M  # as in test_delta_matches_oracle_outputs_and_gradients
+    cond = _decay_conditioning(g[..., None], 32, mask)
+    assert_close(fast(*inputs), oracle(*inputs), n=n, conditioning=cond, what="outputs")
+    assert_close(_grads(fast, inputs, w), _grads(oracle, inputs, w), n=2 * n, conditioning=cond, what="gradients")
+
+
+def test_delta_refuses_an_unknown_solver(rng):
+    q, k, v, beta = _delta_inputs(rng, 4)
+    with pytest.raises(ValueError, match="`solver` must be one of"):
+        lops.delta_rule_attention(q, k, v, beta, solver="cholesky")
+
+
 @pytest.mark.parametrize("gated", [False, True], ids=["delta", "gated_delta"])
 def test_delta_step_and_state_match_the_oracle(rng, gated):
     t = 29

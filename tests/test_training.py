@@ -76,7 +76,13 @@ def _overfit_and_check(model, x, y, n, conditioning=lambda: 1.0, steps=30):
 # XLA fit for every registered feature map (maps added later are picked up).
 
 
-@pytest.mark.parametrize("name", feature_maps.available())
+# One map of each kind (fixed, random, trainable, distilled) in `make test`, all of them in `make test-slow`.
+FAST_XLA_MAPS = {"elu", "favor+", "aoglu", "hedgehog"}
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=() if name in FAST_XLA_MAPS else pytest.mark.slow) for name in feature_maps.available()
+])
 def test_fit_jit_compile_each_feature_map(name):
     keras.utils.set_random_seed(0)
     x, y = _toy_regression()
@@ -226,7 +232,8 @@ def _mixed_model(feature_map):
 
 
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
-@pytest.mark.parametrize("name", ["elu", "favor+", "oglu"])
+@pytest.mark.parametrize("name", ["elu", pytest.param("favor+", marks=pytest.mark.slow),
+                                  pytest.param("oglu", marks=pytest.mark.slow)])
 def test_mixed_precision_200_steps_stable(policy, name):
     keras.config.set_dtype_policy(policy)
     keras.utils.set_random_seed(0)
