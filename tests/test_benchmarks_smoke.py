@@ -212,3 +212,18 @@ def test_profile_reads_the_trace_and_its_groups_add_up(tmp_path):
         assert any(op["group"] == "matmul" for op in r["op_types"])  # the projections at least
     text = (tmp_path / "p.md").read_text()
     assert "### Beyond the projections-only floor" in text and "| linear_causal |" in text
+
+
+def test_short_conv_benchmark_times_both_methods_in_both_modes(tmp_path):
+    from benchmarks import bench_short_conv
+
+    rows = bench_short_conv.main(["--shapes", "2x9x6", "--repeats", "1", "--out-dir", str(tmp_path), "--prefix", "c"])
+    assert sorted((r["mode"], r["method"]) for r in rows) == [
+        ("graph", "depthwise"), ("graph", "shifted"), ("xla", "depthwise"), ("xla", "shifted")]
+    for r in rows:
+        assert r["median_s"] > 0 and r["shape"] == [2, 9, 6]
+    auto = {(r["mode"], r["method"]): r["over_auto"] for r in rows}
+    assert auto[("graph", "depthwise")] == 1.0 and auto[("xla", "shifted")] == 1.0
+    with open(tmp_path / "c.json") as f:
+        assert json.load(f)["rows"] == rows
+    assert "| 2 x 9 x 6 | xla | shifted |" in (tmp_path / "c.md").read_text()

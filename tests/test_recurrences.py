@@ -191,9 +191,10 @@ def test_gated_refuses_bad_log_decay(rng):
 
 
 # ------------------------------------------------------------ short conv
+@pytest.mark.parametrize("method", ["depthwise", "shifted"])
 @pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize("t", [1, 3, 17])
-def test_conv_matches_oracle_outputs_and_gradients(rng, t, size):
+def test_conv_matches_oracle_outputs_and_gradients(rng, t, size, method):
     x = rng.normal(size=(B, t, H, D)).astype("float32")
     kernel = rng.normal(size=(size, H, D)).astype("float32")
     buffer = rng.normal(size=(B, size - 1, H, D)).astype("float32")
@@ -202,7 +203,7 @@ def test_conv_matches_oracle_outputs_and_gradients(rng, t, size):
     w = rng.normal(size=(B, t, H, D))
 
     def fast(x_, k_, b_):
-        return lops.causal_conv(x_, k_, b_, mask)
+        return lops.causal_conv(x_, k_, b_, mask, method=method)
 
     def oracle(x_, k_, b_):
         return lops.causal_conv_reference(x_, k_, b_, mask)
@@ -232,12 +233,35 @@ def test_conv_pieces_and_steps_equal_one_pass(rng):
     np.testing.assert_array_equal(state, buf)
 
 
+@pytest.mark.tf_only("tf.function(jit_compile=...) decides the method")
+def test_conv_takes_the_shifted_sum_under_xla_and_the_depthwise_kernel_elsewhere(rng, monkeypatch):
+    import tensorflow as tf
+
+    from keras_linattn.ops import short_conv
+
+    seen = []
+    real = short_conv._shifted_sum
+    monkeypatch.setattr(short_conv, "_shifted_sum", lambda *a: seen.append("shifted") or real(*a))
+    x = rng.normal(size=(B, 9, H, D)).astype("float32")
+    kernel = rng.normal(size=(4, H, D)).astype("float32")
+    eager = lops.causal_conv(x, kernel)
+    graph = tf.function(lambda x_: lops.causal_conv(x_, kernel))(x)
+    assert seen == []  # eager and plain graphs (what export traces) use the depthwise kernel
+    xla = tf.function(lambda x_: lops.causal_conv(x_, kernel), jit_compile=True)(x)
+    nested = tf.function(lambda x_: tf.function(lambda y: lops.causal_conv(y, kernel))(x_), jit_compile=True)(x)
+    assert seen == ["shifted", "shifted"]
+    for got in (graph, xla, nested):
+        assert_close(got, eager, n=4, paths=2, what="auto method")
+
+
 def test_conv_refuses_bad_kernels(rng):
     x = rng.normal(size=(B, 5, H, D)).astype("float32")
     with pytest.raises(ValueError, match="K >= 2"):
         lops.causal_conv(x, np.ones((1, H, D), "float32"))
     with pytest.raises(ValueError, match="must have shape"):
         lops.causal_conv(x, np.ones((3, H, D + 1), "float32"))
+    with pytest.raises(ValueError, match="`method` must be one of"):
+        lops.causal_conv(x, np.ones((3, H, D), "float32"), method="fft")
     with pytest.raises(ValueError, match="`buffer` must have shape"):
         lops.causal_conv(x, np.ones((3, H, D), "float32"), np.zeros((B, 3, H, D), "float32"))
 

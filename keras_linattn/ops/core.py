@@ -17,11 +17,13 @@ accumulated in float32 whatever the input dtype.
 
 Internally the heads axis goes first (``[B, H, T, C]``) so that every
 contraction is a batched matmul (measured 2-3x faster than the equivalent
-einsums on CPU, forward and backward).
+einsums on CPU, forward and backward). Products with a transposed operand
+go through `_matmul`, which hands the transpose to the matmul itself.
 """
 
 import numbers
 
+import keras
 from keras import ops
 
 from keras_linattn._validation import check_bool, check_epsilon, check_non_negative_int, check_positive_int, check_rank
@@ -139,6 +141,26 @@ def _mask_keys(x, key_mask):
     return ops.where(keep, x, ops.zeros_like(x))
 
 
+def _matmul(a, b, transpose_a=False, transpose_b=False):
+    """``a @ b`` over the last two axes, with ``a`` and/or ``b`` transposed there.
+
+    On TensorFlow this is one ``BatchMatMulV2`` with its adjoint flags. A
+    separate transpose before the matmul costs nothing in graph mode, but
+    XLA on CPU folds it into the dot's layout and ran the non-causal core
+    about 1.8x slower forward + backward (B=1, H=8, N=8192, 64 x 64; 96 vs
+    53 ms, `docs/benchmarks.md`). Other backends transpose, then multiply.
+    """
+    if keras.backend.backend() == "tensorflow" and a.dtype == b.dtype:
+        import tensorflow as tf
+
+        return tf.linalg.matmul(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+    if transpose_a:
+        a = ops.swapaxes(a, -1, -2)
+    if transpose_b:
+        b = ops.swapaxes(b, -1, -2)
+    return ops.matmul(a, b)
+
+
 def _heads_first(x):
     """[B, T, H, X] -> [B, H, T, X]: batched matmuls are much faster than einsum here."""
     return ops.transpose(x, (0, 2, 1, 3))
@@ -207,7 +229,7 @@ def linear_attention(
         num, den, (s, z) = _causal_chunked(q, k, v, chunk_size, s0, z0)
         out = _normalize(q, num, den, eps) if normalize else num  # [B, H, T, M]
     else:
-        s = ops.matmul(ops.transpose(k, (0, 1, 3, 2)), v)  # [B, H, C, M]
+        s = _matmul(k, v, transpose_a=True)  # [B, H, C, M]
         z = ops.sum(k, axis=2)  # [B, H, C]
         if s0 is not None:
             s, z = s + s0, z + z0
@@ -271,14 +293,14 @@ def _causal_chunked(q, k, v, chunk_size, s0, z0):
     vc = ops.reshape(v, (batch, h, -1, chunk, m))  # [B, H, N, L, M]
 
     # Intra-chunk: masked L x L products.
-    scores = ops.matmul(qc, ops.swapaxes(kc, -1, -2))  # [B, H, N, L, L]
+    scores = _matmul(qc, kc, transpose_b=True)  # [B, H, N, L, L]
     tril = ops.tril(ops.ones((chunk, chunk), dtype="bool"))  # [L, L]
     scores = ops.where(tril, scores, ops.zeros_like(scores))
     num = ops.matmul(scores, vc)  # [B, H, N, L, M]
     den = ops.sum(scores, axis=-1, keepdims=True)  # [B, H, N, L, 1]
 
     # Inter-chunk: exclusive prefix sums of chunk states.
-    chunk_s = ops.matmul(ops.swapaxes(kc, -1, -2), vc)  # [B, H, N, C, M]
+    chunk_s = _matmul(kc, vc, transpose_a=True)  # [B, H, N, C, M]
     chunk_z = ops.sum(kc, axis=3)  # [B, H, N, C]
     excl_s = _chunk_prefix(chunk_s)  # [B, H, N, C, M]
     excl_z = _chunk_prefix(chunk_z)  # [B, H, N, C]

@@ -37,6 +37,7 @@ from keras_linattn.ops.core import (
     DEFAULT_EPSILON,
     _heads_first,
     _mask_keys,
+    _matmul,
     _normalize,
     _check_state,
     _validate_inputs,
@@ -169,14 +170,14 @@ def _gated_chunked(q, k, v, g, chunk_size, s0, z0):
     else:
         bs = b[..., 0]  # [B, H, N, L]
         w = _decay_weights(bs[:, :, :, :, None] - bs[:, :, :, None, :], tril)  # [B, H, N, L, L]
-        scores = ops.matmul(qc, ops.swapaxes(kc, -1, -2)) * w  # [B, H, N, L, L]
+        scores = _matmul(qc, kc, transpose_b=True) * w  # [B, H, N, L, L]
     num = ops.matmul(scores, vc)  # [B, H, N, L, M]
     den = ops.sum(scores, axis=-1, keepdims=True)  # [B, H, N, L, 1]
 
     # Each chunk's own state, decayed to the chunk's end.
     last = b[:, :, :, -1:, :]  # [B, H, N, 1, G] total log decay of each chunk
     k_out = kc * ops.exp(last - b)  # [B, H, N, L, C]  (last - b <= 0)
-    u = ops.matmul(ops.swapaxes(k_out, -1, -2), vc)  # [B, H, N, C, M]
+    u = _matmul(k_out, vc, transpose_a=True)  # [B, H, N, C, M]
     uz = ops.sum(k_out, axis=3)  # [B, H, N, C]
 
     # Across chunks: the state entering chunk n is

@@ -40,7 +40,7 @@ import keras
 from keras import ops
 
 from keras_linattn._validation import check_positive_int, check_rank
-from keras_linattn.ops.core import _heads_first, _mask_keys, _validate_inputs
+from keras_linattn.ops.core import _heads_first, _mask_keys, _matmul, _validate_inputs
 
 __all__ = ["DELTA_CHUNK", "delta_rule_attention", "delta_rule_reference", "delta_rule_step"]
 
@@ -196,12 +196,12 @@ def delta_rule_attention(
     strict = idx[:, None] > idx[None, :]  # [L, L]
     diff = g - ops.swapaxes(g, -1, -2)  # [B, H, N, L, L]: g_i - g_j
     decay = ops.where(tril, ops.exp(ops.minimum(diff, 0.0)), ops.zeros_like(diff))  # [B, H, N, L, L]
-    kk = ops.matmul(kc, ops.swapaxes(kc, -1, -2))  # [B, H, N, L, L]
+    kk = _matmul(kc, kc, transpose_b=True)  # [B, H, N, L, L]
     a = ops.where(strict, bc * kk * decay, ops.zeros_like(kk))  # [B, H, N, L, L]
     rhs = ops.concatenate([bc * vc, bc * ops.exp(g) * kc], axis=-1)  # [B, H, N, L, M + C]
     solved = SOLVERS[solver](a, rhs)  # [B, H, N, L, M + C]
     u_tilde, w = solved[..., :m], solved[..., m:]  # [B, H, N, L, M], [B, H, N, L, C]
-    scores = ops.matmul(qc, ops.swapaxes(kc, -1, -2)) * decay  # [B, H, N, L, L]
+    scores = _matmul(qc, kc, transpose_b=True) * decay  # [B, H, N, L, L]
     q_in = qc * ops.exp(g)  # [B, H, N, L, C]
     last = g[:, :, :, -1:, :]  # [B, H, N, 1, 1]
     k_out = kc * ops.exp(last - g)  # [B, H, N, L, C]
@@ -214,7 +214,7 @@ def delta_rule_attention(
         u_t, w_n, sc, qi, ko, el = x
         u = u_t - ops.matmul(w_n, s)  # [B, H, L, M]
         o = ops.matmul(qi, s) + ops.matmul(sc, u)  # [B, H, L, M]
-        s = el * s + ops.matmul(ops.swapaxes(ko, -1, -2), u)  # [B, H, C, M]
+        s = el * s + _matmul(ko, u, transpose_a=True)  # [B, H, C, M]
         return s, o
 
     s0 = ops.zeros((batch, h, c, m), "float32") if initial_state is None else ops.cast(initial_state, "float32")

@@ -34,6 +34,7 @@ from keras_linattn.ops.core import (
     _causal_chunked,
     _heads_first,
     _mask_keys,
+    _matmul,
     _normalize,
     _check_state,
     _validate_inputs,
@@ -146,7 +147,7 @@ def window_attention(
     j = ops.arange(2 * window)[None, :]  # [1, 2W] key offset (the block's buffer start = 0)
     band = ops.logical_and(j >= r + 1, j <= r + window)  # [W, 2W]: keys (i - W, i]
     allowed = ops.logical_and(band, okwin[:, None, :, None, :])  # [B, 1, N, W, 2W]
-    scores = ops.matmul(qb, ops.swapaxes(kwin, -1, -2))  # [B, H, N, W, 2W]
+    scores = _matmul(qb, kwin, transpose_b=True)  # [B, H, N, W, 2W]
     e = _softmax_terms(scores, allowed)  # [B, H, N, W, 2W]
     num_sm = ops.reshape(ops.matmul(e, vwin), (batch, h, -1, m))[:, :, :length]  # [B, H, T, M]
     den_sm = ops.reshape(ops.sum(e, axis=-1), (batch, h, -1, 1))[:, :, :length]  # [B, H, T, 1]
