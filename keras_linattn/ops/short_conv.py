@@ -14,10 +14,10 @@ therefore gives the outputs of the unpadded one when the buffer starts at
 zero.
 """
 
-import keras
 from keras import ops
 
 from keras_linattn._validation import check_rank
+from keras_linattn._xla import under_xla
 from keras_linattn.ops.core import _mask_keys
 
 __all__ = ["causal_conv", "causal_conv_reference", "causal_conv_step"]
@@ -49,29 +49,6 @@ def _check(x, kernel, buffer):
 
 
 METHODS = ("auto", "depthwise", "shifted")
-
-
-def _under_xla():
-    """Whether the ops being built will be compiled by XLA.
-
-    True on JAX, and on TensorFlow inside a ``tf.function(jit_compile=True)``
-    (Keras' ``jit_compile=True``), nested functions included; False eagerly
-    and in plain graphs (which is also what SavedModel and ONNX export trace).
-    """
-    backend = keras.backend.backend()
-    if backend == "jax":
-        return True
-    if backend != "tensorflow":
-        return False
-    import tensorflow as tf
-
-    if tf.executing_eagerly():
-        return False
-    try:
-        from tensorflow.python.ops import control_flow_util
-    except ImportError:  # pragma: no cover - a TensorFlow without the (private) helper
-        return False
-    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
 
 
 def _shifted_sum(full, w, length):
@@ -110,7 +87,7 @@ def causal_conv(x, kernel, buffer=None, mask=None, return_buffer=False, method="
     if method not in METHODS:
         raise ValueError(f"`method` must be one of {METHODS}. Received: method={method!r}")
     if method == "auto":
-        method = "shifted" if _under_xla() else "depthwise"
+        method = "shifted" if under_xla() else "depthwise"
     out_dtype = x.dtype
     xf = _mask_keys(ops.cast(x, "float32"), mask)  # [B, T, ...]
     w = ops.cast(kernel, "float32")  # [K, ...]
