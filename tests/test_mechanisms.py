@@ -42,6 +42,10 @@ def _layer(name, **extra):
     key_dim = cfg.pop("key_dim", KEY_DIM)
     layer = LinearAttention(HEADS, key_dim, chunk_size=CHUNK, **cfg, **extra)
     layer.build((None, None, DIM), (None, None, DIM))
+    if layer.decay == "scalar":
+        # The gate kernel starts at zero (a data-independent gate); give it
+        # values so that the tests see a gate that differs from token to token.
+        layer.gate_kernel.assign(0.3 * np.random.default_rng(1).normal(size=layer.gate_kernel.shape))
     return layer
 
 
@@ -222,6 +226,22 @@ def test_fixed_decay_is_retnets():
     layer = _layer("fixed")
     g = np.exp(np.asarray(layer._log_decay(ops.zeros((1, 1, HEADS, KEY_DIM))))[0, 0, :, 0])
     np.testing.assert_allclose(g, 1 - 2.0 ** (-5 - np.arange(HEADS)), rtol=1e-6)
+
+
+def test_scalar_gate_starts_at_its_bias_rate_for_every_token(rng):
+    # The gate kernel starts at zero and A_log at 0: before training every
+    # token decays the state at exp(-softplus(bias)), whatever it holds, with
+    # softplus(bias) in [1e-3, 1e-2] (a memory of 100 to 1,000 tokens).
+    layer = LinearAttention(HEADS, KEY_DIM, decay="scalar", seed=3)
+    layer.build((None, None, DIM), (None, None, DIM))
+    k = ops.convert_to_tensor(rng.normal(size=(2, 7, HEADS, KEY_DIM)) * 10, "float32")
+    g = np.asarray(layer._log_decay(k))[..., 0]  # [B, S, H]
+    a = np.exp(np.asarray(layer.a_log, "float64"))
+    dt = np.log1p(np.exp(np.asarray(layer.gate_bias, "float64")))
+    assert (a == 1.0).all() and ((dt >= 1e-3 * (1 - 1e-5)) & (dt <= 1e-2 * (1 + 1e-5))).all(), (a, dt)
+    # A chain of four float32 roundings (exp, softplus, product, sum with the
+    # zero data term): n = 4.
+    assert_close(g, np.broadcast_to(-a * dt, g.shape), n=4, what="initial log decay")
 
 
 def test_gates_are_in_the_unit_interval(rng):
