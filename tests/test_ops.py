@@ -262,3 +262,64 @@ def test_nan_at_padded_positions_does_not_leak(rng, causal):
     dirty = np.asarray(lops.linear_attention(q, k2, v2, causal=causal, key_mask=mask, chunk_size=8))
     rows = slice(None) if not causal else slice(0, 12)
     np.testing.assert_array_equal(dirty[:, rows], clean[:, rows])
+
+
+# ------------------------------------------------------ pieces of the fast paths
+@pytest.mark.parametrize(
+    "n,group", [(1, None), (7, None), (15, None), (16, 4), (36, 6), (128, 8), (130, 10), (500, 20), (None, None)]
+)
+def test_two_level_group_is_the_largest_divisor_up_to_the_square_root(n, group):
+    from keras_linattn.ops.core import _two_level_group
+
+    assert _two_level_group(n) == group
+
+
+@pytest.mark.parametrize("n", [1, 5, 16, 36, 130])
+def test_chunk_prefix_is_the_exclusive_cumulative_sum(rng, n):
+    # One level below N=16, two levels from N=16 (G=4) up; outputs and
+    # gradients (the gradient of an exclusive prefix sum is the reversed one).
+    from keras_linattn.ops.core import _chunk_prefix
+
+    x = rng.normal(size=(2, 3, n, 4, 5)).astype("float32")  # [B, H, N, C, M]
+    w = rng.normal(size=x.shape).astype("float32")
+    expected = np.cumsum(x.astype("float64"), axis=2) - x
+    expected_grad = np.flip(np.cumsum(np.flip(w.astype("float64"), 2), axis=2), 2) - w
+    out, (grad,) = gradients(lambda x_: (keras.ops.sum(_chunk_prefix(x_) * w), _chunk_prefix(x_)), (x,))
+    assert_close(out, expected, n=n, what="prefix")
+    assert_close(grad, expected_grad, n=n, what="gradient")
+
+
+def test_divide_rows_gradient_equals_autodiff_of_the_division(rng):
+    from keras_linattn.ops.core import _divide_rows
+
+    num = rng.normal(size=(2, 3, 7, 4)).astype("float32")
+    den = (np.abs(rng.normal(size=(2, 3, 7, 1))) + 0.1).astype("float32")
+    w = rng.normal(size=num.shape).astype("float32")
+    fast, fast_grads = gradients(lambda a, b: (keras.ops.sum(_divide_rows(a, b) * w), _divide_rows(a, b)), (num, den))
+    plain, plain_grads = gradients(lambda a, b: (keras.ops.sum(a / b * w), a / b), (num, den))
+    assert_close(fast, plain, n=1, what="outputs")
+    assert_close(flat(fast_grads), flat(plain_grads), n=4, what="gradients")  # a sum over M=4
+
+
+def test_guard_gradient_reaches_the_queries(rng):
+    # Signed features whose denominators sit below the guard for some
+    # queries: there d out / d q goes through eps * sum|q| (the `maximum`
+    # and the guard are differentiated as written).
+    from keras_linattn.ops.core import _normalize
+
+    q = rng.normal(size=(1, 2, 6, 5)).astype("float32")
+    num = rng.normal(size=(1, 2, 6, 4)).astype("float32")
+    eps = 1e-2
+    guard = eps * np.abs(q).sum(-1, keepdims=True)  # [1, 2, 6, 1]
+    # Rows alternate: the denominator at twice the guard, at half of it, negative.
+    den = (guard * np.array([2.0, 0.5, -1.0, 2.0, 0.5, -1.0])[:, None]).astype("float32")
+    w = rng.normal(size=num.shape).astype("float32")
+
+    def plain(q_, num_, den_):
+        guard = eps * keras.ops.sum(keras.ops.abs(q_), axis=-1, keepdims=True) + 1e-30
+        return num_ / keras.ops.maximum(den_, guard)
+
+    _, fast_grads = gradients(lambda *a: (keras.ops.sum(_normalize(*a, eps) * w), ()), (q, num, den))
+    _, plain_grads = gradients(lambda *a: (keras.ops.sum(plain(*a) * w), ()), (q, num, den))
+    assert np.abs(fast_grads[0]).max() > 0
+    assert_close(flat(fast_grads), flat(plain_grads), n=5 + 4, what="gradients")
