@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from keras_linattn import ops as lops
-from tests._backend import flat, gradients
+from tests._backend import flat, gradients, xla
 from tests.tolerance import assert_close, normalizer_conditioning
 
 B, H, C, M = 2, 3, 5, 4
@@ -301,7 +301,8 @@ def test_divide_rows_gradient_equals_autodiff_of_the_division(rng):
     assert_close(flat(fast_grads), flat(plain_grads), n=4, what="gradients")  # a sum over M=4
 
 
-def test_guard_gradient_reaches_the_queries(rng):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "xla"])
+def test_guard_gradient_reaches_the_queries(rng, compiled):
     # Signed features whose denominators sit below the guard for some
     # queries: there d out / d q goes through eps * sum|q| (the `maximum`
     # and the guard are differentiated as written).
@@ -319,7 +320,9 @@ def test_guard_gradient_reaches_the_queries(rng):
         guard = eps * keras.ops.sum(keras.ops.abs(q_), axis=-1, keepdims=True) + 1e-30
         return num_ / keras.ops.maximum(den_, guard)
 
-    _, fast_grads = gradients(lambda *a: (keras.ops.sum(_normalize(*a, eps) * w), ()), (q, num, den))
+    # Under XLA `_normalize` divides plainly; eagerly through `_divide_rows`.
+    normalize = xla(lambda *a: _normalize(*a, eps)) if compiled else (lambda *a: _normalize(*a, eps))
+    _, fast_grads = gradients(lambda *a: (keras.ops.sum(normalize(*a) * w), ()), (q, num, den))
     _, plain_grads = gradients(lambda *a: (keras.ops.sum(plain(*a) * w), ()), (q, num, den))
     assert np.abs(fast_grads[0]).max() > 0
     assert_close(flat(fast_grads), flat(plain_grads), n=5 + 4, what="gradients")

@@ -26,6 +26,7 @@ import numbers
 import keras
 from keras import ops
 
+from keras_linattn._xla import under_xla
 from keras_linattn._validation import check_bool, check_epsilon, check_non_negative_int, check_positive_int, check_rank
 
 __all__ = ["DEFAULT_EPSILON", "linear_attention", "linear_attention_step"]
@@ -169,12 +170,18 @@ def _heads_first(x):
 def _normalize(q, num, den, eps):
     """``num / den`` with the relative guard ``eps * sum|phi(q)|`` (q: [..., C]).
 
-    The guard and the ``maximum`` are differentiated as written; the division
-    goes through `_divide_rows`, whose hand-written gradient is the exact one
-    in fewer passes over the ``[..., M]`` tensors.
+    The guard and the ``maximum`` are differentiated as written. Outside XLA
+    the division goes through `_divide_rows`, whose hand-written gradient is
+    the exact one in fewer passes over the ``[..., M]`` tensors; XLA fuses
+    the autodiff of a plain division by itself and was slower with the
+    custom gradient (core at N=8192, forward + backward, CPU: 65 vs 61 ms
+    non-causal, 118 vs 116 ms causal).
     """
     guard = eps * ops.sum(ops.abs(q), axis=-1, keepdims=True) + _TINY  # [..., 1]
-    return _divide_rows(num, ops.maximum(den, guard))
+    den = ops.maximum(den, guard)  # [..., 1]
+    if under_xla():
+        return num / den
+    return _divide_rows(num, den)
 
 
 @ops.custom_gradient
