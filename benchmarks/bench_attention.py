@@ -15,9 +15,13 @@ feature map elu + 1):
     naive_causal      causal linear attention through a per-token cumsum
                       [B, T, H, C, M] (the textbook form): the memory anchor
     projections       the floor: LinearAttention's four width x width
-                      projections alone (q + k + v into the output
+                      projections alone (q * k + v into the output
                       projection), no attention. Every layer here pays it;
                       "core" below means a layer's time minus this one.
+                      Not q + k + v: q, k and v would then receive the same
+                      gradient, and TensorFlow's runtime merges the three
+                      identical weight-gradient matmuls x^T g into one, so
+                      that floor ran 10 of the 12 matmuls.
     causal_fixed, causal_scalar, causal_channel
                       LinearAttention causal with decay="fixed" / "scalar" /
                       "channel" (RetNet, Mamba2, GLA gates)
@@ -255,7 +259,10 @@ class Impl:
         if name == "projections":
             def apply(x):
                 q, k, v = layer.project(x, x)  # [B, N, H, D] each
-                return layer.project_output(q + k + v, False)  # [B, N, width]
+                # Three different gradients, so that all 12 matmuls run (see
+                # the module docstring); the glue is one product and one sum
+                # forward, two products backward.
+                return layer.project_output(q * k + v, False)  # [B, N, width]
         elif name in ("linear", "linear_causal") or name in MECHANISMS:
             def apply(x):
                 return layer(x, x, use_causal_mask=causal)

@@ -227,3 +227,23 @@ def test_short_conv_benchmark_times_both_methods_in_both_modes(tmp_path):
     with open(tmp_path / "c.json") as f:
         assert json.load(f)["rows"] == rows
     assert "| 2 x 9 x 6 | xla | shifted |" in (tmp_path / "c.md").read_text()
+
+
+def test_projections_floor_runs_all_twelve_matmuls(tmp_path):
+    # The floor is the four projections forward (4 matmuls) and backward (8:
+    # the input and the weight gradient of each). With q + k + v as its glue
+    # the three projections got one gradient, and the runtime merged their
+    # identical weight-gradient matmuls: 10 ran. Counted from a profile,
+    # because that merging happens after the traced graph (which holds 12).
+    from benchmarks import profile_attention as prof
+
+    args = bench.parse_args(["--ns", "64", "--impls", "projections", "--no-memory", "--no-plot"])
+    impl = bench.Impl("projections", args)
+    x, dy = impl.inputs(64)
+    impl.step(x, dy)
+    logdir = str(tmp_path / "trace")
+    tf.profiler.experimental.start(logdir)
+    impl.step(x, dy)
+    tf.profiler.experimental.stop()
+    matmuls = {op for op_type, op, _, _ in prof.read_op_stats(logdir) if prof.group_of(op_type) == "matmul"}
+    assert len(matmuls) == 12, sorted(matmuls)
