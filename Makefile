@@ -39,7 +39,8 @@ NUMERIC_TESTS := tests/test_ops.py tests/test_linear_attention.py tests/test_num
 	tests/test_trainable_kernels.py tests/test_favor.py tests/test_hedgehog.py tests/test_properties.py \
 	tests/test_efficient_attention.py tests/test_cell.py tests/test_causal_lm.py tests/test_transformer.py \
 	tests/test_padding_junk.py tests/test_feature_maps_fixed.py tests/test_regularizers.py \
-	tests/test_recurrences.py tests/test_mechanisms.py
+	tests/test_recurrences.py tests/test_mechanisms.py tests/contracts/test_recurrence_contract.py \
+	tests/contracts/test_round2_files.py
 
 test-onednn-off: $(STAMP)
 	TF_ENABLE_ONEDNN_OPTS=0 $(PYTEST) $(NUMERIC_TESTS)

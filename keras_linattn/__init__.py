@@ -11,7 +11,18 @@ The export toolchain (tf2onnx, onnx, onnxruntime) is imported only by the
 functions that need it.
 """
 
-from keras_linattn import callbacks, distill, export, feature_maps, layers, models, ops, regularizers, samplers
+from keras_linattn import (
+    callbacks,
+    distill,
+    export,
+    feature_maps,
+    layers,
+    models,
+    ops,
+    recurrences,
+    regularizers,
+    samplers,
+)
 from keras_linattn.version import __version__
 
 __all__ = [
@@ -23,6 +34,7 @@ __all__ = [
     "layers",
     "models",
     "ops",
+    "recurrences",
     "regularizers",
     "samplers",
 ]

@@ -15,6 +15,7 @@ from keras_linattn import ops as lops
 from keras_linattn.layers import LinearAttention, LinearTransformerDecoder, LinearTransformerEncoder
 from keras_linattn.layers.linear_attention import OUTPUT_NORM_EPSILON
 from keras_linattn.models import LinearCausalLM
+from keras_linattn.recurrences import AdditiveRecurrence, DeltaRecurrence, WindowRecurrence
 from keras_linattn.ops.core import _mask_keys
 from tests._backend import flat, gradients, xfail_jax_symbolic_length, xla
 from tests.tolerance import assert_close
@@ -42,10 +43,11 @@ def _layer(name, **extra):
     key_dim = cfg.pop("key_dim", KEY_DIM)
     layer = LinearAttention(HEADS, key_dim, chunk_size=CHUNK, **cfg, **extra)
     layer.build((None, None, DIM), (None, None, DIM))
-    if layer.decay == "scalar":
+    if getattr(layer.recurrence, "gate", None) == "scalar":
         # The gate kernel starts at zero (a data-independent gate); give it
         # values so that the tests see a gate that differs from token to token.
-        layer.gate_kernel.assign(0.3 * np.random.default_rng(1).normal(size=layer.gate_kernel.shape))
+        kernel = layer.recurrence.gate_kernel
+        kernel.assign(0.3 * np.random.default_rng(1).normal(size=kernel.shape))
     return layer
 
 
@@ -63,33 +65,35 @@ def _oracle(layer, x, mask):
     k = _mask_keys(k, keep)
     gate_input = k
     if layer.conv_size is not None:
-        q = lops.causal_conv_reference(q, layer.conv_q, mask=keep)
-        k = lops.causal_conv_reference(k, layer.conv_k, mask=keep)
-        v = lops.causal_conv_reference(v, layer.conv_v, mask=keep)
+        conv = layer.short_conv
+        q = lops.causal_conv_reference(q, conv.conv_q, mask=keep)
+        k = lops.causal_conv_reference(k, conv.conv_k, mask=keep)
+        v = lops.causal_conv_reference(v, conv.conv_v, mask=keep)
     if layer.feature_map is None:
         qf, kf = q, k
     else:
         qf = layer.feature_map(q, is_query=True, causal=True)
         kf = layer.feature_map(k, is_query=False, causal=True)
-    if layer.update == "delta":
+    recurrence = layer.recurrence
+    if isinstance(recurrence, DeltaRecurrence):
         # The layer's normalization (its 1e-12 keeps all-zero padded rows at 0).
         qf, kf = (x * keras.ops.rsqrt(keras.ops.sum(x * x, axis=-1, keepdims=True) + 1e-12) for x in (qf, kf))
-        g = None if layer.decay is None else layer._log_decay(gate_input)[..., 0]
-        att = lops.delta_rule_reference(qf, kf, v, layer._beta(gate_input), g, key_mask=keep)[0]
-    elif layer.window_size is not None:
-        att = lops.window_attention_reference(q, qf, k, kf, v, layer.window_size, keep, eps=layer.epsilon)
+        g = recurrence.log_decay(gate_input)
+        att = lops.delta_rule_reference(qf, kf, v, recurrence.beta(gate_input), g, key_mask=keep)[0]
+    elif isinstance(recurrence, WindowRecurrence):
+        att = lops.window_attention_reference(q, qf, k, kf, v, recurrence.window_size, keep, eps=layer.epsilon)
     else:
-        if layer.decay is None:
+        if isinstance(recurrence, AdditiveRecurrence):
             g = ops.zeros(tuple(q.shape[:3]) + (1,))
         else:
-            g = layer._log_decay(gate_input)
+            g = recurrence.log_decay(gate_input)
         att = lops.gated_linear_attention_reference(
-            qf, kf, v, g, key_mask=keep, normalize=layer.normalize, eps=layer.epsilon, compute_dtype="float64"
+            qf, kf, v, g, key_mask=keep, normalize=recurrence.normalize, eps=layer.epsilon, compute_dtype="float64"
         )[0]
-    if not layer.normalize:
+    if not recurrence.normalize:
         a = ops.cast(att, "float64")
         a = a * ops.rsqrt(ops.mean(a * a, axis=-1, keepdims=True) + OUTPUT_NORM_EPSILON)
-        att = ops.cast(a, "float32") * layer.output_norm_scale
+        att = ops.cast(a, "float32") * layer.output_norm.scale
     return layer.output_dense(att)
 
 
@@ -114,13 +118,9 @@ def test_layer_matches_the_composed_oracle(rng, name):
     # The paths share the projections and maps; they differ in the attention
     # sums: T keys, C features (or D window logits), K conv taps, H*M output.
     n = T + layer.feature_dim + KEY_DIM + (layer.conv_size or 0) + HEADS * layer.value_dim
-    if layer.decay is not None:
-        # Exponents are differences of float32 cumulative sums of log decay
-        # (docs/testing.md): 1 + their largest magnitude within a chunk.
-        g = np.abs(np.asarray(layer._log_decay(layer.project(x, x)[1])))
-        conditioning = 1.0 + float(g.sum(axis=1).max())
-    else:
-        conditioning = 1.0
+    # Exponents are differences of float32 cumulative sums of log decay
+    # (docs/testing.md): 1 + their largest magnitude within a chunk (1 without decay).
+    conditioning = layer.recurrence.conditioning(layer.project(x, x)[1])
     assert_close(out, ref, n=n, conditioning=conditioning, what="outputs")
     # Backward adds the sums over T queries, M values and the DIM inputs.
     assert_close(grads, ref_grads, n=2 * n + DIM, conditioning=conditioning, what="gradients")
@@ -206,8 +206,9 @@ def test_keras_round_trip(rng, tmp_path, name):
     loaded = keras.models.load_model(path)
     np.testing.assert_array_equal(loaded(x), model(x))
     restored = loaded.layers[-1]
-    for key in ("decay", "normalize", "conv_size", "window_size", "update"):
-        assert getattr(restored, key) == getattr(layer, key)
+    assert type(restored.recurrence) is type(layer.recurrence)
+    assert restored.recurrence.get_config() == layer.recurrence.get_config()
+    assert restored.conv_size == layer.conv_size
 
 
 def test_state_spec_describes_every_mechanism():
@@ -224,7 +225,7 @@ def test_state_spec_describes_every_mechanism():
 
 def test_fixed_decay_is_retnets():
     layer = _layer("fixed")
-    g = np.exp(np.asarray(layer._log_decay(ops.zeros((1, 1, HEADS, KEY_DIM))))[0, 0, :, 0])
+    g = np.exp(np.asarray(layer.recurrence.log_decay(ops.zeros((1, 1, HEADS, KEY_DIM))))[0, 0, :, 0])
     np.testing.assert_allclose(g, 1 - 2.0 ** (-5 - np.arange(HEADS)), rtol=1e-6)
 
 
@@ -235,9 +236,9 @@ def test_scalar_gate_starts_at_its_bias_rate_for_every_token(rng):
     layer = LinearAttention(HEADS, KEY_DIM, decay="scalar", seed=3)
     layer.build((None, None, DIM), (None, None, DIM))
     k = ops.convert_to_tensor(rng.normal(size=(2, 7, HEADS, KEY_DIM)) * 10, "float32")
-    g = np.asarray(layer._log_decay(k))[..., 0]  # [B, S, H]
-    a = np.exp(np.asarray(layer.a_log, "float64"))
-    dt = np.log1p(np.exp(np.asarray(layer.gate_bias, "float64")))
+    g = np.asarray(layer.recurrence.log_decay(k))[..., 0]  # [B, S, H]
+    a = np.exp(np.asarray(layer.recurrence.a_log, "float64"))
+    dt = np.log1p(np.exp(np.asarray(layer.recurrence.gate_bias, "float64")))
     assert (a == 1.0).all() and ((dt >= 1e-3 * (1 - 1e-5)) & (dt <= 1e-2 * (1 + 1e-5))).all(), (a, dt)
     # A chain of four float32 roundings (exp, softplus, product, sum with the
     # zero data term): n = 4.
@@ -248,7 +249,7 @@ def test_gates_are_in_the_unit_interval(rng):
     for name in ("scalar", "channel"):
         layer = _layer(name)
         k = ops.convert_to_tensor(rng.normal(size=(2, 7, HEADS, KEY_DIM)) * 10, "float32")
-        g = np.asarray(layer._log_decay(k))
+        g = np.asarray(layer.recurrence.log_decay(k))
         assert (g <= 0).all() and np.isfinite(g).all(), name
 
 

@@ -17,7 +17,8 @@ from keras_linattn._validation import (
     check_rate,
     check_seed,
 )
-from keras_linattn.layers.linear_attention import LinearAttention, _check_mechanisms, _get_map, _serialize_map
+from keras_linattn.layers.linear_attention import LinearAttention, _get_map, _serialize_map
+from keras_linattn.recurrences.config import MECHANISM_ARGS_DOC, AttentionConfig
 
 # The blocks' public classes live in transformer_encoder.py and transformer_decoder.py.
 __all__ = []
@@ -44,11 +45,9 @@ _BLOCK_ARGS_DOC = """\
         use_bias: whether the dense layers have biases.
         kernel_initializer, bias_initializer: initializers of the dense layers.
         seed: seed of the dropout layers.
-        decay, normalize, conv_size, window_size, update: the recall mechanisms of
-            `keras_linattn.layers.LinearAttention` (decay gates, dropping the
-            normalizer for an output norm, a short causal convolution, a
-            sliding softmax window), passed to the block's attention. `decay`
-            and `window_size` are causal: the encoder refuses them."""
+""" + MECHANISM_ARGS_DOC + """
+            The block's attention gets them; the encoder refuses causal
+            recurrences."""
 
 _document = fill(block_args=_BLOCK_ARGS_DOC)
 
@@ -76,17 +75,11 @@ class _LinearTransformerBlock(keras.layers.Layer):
         kernel_initializer="glorot_uniform",
         bias_initializer="zeros",
         seed=None,
-        decay=None,
-        normalize=True,
-        conv_size=None,
-        window_size=None,
-        update="add",
         **kwargs,
     ):
+        attention_config = AttentionConfig.pop(kwargs, feature_map=feature_map, causal=self._causal)
         super().__init__(**kwargs)
-        self.decay, self.normalize, self.conv_size, self.window_size, self.update = _check_mechanisms(
-            decay, normalize, conv_size, window_size, causal=self._causal, update=update, feature_map=feature_map
-        )
+        self.attention_config = attention_config
         self.num_heads = check_positive_int("num_heads", num_heads)
         self.intermediate_dim = check_positive_int("intermediate_dim", intermediate_dim)
         self.key_dim = check_optional_positive_int("key_dim", key_dim)
@@ -148,11 +141,7 @@ class _LinearTransformerBlock(keras.layers.Layer):
             kernel_initializer=self._init(self.kernel_initializer),
             bias_initializer=self._init(self.bias_initializer),
             seed=self.seed,
-            decay=self.decay,
-            normalize=self.normalize,
-            conv_size=self.conv_size,
-            window_size=self.window_size,
-            update=self.update,
+            **self.attention_config.get_config(),
             dtype=self.dtype_policy,
             name="self_attention",
         )
@@ -287,11 +276,7 @@ class _LinearTransformerBlock(keras.layers.Layer):
                 "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
                 "bias_initializer": keras.initializers.serialize(self.bias_initializer),
                 "seed": self.seed,
-                "decay": self.decay,
-                "normalize": self.normalize,
-                "conv_size": self.conv_size,
-                "window_size": self.window_size,
-                "update": self.update,
+                **self.attention_config.get_config(),
             }
         )
         return config

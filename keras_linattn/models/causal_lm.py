@@ -6,9 +6,11 @@ from keras import ops
 
 from keras_linattn import _validation
 from keras_linattn import samplers as samplers_lib
-from keras_linattn.layers.linear_attention import _check_mechanisms, _get_map, _serialize_map
+from keras_linattn._docstrings import fill
+from keras_linattn.layers.linear_attention import _get_map, _serialize_map
 from keras_linattn.layers.transformer_decoder import LinearTransformerDecoder
 from keras_linattn.models import generation
+from keras_linattn.recurrences.config import MECHANISM_ARGS_DOC, AttentionConfig
 
 __all__ = ["LinearCausalLM"]
 
@@ -35,6 +37,7 @@ class _FunctionCache:
 
 
 @keras.saving.register_keras_serializable(package="keras_linattn")
+@fill(mechanism_args=MECHANISM_ARGS_DOC)
 class LinearCausalLM(keras.Model):
     """Decoder-only language model of causal linear-attention blocks.
 
@@ -78,10 +81,9 @@ class LinearCausalLM(keras.Model):
         tie_embeddings: use the transposed token embedding as output projection.
         activation: feed-forward activation. Default "gelu".
         layer_norm_epsilon: epsilon of every layer norm.
-        decay, normalize, conv_size, window_size, update: the recall mechanisms of
-            `keras_linattn.layers.LinearAttention`, used by every block
-            (their decode state joins `state_spec`; decoding stays
-            constant-cost per token).
+{mechanism_args}
+            Every block's attention gets them (their decode state joins
+            `state_spec`; decoding stays constant-cost per token).
         **kwargs: `keras.Model` arguments (`name`, `dtype`).
 
     Call arguments:
@@ -116,17 +118,11 @@ class LinearCausalLM(keras.Model):
         tie_embeddings=True,
         activation="gelu",
         layer_norm_epsilon=1e-5,
-        decay=None,
-        normalize=True,
-        conv_size=None,
-        window_size=None,
-        update="add",
         **kwargs,
     ):
+        attention_config = AttentionConfig.pop(kwargs, feature_map=feature_map)
         super().__init__(**kwargs)
-        self.decay, self.normalize, self.conv_size, self.window_size, self.update = _check_mechanisms(
-            decay, normalize, conv_size, window_size, update=update, feature_map=feature_map
-        )
+        self.attention_config = attention_config
         for name, value in (
             ("vocabulary_size", vocabulary_size),
             ("num_layers", num_layers),
@@ -188,11 +184,7 @@ class LinearCausalLM(keras.Model):
                 dropout=dropout,
                 activation=activation,
                 layer_norm_epsilon=layer_norm_epsilon,
-                decay=self.decay,
-                normalize=self.normalize,
-                conv_size=self.conv_size,
-                window_size=self.window_size,
-                update=self.update,
+                **self.attention_config.get_config(),
                 dtype=self.dtype_policy,
                 name=f"decoder_block_{i}",
             )
@@ -533,11 +525,7 @@ class LinearCausalLM(keras.Model):
                 "tie_embeddings": self.tie_embeddings,
                 "activation": self.activation,
                 "layer_norm_epsilon": self.layer_norm_epsilon,
-                "decay": self.decay,
-                "normalize": self.normalize,
-                "conv_size": self.conv_size,
-                "window_size": self.window_size,
-                "update": self.update,
+                **self.attention_config.get_config(),
             }
         )
         return config

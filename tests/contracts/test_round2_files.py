@@ -54,3 +54,22 @@ def test_round2_lm_file_loads_with_the_same_logits_and_tokens(name):
     lm = _load(name)
     assert_close(lm(data["x"]), data["y"], n=256, paths=2, what=name)
     np.testing.assert_array_equal(lm.generate(data["x"][:, :3], max_length=data["tokens"].shape[1]), data["tokens"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LMS)
+def test_round2_lm_file_exports_to_the_same_tokens(tmp_path, name):
+    from keras_linattn import export
+
+    data = np.load(os.path.join(HERE, f"{name}.npz"))
+    lm = _load(name)
+    prompt = data["x"][:, :3]
+    mask = np.ones_like(prompt)
+    max_length = data["tokens"].shape[1]
+    version_dir = export.export_saved_model(lm, str(tmp_path / "sm"))
+    paths = export.export_onnx(lm, str(tmp_path / "lm.onnx"))
+    feeds = {"prompt_ids": prompt, "padding_mask": mask, "max_length": np.int32(max_length)}
+    sm_ids = export.SavedModelRunner(version_dir).run("generate", feeds)["output_ids"]
+    onnx_ids = export.OnnxGenerator(paths["step"], device="cpu").generate(prompt, max_length=max_length)
+    np.testing.assert_array_equal(sm_ids, data["tokens"], err_msg="SavedModel vs round 2")
+    np.testing.assert_array_equal(np.asarray(onnx_ids), data["tokens"], err_msg="ONNX vs round 2")

@@ -1,0 +1,93 @@
+"""The sliding-window hybrid: exact softmax over the last W tokens, linear attention over older ones.
+
+Wraps `keras_linattn.ops.window_attention` (the buffered keys in front of
+the piece), `window_attention_step` (a fixed ring of W keys and values;
+the oldest joins ``(S, z)`` as it leaves) and `window_attention_reference`.
+"""
+
+from keras import ops
+
+from keras_linattn import _state, _validation
+from keras_linattn.ops import core as la_ops
+from keras_linattn.ops import window as window_ops
+from keras_linattn.recurrences.base import Recurrence
+from keras_linattn.recurrences.registry import register
+
+__all__ = ["WindowRecurrence"]
+
+
+@register("window")
+class WindowRecurrence(Recurrence):
+    """Softmax attention over the last `window_size` tokens plus linear attention over every older token.
+
+    One normalizer is shared by the two parts (so the readout is always
+    normalized). The decode state is ``(S, z)`` of the keys older than the
+    window and a fixed buffer of the last W keys and values.
+
+    Args:
+        window_size: W, a positive int (the query's own token included).
+    """
+
+    contract_configs = ({"window_size": 3},)
+
+    def __init__(self, window_size):
+        super().__init__()
+        self.window_size = _validation.check_positive_int("window_size", window_size)
+
+    def get_config(self):
+        return {"window_size": self.window_size}
+
+    def state_spec(self):
+        h, c, m = self.num_heads, self.feature_dim, self.value_dim
+        return [_state.StateSpec("S", (h, c, m), "float32"), _state.StateSpec("z", (h, c), "float32")]
+
+    def buffer_spec(self):
+        w, h, d, m = self.window_size, self.num_heads, self.key_dim, self.value_dim
+        return [
+            _state.StateSpec("window_k", (w, h, d), "float32"),
+            _state.StateSpec("window_v", (w, h, m), "float32"),
+            _state.StateSpec("window_valid", (w,), "float32"),
+        ]
+
+    def call(self, q, k, v, gate_keys, key_mask, state, causal=True, training=None):
+        w = self.window_size
+        if state is None:
+            state = self.zeros_like_spec(self.buffer_spec(), ops.shape(k)[0])
+            s0 = None
+        else:
+            s0 = (state["S"], state["z"])
+        real = ops.ones(ops.shape(k)[:2], "float32") if key_mask is None else ops.cast(key_mask, "float32")
+        k_all = ops.concatenate([ops.cast(state["window_k"], k.dtype), k], axis=1)  # [B, W + S, H, D]
+        v_all = ops.concatenate([ops.cast(state["window_v"], v.dtype), v], axis=1)  # [B, W + S, H, M]
+        ok_all = ops.concatenate([ops.cast(state["window_valid"], "float32"), real], axis=1)  # [B, W + S]
+        qf = self.features(q, True, True, training)  # [B, T, H, C]
+        kf_all = self.features(k_all, False, True, training)  # [B, W + S, H, C]
+        out, (s, z) = window_ops.window_attention(
+            q, qf, k_all, kf_all, v_all, w, ok_all > 0, initial_state=s0, return_state=True,
+            chunk_size=self.layer.chunk_size, eps=self.layer.epsilon,
+        )  # [B, T, H, M]
+        return out, {
+            "S": s,
+            "z": z,
+            "window_k": ops.cast(k_all[:, -w:], "float32"),
+            "window_v": ops.cast(la_ops._mask_keys(v_all, ok_all > 0)[:, -w:], "float32"),
+            "window_valid": ok_all[:, -w:],
+        }
+
+    def step(self, q, k, v, gate_keys, state, training=None):
+        buf_k = state["window_k"]  # [B, W, H, D]
+        # The oldest buffered key leaves the window now: its features join (S, z).
+        qf = self.features(q[:, None], True, True, training)  # [B, 1, H, C]
+        kf_old = self.features(ops.cast(buf_k[:, :1], q.dtype), False, True, training)  # [B, 1, H, C]
+        out, (s, z), (wk, wv, wok) = window_ops.window_attention_step(
+            q, qf[:, 0], k, v, kf_old[:, 0], (buf_k, state["window_v"], state["window_valid"]),
+            (state["S"], state["z"]), eps=self.layer.epsilon,
+        )  # [B, H, M]
+        return out, {"S": s, "z": z, "window_k": wk, "window_v": wv, "window_valid": wok}
+
+    def oracle(self, q, k, v, gate_keys, key_mask, training=None):
+        qf = self.features(q, True, True, training)
+        kf = self.features(k, False, True, training)
+        return window_ops.window_attention_reference(
+            q, qf, k, kf, v, self.window_size, key_mask, eps=self.layer.epsilon
+        )
