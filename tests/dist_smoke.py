@@ -28,7 +28,8 @@ def main():
     wheel_version = os.path.basename(wheels[0]).split("-")[1]
     names = zipfile.ZipFile(wheels[0]).namelist()
     assert "keras_linattn/layers/linear_attention.py" in names, names[:20]
-    assert not [n for n in names if n.startswith(("tests/", "examples/", "benchmarks/"))], "non-package code in the wheel"
+    stray = [n for n in names if n.startswith(("tests/", "examples/", "benchmarks/"))]
+    assert not stray, f"non-package code in the wheel: {stray[:5]}"
 
     assert os.path.realpath(os.getcwd()) != source and not os.path.realpath(os.getcwd()).startswith(source + os.sep)
     import numpy as np
