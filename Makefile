@@ -59,12 +59,12 @@ test-jax: $(STAMP)
 
 # ruff (config: [tool.ruff] in pyproject.toml) over everything that is Python; run by .ci/run before the tests.
 lint: $(STAMP)
-	$(PY) -m ruff check keras_linattn tests examples benchmarks export
+	$(PY) -m ruff check keras_linattn tests examples benchmarks export docs/_hooks
 
 # The reference site: mkdocs + mkdocstrings (mkdocs.yml) from docs/*.md and the docstrings, into site/.
 # --strict: a broken link, a missing page or an unresolved cross-reference fails the build.
 docs: $(STAMP)
-	$(VENV)/bin/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 # An sdist and a wheel into dist/ (python -m build: the wheel is built from the sdist).
 dist: $(STAMP)
