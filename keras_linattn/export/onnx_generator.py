@@ -4,6 +4,7 @@ import os
 
 import numpy as np
 
+from keras_linattn import _validation
 from keras_linattn.export import _specs
 from keras_linattn.export import onnx_export
 from keras_linattn.export.onnx_predictor import OnnxPredictor
@@ -151,8 +152,10 @@ class OnnxGenerator:
                 )
         vocab = self.metadata.get("vocabulary_size")
         prompt, mask, max_length = generation.check_generate_arguments(
-            prompt_ids, max_length, padding_mask, vocab if vocab else np.iinfo(np.int32).max
+            prompt_ids, max_length, padding_mask, vocab if vocab else np.iinfo(np.int32).max,
+            self.metadata.get("max_sequence_length"),
         )
+        seed = _validation.check_seed("seed", seed)
         if seed is None:
             seed = int(np.random.randint(0, 2**31 - 1))
         temperature, top_k, top_p = params

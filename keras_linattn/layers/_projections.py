@@ -245,13 +245,16 @@ class ProjectedAttention(keras.layers.Layer):
         training=None,
         return_state=False,
         initial_state=None,
+        return_attention_scores=False,
     ):
+        _validation.refuse_attention_scores(return_attention_scores)
         key, key_mask = self.resolve_keys(
             value, key, value_mask, key_mask, attention_mask,
             "`key_mask` ([B, S]) for padding (and `use_causal_mask=True` for causal attention, "
             "where the layer supports it)",
         )
         self.check_call_inputs(query, value, key)
+        _validation.check_same_batch((("query", query), ("value", value), ("key", key)))
         t, s = query.shape[1], key.shape[1]  # T, S when static
         if use_causal_mask and t is not None and s is not None and t != s:
             raise ValueError(
