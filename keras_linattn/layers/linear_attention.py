@@ -314,13 +314,16 @@ class LinearAttention(_projections.ProjectedAttention):
             )
 
     # ------------------------------------------------------------------- call
-    def _features(self, q, k, causal, training):
+    def _features(self, q, k, causal, training, key_mask=None):
         """Feature-maps projected heads: ``q [B, T, H, D], k [B, S, H, D]`` -> ``[B, T, H, C], [B, S, H, C]``."""
         if self.feature_map is None:
             qf, kf = q, k  # the identity (update="delta")
         else:
             qf = self.feature_map(q, is_query=True, causal=causal, training=training)  # [B, T, H, C]
-            kf = self.feature_map(k, is_query=False, causal=causal, training=training)  # [B, S, H, C]
+            # Maps with statistics over keys (favor+'s non-causal stabilizer) take the padding mask.
+            params = getattr(self.feature_map, "call_signature_parameters", ())
+            masked = {"key_mask": key_mask} if key_mask is not None and "key_mask" in params else {}
+            kf = self.feature_map(k, is_query=False, causal=causal, training=training, **masked)  # [B, S, H, C]
         if self.update == "delta":
             qf, kf = _l2_normalize(qf), _l2_normalize(kf)
         return qf, kf
@@ -366,7 +369,7 @@ class LinearAttention(_projections.ProjectedAttention):
             out, (s, z), buffers = self._window_attention(query, key, value, key_mask, parts, s0, training)
             new_parts.update(buffers)
         else:
-            qf, kf = self._features(query, key, use_causal_mask, training)  # [B, T, H, C], [B, S, H, C]
+            qf, kf = self._features(query, key, use_causal_mask, training, key_mask)  # [B, T, H, C], [B, S, H, C]
             if self.update == "delta":
                 log_decay = None if self.decay is None else self._log_decay(gate_input)[..., 0]  # [B, S, H]
                 out, s = delta_ops.delta_rule_attention(
