@@ -17,6 +17,7 @@ from keras import ops
 
 from keras_linattn import _validation
 from keras_linattn._docstrings import fill
+from keras_linattn._tracking import CheckpointTracked
 
 # The projection arguments every attention layer takes, documented once.
 PROJECTION_ARGS_DOC = """\
@@ -61,7 +62,7 @@ class _ProjectionDense(keras.layers.EinsumDense):
         return None
 
 
-class ProjectedAttention(keras.layers.Layer):
+class ProjectedAttention(CheckpointTracked, keras.layers.Layer):
     """Base of the attention layers: MultiHeadAttention's arguments, projections and call.
 
     Checks and stores `num_heads`, `key_dim`, `value_dim`, `dropout`,

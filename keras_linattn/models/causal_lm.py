@@ -6,6 +6,7 @@ from keras import ops
 
 from keras_linattn import _validation
 from keras_linattn import samplers as samplers_lib
+from keras_linattn._tracking import CheckpointTracked
 from keras_linattn.layers.linear_attention import _check_mechanisms, _get_map, _serialize_map
 from keras_linattn.layers.transformer_decoder import LinearTransformerDecoder
 from keras_linattn.models import generation
@@ -41,6 +42,34 @@ def _nan_where(bad, logits):
     return ops.where(bad[..., None], float("nan"), logits)
 
 
+def _block_seed(seed, index):
+    """The seed of block `index`'s feature map, derived from the template's `seed`.
+
+    Block 0 keeps `seed` (a one-block model is the template); block ``i > 0``
+    gets a hash of ``(seed, i)`` (NumPy's `SeedSequence`), below 2**30 so
+    that seeds derived from it (per head, per weight) stay in int32. Seeds
+    ``seed + i`` would give block 1 of seed s the matrix of block 0 of seed
+    s + 1.
+    """
+    if seed is None or index == 0:
+        return seed
+    return int(np.random.SeedSequence([int(seed), int(index)]).generate_state(1)[0]) % (2**30)
+
+
+def _block_feature_map(feature_map, index):
+    """Config of block `index`'s copy of the template `feature_map`: a seeded map gets `_block_seed`.
+
+    Without it every block of a seeded LM drew the same random projection
+    (favor+, favor_trig) or the same initial weights (trainable maps), and
+    `RedrawRandomFeatures` redrew them equal.
+    """
+    seed = getattr(feature_map, "seed", None)
+    if feature_map is None or seed is None or index == 0:
+        return _serialize_map(feature_map)
+    config = dict(feature_map.get_config(), seed=_block_seed(seed, index))
+    return _serialize_map(type(feature_map).from_config(config))
+
+
 class _FunctionCache:
     """Holds compiled functions out of Keras' attribute tracking."""
 
@@ -49,7 +78,7 @@ class _FunctionCache:
 
 
 @keras.saving.register_keras_serializable(package="keras_linattn")
-class LinearCausalLM(keras.Model):
+class LinearCausalLM(CheckpointTracked, keras.Model):
     """Decoder-only language model of causal linear-attention blocks.
 
     token embedding (+ optional learned positions) -> `num_layers` x
@@ -83,7 +112,9 @@ class LinearCausalLM(keras.Model):
         num_heads: attention heads per block.
         intermediate_dim: feed-forward width.
         feature_map: feature-map name, config or `FeatureMap` (template; each
-            block owns a copy). Default ``"elu"``.
+            block owns a copy). Default ``"elu"``. A seeded map (``seed=s``)
+            gives block 0 seed s and block i a seed derived from (s, i): each
+            block draws its own projection or weights, reproducibly.
         key_dim: per-head query/key size; defaults to ``hidden_dim // num_heads``.
         chunk_size: chunk length of the causal algorithm. Default 64.
         dropout: dropout rate inside the blocks.
@@ -197,7 +228,7 @@ class LinearCausalLM(keras.Model):
                 num_heads=num_heads,
                 intermediate_dim=intermediate_dim,
                 key_dim=key_dim,
-                feature_map=_serialize_map(self.feature_map),
+                feature_map=_block_feature_map(self.feature_map, i),
                 chunk_size=chunk_size,
                 dropout=dropout,
                 activation=activation,
