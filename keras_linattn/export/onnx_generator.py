@@ -1,6 +1,7 @@
 """OnnxGenerator: autoregressive decoding with the exported ONNX graphs."""
 
 import os
+import threading
 
 import numpy as np
 
@@ -89,6 +90,9 @@ class OnnxGenerator:
             )
         self.generate_path = generate_path
         self._generate_predictor = None
+        # `generate` may be called from several threads: the generate graph's
+        # session is created once, by the first caller, under this lock.
+        self._generate_lock = threading.Lock()
 
     @property
     def provider(self):
@@ -171,7 +175,12 @@ class OnnxGenerator:
         return self._generate_graph().predict(feeds)[_specs.OUTPUT_IDS].astype(np.int32)
 
     def _generate_graph(self):
-        if self._generate_predictor is None:
+        predictor = self._generate_predictor
+        if predictor is not None:
+            return predictor
+        with self._generate_lock:
+            if self._generate_predictor is not None:  # another thread created it while this one waited
+                return self._generate_predictor
             if self.generate_path is None or not os.path.isfile(self.generate_path):
                 raise ValueError(
                     "This export has no ONNX generate graph (exported by an older version, or the file is "
