@@ -22,7 +22,7 @@ demo: $(STAMP)
 # single-threaded Python and tracing, so two workers use both cores of a small
 # machine. -rs lists every skip with its reason.
 TEST_WORKERS ?= 2
-PYTEST := TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile
+PYTEST := TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q -rs --durations=25 -n $(TEST_WORKERS) --dist loadfile
 
 test: $(STAMP)
 	$(PYTEST) tests
