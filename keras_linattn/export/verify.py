@@ -690,7 +690,7 @@ def _verify_decoding(specs, report, runner, onnx_step_path, onnx_generate_path, 
             logits, state = gen.step(tokens[:, t], state)
             got.append(logits)
         step_row("onnx", np.stack(got, axis=1), onnx_fixed)
-        if gen.generate_path is not None:
+        if gen.generate_path is not None and os.path.isfile(gen.generate_path):
             greedy = gen.generate(prompt, max_length=max_length, sampler="greedy")
             sampled = gen.generate(prompt, max_length=max_length, sampler=sampler, seed=seed)
             graph = os.path.basename(gen.generate_path)
