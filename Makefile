@@ -5,12 +5,12 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-slow test-onednn-off test-jax lint bench install clean
+.PHONY: demo test test-fast test-slow test-onednn-off test-jax lint docs dist dist-check bench install clean
 
-$(STAMP): setup.py
+$(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	$(PIP) install -e ".[test,serving,bench,jax]"
+	$(PIP) install -e ".[test,serving,bench,jax,docs]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -22,7 +22,7 @@ demo: $(STAMP)
 # single-threaded Python and tracing, so two workers use both cores of a small
 # machine. -rs lists every skip with its reason.
 TEST_WORKERS ?= 2
-PYTEST := TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile
+PYTEST := TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q -rs --durations=25 -n $(TEST_WORKERS) --dist loadfile
 
 test: $(STAMP)
 	$(PYTEST) tests
@@ -58,12 +58,36 @@ JAX_TESTS := tests/test_feature_maps_fixed.py tests/test_ops.py tests/test_linea
 test-jax: $(STAMP)
 	KERAS_BACKEND=jax $(PYTEST) -rx $(JAX_TESTS)
 
-# ruff (config: ruff.toml) over everything that is Python; run by .ci/run before the tests.
+# ruff (config: [tool.ruff] in pyproject.toml) over everything that is Python; run by .ci/run before the tests.
 lint: $(STAMP)
-	$(PY) -m ruff check keras_linattn tests examples benchmarks export
+	$(PY) -m ruff check keras_linattn tests examples benchmarks export docs/_hooks
+
+# The reference site: mkdocs + mkdocstrings (mkdocs.yml) from docs/*.md and the docstrings, into site/.
+# --strict: a broken link, a missing page or an unresolved cross-reference fails the build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
+# An sdist and a wheel into dist/ (python -m build: the wheel is built from the sdist).
+dist: $(STAMP)
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+
+# The wheel installed into a fresh venv and imported from outside the source tree. The venv
+# reuses .venv's installed dependencies through a .pth line (a plain path: .venv's own .pth
+# files, the editable install among them, are not run), and the wheel goes in with --no-deps;
+# tests/dist_smoke.py checks that keras_linattn comes from that venv, not from this tree.
+DIST_VENV := build/dist-venv
+dist-check: dist
+	rm -rf $(DIST_VENV)
+	$(PYTHON) -m venv $(DIST_VENV)
+	$(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
+		"$$($(DIST_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/_dist_check_deps.pth"
+	$(DIST_VENV)/bin/python -m pip install -q --no-deps dist/*.whl
+	cd "$$(mktemp -d)" && TF_CPP_MIN_LOG_LEVEL=2 $(CURDIR)/$(DIST_VENV)/bin/python $(CURDIR)/tests/dist_smoke.py \
+		--venv $(CURDIR)/$(DIST_VENV) --dist $(CURDIR)/dist --source $(CURDIR)
 
 bench: $(STAMP)
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m benchmarks.bench_attention
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache
+	rm -rf $(VENV) build dist site *.egg-info .pytest_cache

@@ -22,6 +22,12 @@ Common conventions:
 Not here: checks of files, states and saved artifacts (digests, manifests,
 attention states), which are not argument rules and live with the code that
 owns those artifacts.
+
+Inside traced graphs values cannot be checked in Python: `graph_assert` adds
+the rule as a run-time assertion there (TensorFlow graphs: `tf.function`,
+`fit`/`predict`, SavedModel signatures). XLA and tf2onnx drop assertion ops,
+so a caller that can be compiled or converted also defines what its graph
+computes when the rule is broken (docs/decoding.md, "One rule set").
 """
 
 import math
@@ -41,6 +47,9 @@ __all__ = [
     "check_rank",
     "check_rate",
     "check_seed",
+    "check_same_batch",
+    "graph_assert",
+    "refuse_attention_scores",
 ]
 
 
@@ -238,3 +247,64 @@ def check_rank(name, x, rank):
         raise ValueError(
             f"`{name}` must have rank {expected}. Received: {name}.shape={tuple(x.shape)}"
         )
+
+
+def check_same_batch(names_and_tensors):
+    """Checks that tensors of one call have the same (static) batch size.
+
+    `names_and_tensors` is a sequence of ``(name, tensor)``; unknown batch
+    dims are skipped. A batch of 1 is not broadcast against a larger one
+    (as in `keras.layers.MultiHeadAttention`, which raises too).
+
+    Raises:
+        ValueError: "... must have the same batch size. Received: query.shape=..., value.shape=..."
+    """
+    known = [(name, x) for name, x in names_and_tensors if x is not None and len(x.shape) and x.shape[0] is not None]
+    if len({int(x.shape[0]) for _, x in known}) > 1:
+        received = ", ".join(f"{name}.shape={tuple(x.shape)}" for name, x in known)
+        names = ", ".join(f"`{name}`" for name, _ in known)
+        raise ValueError(f"{names} must have the same batch size. Received: {received}")
+
+
+def refuse_attention_scores(value):
+    """`return_attention_scores` of `keras.layers.MultiHeadAttention`: False is accepted.
+
+    Linear attention never forms the T x S score matrix, so True is refused.
+
+    Raises:
+        ValueError: "`return_attention_scores=True` is not supported ... Received: return_attention_scores=True"
+    """
+    if value is False or value is None:
+        return
+    raise ValueError(
+        "`return_attention_scores=True` is not supported: linear attention never forms the T x S "
+        "attention matrix (`keras_linattn.ops.kernel_attention_weights` computes it for inspection). "
+        f"Received: return_attention_scores={value!r}"
+    )
+
+
+def graph_assert(x, condition, message):
+    """`x`, made to depend on a run-time check of `condition` in TensorFlow graphs.
+
+    Eagerly (the caller checks concrete values in Python) and on other
+    backends, `x` is returned unchanged. In a TensorFlow graph, ops that use
+    the returned tensor run after ``tf.debugging.Assert(condition)``, which
+    raises ``InvalidArgumentError`` with `message`. XLA (``jit_compile=True``)
+    and the ONNX conversion drop the assertion.
+
+    Args:
+        x: the tensor the checked computation reads.
+        condition: a scalar boolean tensor, True when the rule holds.
+        message: the error message (name the argument).
+    """
+    import keras
+
+    if keras.backend.backend() != "tensorflow":
+        return x
+    import tensorflow as tf
+
+    if tf.executing_eagerly():
+        return x
+    check = tf.debugging.Assert(condition, [message])
+    with tf.control_dependencies([check]):
+        return tf.identity(x)

@@ -10,7 +10,7 @@ import keras
 from keras_linattn import _atomic
 from keras_linattn._validation import check_bool, check_positive_int
 
-__all__ = ["BackupAndRestore", "RedrawRandomFeatures", "random_feature_layers"]
+__all__ = ["BackupAndRestore", "RedrawRandomFeatures", "batches_per_epoch", "random_feature_layers"]
 
 
 # Set on the model by `BackupAndRestore` while it replays the batches of a
@@ -33,6 +33,35 @@ def random_feature_layers(model):
         if callable(getattr(layer, "redraw", None)):
             found.append(layer)
     return found
+
+
+def batches_per_epoch(steps_per_epoch, steps_per_execution=1):
+    """How many batches one epoch of `fit` draws from the data: ``ceil(S / E) * E``.
+
+    Keras 3 (`keras/src/trainers/epoch_iterator.py`) runs the executions
+    ``range(0, steps_per_epoch, steps_per_execution)`` per epoch and each
+    execution draws `steps_per_execution` batches, so an epoch draws
+    ``ceil(S / E) * E`` batches, not ``steps_per_epoch`` when E does not
+    divide S (``steps_per_epoch=6, steps_per_execution=4``: 8 batches). With
+    ``steps_per_epoch`` set, the next epoch continues the same iterator. A
+    resumed `fit` over one repeating stream must therefore skip
+    ``initial_epoch * batches_per_epoch(S, E)`` batches
+    (`BackupAndRestore.batches_to_skip` computes it from the backup).
+
+    Args:
+        steps_per_epoch: the `steps_per_epoch` given to `fit` (positive int).
+        steps_per_execution: the `steps_per_execution` given to `compile`.
+
+    Returns:
+        int.
+    """
+    steps_per_epoch = check_positive_int("steps_per_epoch", steps_per_epoch)
+    steps_per_execution = check_positive_int("steps_per_execution", steps_per_execution)
+    return -(-steps_per_epoch // steps_per_execution) * steps_per_execution
+
+
+def _steps_per_execution(model):
+    return int(getattr(model, "steps_per_execution", 1) or 1)
 
 
 def _replayed(model, epoch, batch):
@@ -185,8 +214,13 @@ class BackupAndRestore(keras.callbacks.Callback):
     epoch's data a function of the epoch (a ``tf.data`` pipeline that is
     re-created per epoch with a seed derived from the epoch), or, with
     ``steps_per_epoch`` and one repeating stream (shuffled with a fixed
-    seed), skip what the finished epochs used:
-    ``stream.skip(backup.initial_epoch * steps_per_epoch)``. (Keras' ``fit``
+    seed), skip what the finished epochs drew:
+    ``stream.skip(backup.batches_to_skip)``, which is ``initial_epoch *
+    steps_per_epoch`` only when `steps_per_execution` divides
+    `steps_per_epoch` (Keras draws whole executions: see
+    `batches_per_epoch`). A backup cannot be resumed with another
+    `steps_per_epoch` or `steps_per_execution` (ValueError): the resumed run
+    could not follow the uninterrupted one. (Keras' ``fit``
     shuffle of NumPy arrays draws a new permutation per epoch from the
     process' random state, which a new process does not continue: pass
     ``shuffle=False`` or a pipeline.)
@@ -283,6 +317,42 @@ class BackupAndRestore(keras.callbacks.Callback):
         """The epoch a resumed `fit` starts at (0 without a backup)."""
         return self.resume_point()[0]
 
+    @property
+    def batches_to_skip(self):
+        """Batches of one repeating stream that the finished epochs drew: ``stream.skip(backup.batches_to_skip)``.
+
+        ``initial_epoch * batches_per_epoch(steps_per_epoch,
+        steps_per_execution)`` with the values of the run that wrote the
+        backup (0 without a backup). The batches of a partly trained epoch
+        are not counted: the callback draws them itself on resume.
+
+        Raises:
+            ValueError: for a backup written by an older version (it does not
+                record the batches per epoch) or by a `fit` whose number of
+                steps per epoch was unknown (each epoch then runs until its
+                data ends: re-create the data per epoch instead).
+        """
+        meta = self.read_metadata()
+        if meta is None or meta["epoch"] == 0:
+            return 0
+        per_epoch = meta.get("batches_per_epoch")
+        if isinstance(per_epoch, bool) or not isinstance(per_epoch, int) or per_epoch <= 0:
+            raise ValueError(
+                "The backup does not record how many batches an epoch drew (written by an older version, or "
+                "by a `fit` without a known number of steps per epoch): skip "
+                "`initial_epoch * batches_per_epoch(steps_per_epoch, steps_per_execution)` yourself. "
+                f"Received: batches_per_epoch={per_epoch!r} in {self.metadata_path!r}"
+            )
+        return meta["epoch"] * per_epoch
+
+    def _batches_per_epoch(self):
+        """``(batches per epoch or None, steps, steps_per_execution)`` of the running `fit`."""
+        steps = (self.params or {}).get("steps")
+        per_execution = _steps_per_execution(self.model)
+        if not steps:
+            return None, steps, per_execution
+        return batches_per_epoch(steps, per_execution), steps, per_execution
+
     # ------------------------------------------------------------ restore
     def on_train_begin(self, logs=None):
         if not self.model.built:
@@ -295,6 +365,17 @@ class BackupAndRestore(keras.callbacks.Callback):
         meta = self.read_metadata()
         if meta is None:
             return
+        if "batches_per_epoch" in meta:
+            per_epoch, steps, per_execution = self._batches_per_epoch()
+            saved = (meta.get("steps"), meta.get("steps_per_execution"))
+            if (steps, per_execution) != saved:
+                raise ValueError(
+                    "The backup was written by a `fit` with another number of steps per epoch or steps per "
+                    "execution: its positions (data, redraws) do not map onto this run. Resume with "
+                    f"steps_per_epoch={saved[0]} and steps_per_execution={saved[1]}, or delete the backup "
+                    f"directory to start over. Received: steps_per_epoch={steps}, "
+                    f"steps_per_execution={per_execution}, backup {self.metadata_path!r}"
+                )
         weights = os.path.join(self.backup_dir, meta["weights"])
         if "weights_digest" in meta:  # HDF5 keeps no checksum of the data: a flipped byte would load
             _atomic.check_digest(weights, meta["weights_digest"], what="The backup weights file")
@@ -334,12 +415,17 @@ class BackupAndRestore(keras.callbacks.Callback):
             return  # a replayed batch: the state is still the restored one
         if self.save_freq == "epoch":
             return
-        per_execution = int(getattr(self.model, "steps_per_execution", 1) or 1)
+        per_execution = _steps_per_execution(self.model)
         self._since_save += per_execution  # batch hooks run once per execution
         if self._since_save >= self.save_freq:
             self._since_save = 0
             steps = (self.params or {}).get("steps")
-            if steps and batch + per_execution >= steps:
+            # `batch` is the execution's last step (Keras passes `end_step`):
+            # the epoch's last execution ends at or after step `steps - 1`
+            # (``steps_per_epoch=6, steps_per_execution=4``: executions 0-3
+            # and 4-7). Testing ``batch + per_execution >= steps`` took the
+            # first of them for the last and skipped the epoch's other batches.
+            if steps and batch + 1 >= steps:
                 # The epoch's last batch: resume at the next epoch. Recording
                 # (epoch, steps) would make the resumed fit replay a whole epoch
                 # without one training step, and Keras fails reading metrics
@@ -363,6 +449,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     # ------------------------------------------------------------ saving
     def _save(self, epoch, batch):
         os.makedirs(self.backup_dir, exist_ok=True)
+        per_epoch, steps, per_execution = self._batches_per_epoch()
         self._sequence += 1
         name = f"backup-{self._sequence:08d}.weights.h5"
         meta = {
@@ -371,6 +458,9 @@ class BackupAndRestore(keras.callbacks.Callback):
             "batch": int(batch),
             "sequence": self._sequence,
             "weights": name,
+            "steps": steps,
+            "steps_per_execution": per_execution,
+            "batches_per_epoch": per_epoch,
             "seed_generators": [
                 [int(v) for v in keras.ops.convert_to_numpy(g.state).reshape(-1)] for g in _seed_generators(self.model)
             ],
@@ -399,7 +489,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 def _wrap_train_function(model, backup):
     """Makes the next ``backup._skip`` training batches draw their data and train nothing."""
     original = model.train_function
-    per_execution = int(getattr(model, "steps_per_execution", 1) or 1)
+    per_execution = _steps_per_execution(model)
 
     def replay(iterator):
         count = min(per_execution, backup._skip)

@@ -305,15 +305,20 @@ def _cmd_verify(args):
         # Files first: a damaged or half-written export is named before anything runs.
         saved_model_dir = _check_saved_model(args.dir, entry)
         onnx_path, step_path = _check_onnx(args.dir, entry)
+        generate_path = entry.get("onnx", {}).get("generate") if onnx_path else None
+        generate_path = os.path.join(args.dir, generate_path) if generate_path else None
         model = _load_model(os.path.join(args.dir, entry["keras_model"]))
-        _log(f"verifying {name!r}: saved_model={saved_model_dir}, onnx={onnx_path}, step={step_path}")
+        _log(f"verifying {name!r}: saved_model={saved_model_dir}, onnx={onnx_path}, step={step_path}, "
+             f"generate={generate_path}")
         try:
             report = export.verify(
                 model,
                 saved_model_dir=saved_model_dir,
                 onnx_path=onnx_path,
                 onnx_step_path=step_path,
+                onnx_generate_path=generate_path,
                 shapes=args.shapes,
+                decode_steps=args.decode_steps,
                 saved_model_tolerance=args.saved_model_tolerance,
                 onnx_tolerance=args.onnx_tolerance,
                 raise_on_failure=False,
@@ -356,11 +361,15 @@ def build_parser():
     v.add_argument(
         "--shapes",
         type=_parse_shapes,
-        default=[(1, 7), (3, 13), (2, 70)],
-        help="batch x length list (default 1x7,3x13,2x70)",
+        default=None,
+        help="batch x length list (default 1x7,3x13,2x70, lengths clipped to the model's max_sequence_length, "
+        "plus one of that full length)",
     )
-    v.add_argument("--saved-model-tolerance", type=float, default=1e-5)
-    v.add_argument("--onnx-tolerance", type=float, default=1e-4)
+    v.add_argument("--decode-steps", type=int, default=None,
+                   help="tokens compared for step/generate (default: max_sequence_length, else 5)")
+    v.add_argument("--saved-model-tolerance", type=float, default=None,
+                   help="fixed max relative difference (default: the error model, eps * sqrt(n) * conditioning)")
+    v.add_argument("--onnx-tolerance", type=float, default=None, help="likewise for onnxruntime")
     v.add_argument("--device", default="cpu", choices=("cpu", "auto", "gpu"), help="onnxruntime device (default cpu)")
     v.set_defaults(func=_cmd_verify)
     return parser

@@ -171,6 +171,15 @@ class Env:
         return export.SavedModelRunner(self.other_saved_model)
 
     @cached_property
+    def damaged_saved_model(self):
+        """A SavedModel version of `functional` whose variables file was truncated after export."""
+        version_dir = export.export_saved_model(self.functional, self.path("damaged_sm"), warmup=False)
+        data = os.path.join(version_dir, "variables", "variables.data-00000-of-00001")
+        with open(data, "r+b") as f:
+            f.truncate(10)
+        return version_dir
+
+    @cached_property
     def corrupt_keras(self):
         return self._file("corrupt.keras", b"PK\x03\x04 not really a zip")
 
@@ -373,6 +382,12 @@ ROWS = [
     ("LinearAttention.call/value dim differs from build", lambda e: e.attention(o(1, 3, 8), o(1, 3, 5)), V, ["`value` of last dim 8", "value.shape=(1, 3, 5)"]),
     ("EfficientAttention.call/key dim differs from build", lambda e: _built(EfficientAttention(2, 4), (None, None, 8), (None, None, 8))(o(1, 3, 8), o(1, 3, 8), key=o(1, 3, 7)), V, ["`key` of last dim 8", "key.shape=(1, 3, 7)"]),
     ("LinearCausalLM.call_with_state/state batch", lambda e: e.lm.call_with_state(np.zeros((2, 3), "int32"), e.lm.get_initial_state(1)), V, ["state", "(1, 2, 4, 4)"]),
+    ("LinearCausalLM.call_with_state/past max_sequence_length", lambda e: e.lm_positions.call_with_state(np.ones((1, 3), "int32"), e.lm_positions.get_initial_state(1)[:-1] + [np.array([4], "int32")]), V, ["token_ids", "max_sequence_length=6", "state position=4", "token_ids.shape=(1, 3)"]),
+    ("LinearCausalLM.step/past max_sequence_length", lambda e: e.lm_positions.step(np.array([1], "int32"), e.lm_positions.get_initial_state(1)[:-1] + [np.array([6], "int32")]), V, ["token_t", "max_sequence_length=6", "(state[-1])=6"]),
+    ("LinearCausalLM.generate/seed='a'", lambda e: e.lm.generate(np.array([[1]]), max_length=3, sampler="random", seed="a"), V, ["seed='a'"]),
+    ("LinearCausalLM.predict/id out of vocabulary", lambda e: e.lm.predict(np.full((2, 3), 16, "int32"), verbose=0), tf.errors.InvalidArgumentError, ["`token_ids` must be in [0, 16)"]),
+    ("LinearAttention.call/return_attention_scores=True", lambda e: e.attention(o(1, 3, 8), o(1, 3, 8), return_attention_scores=True), V, ["return_attention_scores=True"]),
+    ("LinearAttention.call/value batch 1, query batch 2", lambda e: e.attention(o(2, 3, 8), o(1, 3, 8)), V, ["same batch size", "query.shape=(2, 3, 8)", "value.shape=(1, 3, 8)"]),
     # --- samplers, regularizers, callbacks
     ("samplers.get/unknown", lambda e: samplers.get("nucleus"), V, ["sampler='nucleus'"]),
     ("samplers.get/wrong type", lambda e: samplers.get(3), V, ["sampler=3"]),
@@ -405,6 +420,7 @@ ROWS = [
     ("SavedModelRunner/missing dir", lambda e: export.SavedModelRunner(e.path("no_such_dir")), V, ["export_dir=", "no_such_dir"]),
     ("SavedModelRunner/dir without saved_model.pb", lambda e: export.SavedModelRunner(e.empty_dir), V, ["export_dir=", "empty_dir"]),
     ("SavedModelRunner/corrupt saved_model.pb", lambda e: export.SavedModelRunner(e.corrupt_saved_model), V, ["export_dir=", "corrupt_sm"]),
+    ("SavedModelRunner/damaged variables file", lambda e: export.SavedModelRunner(e.damaged_saved_model), V, ["Read less bytes than requested", "variables/variables.data-00000-of-00001 is truncated", "damaged_sm"]),
     ("SavedModelRunner.run/unknown signature", lambda e: e.runner.run("predict", {"x": o(1, 3)}), V, ["signature_name='predict'"]),
     ("SavedModelRunner.run/missing input", lambda e: e.runner.run("serving_default", {"features": o(1, 3)}), V, ["missing=['x']", "unexpected=['features']"]),
     ("read_description/dir without description", lambda e: export.read_description(e.empty_dir), V, ["export_dir=", "empty_dir"]),
@@ -453,6 +469,14 @@ def test_bad_input_gets_a_clear_error(env, thunk, exc, fragments):
     message = str(info.value)
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} not in: {message}"
+
+
+def test_return_attention_scores_false_is_accepted(env):
+    """`keras.layers.MultiHeadAttention` callers pass it; False changes nothing."""
+    x = np.random.default_rng(0).normal(size=(1, 3, 8)).astype(F)
+    np.testing.assert_array_equal(
+        np.asarray(env.attention(x, x, return_attention_scores=False)), np.asarray(env.attention(x, x))
+    )
 
 
 # ------------------------------------------------------------------- CLI

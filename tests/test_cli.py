@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -49,8 +50,10 @@ def test_export_then_verify_encoder(tmp_path, encoder_file, capsys, rng):
 
     assert cli.main(["verify", str(out), "--shapes", "1x5,2x9"]) == 0
     text = capsys.readouterr().out
-    assert "4/4 checks passed" in text
-    assert "saved_model  serving_default:head  2x9" in text
+    assert "6/6 checks passed" in text  # stored weights (SavedModel, ONNX), then 2 shapes x 2 backends
+    print(text)
+    assert re.search(r"saved_model +serving_default:head +2x9 ", text)
+    assert re.search(r"saved_model +variables:weights ", text)
 
     # a second export of the same name adds version 2
     assert cli.main(["export", path, "--out", str(out), "--format", "saved_model"]) == 0
@@ -68,6 +71,7 @@ def test_export_lm_saved_model_and_verify(tmp_path, capsys):
     assert cli.main(["verify", str(out), "--name", "lm", "--shapes", "2x6"]) == 0
     text = capsys.readouterr().out
     assert "step:logits" in text and "generate:output_ids" in text and "checks passed" in text
+    assert "generate_sampled:output_ids" in text
 
 
 def test_verify_fails_on_a_mismatch(tmp_path, encoder_file, capsys):
@@ -79,7 +83,7 @@ def test_verify_fails_on_a_mismatch(tmp_path, encoder_file, capsys):
     capsys.readouterr()
     assert cli.main(["verify", str(out), "--shapes", "2x9"]) == 1
     text = capsys.readouterr().out
-    assert "FAIL" in text and "0/1 checks passed" in text
+    assert "FAIL" in text and "0/2 checks passed" in text  # its weights, and its outputs
 
 
 def test_cli_errors(tmp_path, capsys):

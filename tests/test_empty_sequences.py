@@ -86,3 +86,37 @@ def test_cross_attention_over_no_keys_returns_the_output_bias(make):
     assert np.isfinite(out).all()
     # The attention output is exactly 0, so the output projection gives exactly its bias.
     np.testing.assert_array_equal(out, np.broadcast_to(bias, out.shape))
+
+
+MECHANISMS = {
+    "delta": dict(update="delta", normalize=False),
+    "gated delta": dict(update="delta", normalize=False, decay="scalar"),
+    "window": dict(window_size=2),
+}
+
+
+@pytest.mark.parametrize("kwargs", list(MECHANISMS.values()), ids=list(MECHANISMS))
+def test_an_empty_piece_hands_every_mechanisms_state_on(kwargs):
+    """Length 0 with the delta rule or a window: an empty output and the state unchanged (issue 28)."""
+    x = np.random.default_rng(4).normal(size=(B, 5, 8)).astype("float32")
+    layer = LinearAttention(2, 4, chunk_size=4, **kwargs)
+    _, state = layer(x[:, :3], x[:, :3], use_causal_mask=True, return_state=True)
+    empty, after = layer(x[:, :0], x[:, :0], use_causal_mask=True, return_state=True, initial_state=state)
+    assert tuple(empty.shape) == (B, 0, 8)
+    assert len(after) == len(state)
+    for s, a in zip(state, after):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(s))
+    fresh, _ = layer(x[:, :0], x[:, :0], use_causal_mask=True, return_state=True)  # no initial state
+    assert tuple(fresh.shape) == (B, 0, 8)
+
+
+@pytest.mark.parametrize("kwargs", list(MECHANISMS.values()), ids=list(MECHANISMS))
+def test_an_empty_batch_gives_an_empty_output(kwargs):
+    """Batch 0 (e.g. with a window) gives ``[0, T, dim]``, parallel and step by step (issue 28)."""
+    layer = LinearAttention(2, 4, chunk_size=4, **kwargs)
+    x = np.zeros((0, 3, 8), "float32")
+    out, state = layer(x, x, use_causal_mask=True, return_state=True)
+    assert tuple(out.shape) == (0, 3, 8)
+    assert all(s.shape[0] == 0 for s in state)
+    y_t, _ = layer.step(x[:, 0], x[:, 0], layer.get_initial_state(0))
+    assert tuple(y_t.shape) == (0, 8)

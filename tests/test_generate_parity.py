@@ -113,7 +113,7 @@ def test_max_length_and_prompt_rules_agree(exported):
         lm.generate(prompt, max_length=4)
     with pytest.raises(ValueError, match="max_length"):
         generator.generate(prompt, max_length=4)
-    with pytest.raises(Exception, match="max_length must be >= the prompt length"):
+    with pytest.raises(Exception, match="`max_length` must be >= the prompt length"):
         _saved_model_tokens(runner, prompt, mask, 4, samplers.get("greedy"), 0)
     # Right padding is refused by both Python front ends.
     bad = np.ones_like(mask)

@@ -64,7 +64,10 @@ def _grads(fn, inputs, w):
 @pytest.mark.parametrize("normalize", [True, False])
 @pytest.mark.parametrize("width", [1, C], ids=["scalar", "channel"])
 @pytest.mark.parametrize("chunk_size", [1, 16, 64])
-@pytest.mark.parametrize("t", [1, 7, 65, 130])
+# T=130 repeats T=65's code path (several chunks and a part at every chunk
+# size, 65 = 64 + 1 = 4 * 16 + 1) at twice the cost: `make test-slow` runs it;
+# its fast twin is the T=65 case with the same chunk size, width and normalize.
+@pytest.mark.parametrize("t", [1, 7, 65, pytest.param(130, marks=pytest.mark.slow)])
 def test_gated_matches_oracle_outputs_and_gradients(rng, t, chunk_size, width, normalize):
     q, k, v = _features(rng, t)
     g = _log_decay(rng, t, width)
@@ -352,7 +355,10 @@ def _delta_inputs(rng, t):
 
 @pytest.mark.parametrize("gated", [False, True], ids=["delta", "gated_delta"])
 @pytest.mark.parametrize("chunk_size", [1, 8, 64])
-@pytest.mark.parametrize("t", [1, 7, 33, 70])
+# T=70 repeats T=33's code path (a full chunk of DELTA_CHUNK=32 and a part)
+# with one more chunk: `make test-slow` runs it; its fast twin is the T=33 case
+# with the same chunk size and gating (test_delta_solvers_* also runs T=70).
+@pytest.mark.parametrize("t", [1, 7, 33, pytest.param(70, marks=pytest.mark.slow)])
 def test_delta_matches_oracle_outputs_and_gradients(rng, t, chunk_size, gated):
     q, k, v, beta = _delta_inputs(rng, t)
     g = (-np.abs(rng.normal(size=(B, t, H))) * 0.5).astype("float32") if gated else None

@@ -9,6 +9,9 @@ back into numpy arrays.
     python rest_client.py --model encoder --input features=x.npy
     # causal LM: greedy generation through the `generate` signature
     python rest_client.py --model lm --signature generate --prompt 1,2,3 --max-length 32
+    # causal LM: sampling through `generate_sampled` (seeded: same seed, same tokens)
+    python rest_client.py --model lm --signature generate_sampled --prompt 1,2,3 --max-length 32 \
+        --temperature 0.8 --top-k 20 --top-p 0.95 --seed 7
     # print the JSON body instead of sending it
     python rest_client.py --model lm --prompt 1,2,3 --dry-run
 """
@@ -110,6 +113,11 @@ def main(argv=None):
     parser.add_argument("--input", action="append", help="NAME=FILE.npy (repeatable)")
     parser.add_argument("--prompt", default=None, help="comma-separated token ids (causal LMs)")
     parser.add_argument("--max-length", type=int, default=32)
+    sampling = parser.add_argument_group("generate_sampled")
+    sampling.add_argument("--temperature", type=float, default=1.0, help="0: greedy (default 1)")
+    sampling.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0: all (default)")
+    sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus mass; 1: all (default)")
+    sampling.add_argument("--seed", type=int, default=0, help="int64 seed of the draws (default 0)")
     parser.add_argument("--dry-run", action="store_true", help="print the request body and exit")
     args = parser.parse_args(argv)
 
@@ -119,6 +127,11 @@ def main(argv=None):
         if signature.startswith("generate"):
             inputs["padding_mask"] = np.ones_like(inputs["prompt_ids"])
             inputs["max_length"] = np.int32(args.max_length)
+            if signature == "generate_sampled":
+                inputs["temperature"] = np.float32(args.temperature)
+                inputs["top_k"] = np.int32(args.top_k)
+                inputs["top_p"] = np.float32(args.top_p)
+                inputs["seed"] = np.int64(args.seed)
         else:
             inputs = {"token_ids": inputs["prompt_ids"]}
         request_format = args.request_format or "inputs"

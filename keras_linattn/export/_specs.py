@@ -224,35 +224,42 @@ class ModelSpecs:
         `samplers.sample` (``temperature``, ``top_k`` (0: all),
         ``top_p`` (1: all)) and the stateless seed ``[seed, t]`` for token
         t, so it gives Keras' tokens for the sampler with those settings and
-        the same seed. `check_lengths` adds a run-time assertion that
-        ``max_length >= prompt length`` (SavedModel; ONNX has no assertion
-        op and `OnnxGenerator` checks in Python instead).
+        the same seed.
+
+        A request is checked against the rules of
+        `generation.check_generate_arguments` (`request_rules`). With
+        `check_lengths` (the SavedModel) each broken rule is a run-time
+        assertion naming the argument (``InvalidArgumentError``). A graph
+        without assertions (ONNX) returns ``output_ids [B, max(max_length,
+        0)]`` filled with -1 instead: no token id is negative.
         """
         from keras_linattn import samplers
         from keras_linattn.models import generation
 
         model = self.model
+        limit = getattr(model, "max_sequence_length", None)
+        vocabulary_size = self.vocabulary_size
 
         def generate(prompt_ids, padding_mask, max_length, sampler, seed):
+            rules = request_rules(prompt_ids, padding_mask, max_length, vocabulary_size, limit)
             checks = []
             if check_lengths:
-                checks.append(
-                    tf.debugging.assert_greater_equal(
-                        max_length,
-                        tf.shape(prompt_ids)[1],
-                        message="max_length must be >= the prompt length",
-                    )
-                )
-                limit = getattr(model, "max_sequence_length", None)
-                if limit is not None:
-                    checks.append(
-                        tf.debugging.assert_less_equal(
-                            max_length, limit, message=f"max_length must be <= max_sequence_length={limit}"
-                        )
-                    )
+                checks = [tf.debugging.Assert(ok, [message]) for ok, message in rules]
             with tf.control_dependencies(checks):
+                ok = tf.reduce_all(tf.stack([ok for ok, _ in rules]))
+                length = tf.shape(prompt_ids)[1]
+                # A broken request still runs, on safe inputs and without decoding (the loop
+                # ends at the prompt), so that a graph without assertions gets to the -1 output.
+                pad = [[0, 0], [tf.maximum(1 - length, 0), 0]]  # an empty prompt gets one token
+                ids = tf.pad(tf.where(ok, prompt_ids, tf.zeros_like(prompt_ids)), pad)  # [B, P']
+                real = tf.logical_or(tf.logical_not(ok), _prompt_shaped_mask(prompt_ids, padding_mask))
+                mask = tf.pad(tf.cast(real, tf.int32), pad, constant_values=1)  # [B, P']
+                run_length = tf.where(ok, max_length, tf.shape(ids)[1])
                 seed_pair = tf.stack([tf.cast(tf.math.floormod(seed, 2**31 - 1), tf.int32), 0])  # [2]
-                out = generation.generate_tokens(model, sampler, prompt_ids, padding_mask, max_length, seed_pair)
+                out = generation.generate_tokens(model, sampler, ids, mask, run_length, seed_pair)
+                width = tf.maximum(max_length, 0)
+                out = tf.pad(out, [[0, 0], [0, tf.maximum(width - tf.shape(out)[1], 0)]])[:, :width]
+                out = tf.where(ok, out, -tf.ones_like(out))  # [B, max(max_length, 0)]
             return {OUTPUT_IDS: tf.identity(out)}
 
         if sampled:
@@ -295,6 +302,7 @@ class ModelSpecs:
         desc = {
             "causal_lm": self.causal_lm,
             "vocabulary_size": self.vocabulary_size,
+            "max_sequence_length": getattr(self.model, "max_sequence_length", None) if self.causal_lm else None,
             "inputs": [spec(s) for s in self.input_specs],
             "outputs": list(self.output_names or []),
         }
@@ -307,6 +315,50 @@ class ModelSpecs:
             if any(np.any(s != 0) for s in initial):
                 desc["initial_state"] = [s.tolist() for s in initial]
         return desc
+
+
+def _same_shape(prompt_ids, padding_mask):
+    prompt_shape, mask_shape = tf.shape(prompt_ids), tf.shape(padding_mask)
+    return tf.logical_and(tf.equal(mask_shape[0], prompt_shape[0]), tf.equal(mask_shape[1], prompt_shape[1]))
+
+
+def _prompt_shaped_mask(prompt_ids, padding_mask):
+    """``padding_mask != 0`` as bool, or all True where its shape is not the prompt's."""
+    return tf.cond(
+        _same_shape(prompt_ids, padding_mask),
+        lambda: tf.not_equal(padding_mask, 0),
+        lambda: tf.ones_like(prompt_ids, tf.bool),
+    )
+
+
+def request_rules(prompt_ids, padding_mask, max_length, vocabulary_size=None, max_sequence_length=None):
+    """The rules of a generate request as graph conditions: a list of ``(ok, message)``.
+
+    The same rules as `generation.check_generate_arguments` (which checks
+    them in NumPy for Keras and `OnnxGenerator`), each a scalar bool tensor
+    with the message of its run-time assertion, naming the argument.
+    """
+    batch, length = tf.shape(prompt_ids)[0], tf.shape(prompt_ids)[1]
+    same_shape = _same_shape(prompt_ids, padding_mask)
+    real = _prompt_shaped_mask(prompt_ids, padding_mask)
+    left_padded = tf.reduce_all(tf.logical_or(real[:, 1:], tf.logical_not(real[:, :-1])))
+    rules = [
+        (tf.logical_and(batch > 0, length > 0), "`prompt_ids` must be a non-empty [batch, length] array (length >= 1)"),
+        (same_shape, "`padding_mask` must have the shape of `prompt_ids`"),
+        (
+            tf.logical_and(left_padded, tf.reduce_all(tf.reduce_any(real, axis=1))),
+            "`padding_mask` rows must be left-padded (zeros then ones) with at least one real token",
+        ),
+        (max_length >= length, "`max_length` must be >= the prompt length"),
+    ]
+    if max_sequence_length is not None:
+        rules.append(
+            (max_length <= max_sequence_length, f"`max_length` must be <= max_sequence_length={max_sequence_length}")
+        )
+    if vocabulary_size is not None:
+        in_range = tf.logical_and(tf.reduce_all(prompt_ids >= 0), tf.reduce_all(prompt_ids < vocabulary_size))
+        rules.append((in_range, f"`prompt_ids` must be in [0, {vocabulary_size})"))
+    return rules
 
 
 def example_inputs(specs_desc, batch_size, length, vocabulary_size=None, seed=0):

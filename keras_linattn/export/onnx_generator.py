@@ -1,9 +1,11 @@
 """OnnxGenerator: autoregressive decoding with the exported ONNX graphs."""
 
 import os
+import threading
 
 import numpy as np
 
+from keras_linattn import _validation
 from keras_linattn.export import _specs
 from keras_linattn.export import onnx_export
 from keras_linattn.export.onnx_predictor import OnnxPredictor
@@ -88,6 +90,9 @@ class OnnxGenerator:
             )
         self.generate_path = generate_path
         self._generate_predictor = None
+        # `generate` may be called from several threads: the generate graph's
+        # session is created once, by the first caller, under this lock.
+        self._generate_lock = threading.Lock()
 
     @property
     def provider(self):
@@ -151,8 +156,10 @@ class OnnxGenerator:
                 )
         vocab = self.metadata.get("vocabulary_size")
         prompt, mask, max_length = generation.check_generate_arguments(
-            prompt_ids, max_length, padding_mask, vocab if vocab else np.iinfo(np.int32).max
+            prompt_ids, max_length, padding_mask, vocab if vocab else np.iinfo(np.int32).max,
+            self.metadata.get("max_sequence_length"),
         )
+        seed = _validation.check_seed("seed", seed)
         if seed is None:
             seed = int(np.random.randint(0, 2**31 - 1))
         temperature, top_k, top_p = params
@@ -168,7 +175,12 @@ class OnnxGenerator:
         return self._generate_graph().predict(feeds)[_specs.OUTPUT_IDS].astype(np.int32)
 
     def _generate_graph(self):
-        if self._generate_predictor is None:
+        predictor = self._generate_predictor
+        if predictor is not None:
+            return predictor
+        with self._generate_lock:
+            if self._generate_predictor is not None:  # another thread created it while this one waited
+                return self._generate_predictor
             if self.generate_path is None or not os.path.isfile(self.generate_path):
                 raise ValueError(
                     "This export has no ONNX generate graph (exported by an older version, or the file is "

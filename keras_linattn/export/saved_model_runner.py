@@ -54,12 +54,11 @@ class SavedModelRunner:
             with self._graph.as_default(), deprecation.silence():
                 meta = tf.compat.v1.saved_model.loader.load(self._session, self.tags, export_dir)
         except (OSError, RuntimeError, ValueError, tf.errors.OpError) as e:
-            # Missing dir / saved_model.pb, corrupt protobuf, unknown tags.
+            # Missing dir / saved_model.pb, corrupt protobuf, damaged variables, unknown tags.
             self._session.close()
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ValueError(
                 "`export_dir` is not a loadable SavedModel version directory "
-                f"({reason}). Received: export_dir={export_dir!r}, tags={self.tags}"
+                f"({_load_failure(export_dir, e)}). Received: export_dir={export_dir!r}, tags={self.tags}"
             ) from e
         self.signature_defs = {
             k: v for k, v in meta.signature_def.items() if not k.startswith("__")
@@ -112,3 +111,23 @@ class SavedModelRunner:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _load_failure(export_dir, error):
+    """Why a SavedModel did not load: the error's first informative line, and the damaged file.
+
+    The TF loader reports damaged variables as "Graph execution error:" with
+    the reason on a later line and no file name; the digests recorded at
+    export (`check_integrity`) name the file.
+    """
+    from keras_linattn.export import saved_model
+
+    message = getattr(error, "message", None) or str(error)
+    lines = [line.strip() for line in message.splitlines()]
+    lines = [line for line in lines if line and line != "Graph execution error:" and not line.startswith("[[")]
+    reason = lines[0] if lines else type(error).__name__
+    try:
+        saved_model.check_integrity(export_dir)
+    except ValueError as damaged:
+        return f"{reason}; {damaged}"
+    return reason

@@ -44,6 +44,9 @@ def _predict_request(model_name, signature_name, inputs):
 def _warmup_inputs(specs, batch_size=1, length=16, include_generate=True):
     """(signature name, named numpy inputs) pairs used for warmup."""
     desc = specs.describe()
+    # Requests within the model's own limit (the signatures refuse longer ones).
+    limit = desc.get("max_sequence_length") or length
+    length = min(length, limit)
     requests = [
         (
             _specs.SERVING_DEFAULT,
@@ -56,12 +59,12 @@ def _warmup_inputs(specs, batch_size=1, length=16, include_generate=True):
             step_inputs[_specs.state_name(i)] = s
         requests.append((_specs.STEP, step_inputs))
         if include_generate:
-            prompt = np.zeros((batch_size, 2), np.int32)
+            prompt = np.zeros((batch_size, min(2, limit)), np.int32)
             mask = np.ones_like(prompt)
             requests.append(
                 (
                     _specs.GENERATE,
-                    {_specs.PROMPT_IDS: prompt, _specs.PADDING_MASK: mask, _specs.MAX_LENGTH: np.int32(4)},
+                    {_specs.PROMPT_IDS: prompt, _specs.PADDING_MASK: mask, _specs.MAX_LENGTH: np.int32(min(4, limit))},
                 )
             )
             requests.append(
@@ -70,7 +73,7 @@ def _warmup_inputs(specs, batch_size=1, length=16, include_generate=True):
                     {
                         _specs.PROMPT_IDS: prompt,
                         _specs.PADDING_MASK: mask,
-                        _specs.MAX_LENGTH: np.int32(4),
+                        _specs.MAX_LENGTH: np.int32(min(4, limit)),
                         _specs.TEMPERATURE: np.float32(1.0),
                         _specs.TOP_K: np.int32(0),
                         _specs.TOP_P: np.float32(1.0),

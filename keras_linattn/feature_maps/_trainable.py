@@ -122,6 +122,10 @@ class TrainableFeatureMap(FeatureMap):
         self.share_qk = check_bool("share_qk", share_qk)
         self.seed = check_seed("seed", seed)
 
+    # Maps whose `apply_branch` takes `is_query` and lifts underflowing queries
+    # (`keras_linattn.feature_maps._stable`).
+    lifts_queries = False
+
     def default_feature_dim(self, input_dim):
         """``C`` when no `feature_dim` argument is given: ``D``."""
         return input_dim
@@ -164,6 +168,8 @@ class TrainableFeatureMap(FeatureMap):
             branch = "qk"
         else:
             branch = "query" if is_query else "key"
+        if self.lifts_queries:
+            return self.apply_branch(inputs, self._branches[branch], is_query=is_query)
         return self.apply_branch(inputs, self._branches[branch])
 
     def get_config(self):

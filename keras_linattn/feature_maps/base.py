@@ -2,12 +2,13 @@
 
 import keras
 
+from keras_linattn._tracking import CheckpointTracked
 from keras_linattn._validation import check_rank
 
 __all__ = ["FeatureMap"]
 
 
-class FeatureMap(keras.layers.Layer):
+class FeatureMap(CheckpointTracked, keras.layers.Layer):
     """A feature map for kernelized attention, ``sim(q, k) = phi(q) . phi(k)``.
 
     Subclasses implement `feature_dim(input_dim)` and

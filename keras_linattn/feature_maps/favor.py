@@ -7,6 +7,9 @@ from keras import ops
 from keras_linattn.feature_maps.random_features import _KEY_EXPONENT_CAP, RandomFeatureMap
 from keras_linattn.feature_maps.registry import register
 
+# Stands for "no key" in the max over real keys.
+_NO_KEY = -3.0e38
+
 __all__ = ["FavorPlusFeatureMap"]
 
 
@@ -29,8 +32,10 @@ class FavorPlusFeatureMap(RandomFeatureMap):
 
     - queries: the per-token max of the exponent over the m features (a
       per-query factor, cancels between numerator and denominator);
-    - keys, non-causal: the max over all keys and features of each
-      (batch, head) — one constant for every key of a row, cancels;
+    - keys, non-causal: the max over all real keys and features of each
+      (batch, head) — one constant for every key of a row, cancels. Padded
+      keys are left out of the max when the layer passes their ``key_mask``
+      (`LinearAttention` does); their features are masked after the map;
     - keys, causal: none. A max over time cancels in exact arithmetic, but
       its value depends on later tokens, and so do the rounding and the
       underflow of earlier keys' features: earlier outputs would change when
@@ -62,6 +67,8 @@ class FavorPlusFeatureMap(RandomFeatureMap):
         inputs: ``[B, T, H, D]`` projected queries or keys.
         is_query: selects the stabilizer (see above).
         causal: selects the key stabilizer (see above).
+        key_mask: optional ``[B, T]``, 1 for real keys: padded keys are left out
+            of the non-causal key stabilizer.
 
     Returns:
         ``[B, T, H, m]`` positive float32 features.
@@ -79,7 +86,7 @@ class FavorPlusFeatureMap(RandomFeatureMap):
     def feature_dim(self, input_dim):
         return self.num_features
 
-    def call(self, inputs, is_query=True, causal=False):
+    def call(self, inputs, is_query=True, causal=False, key_mask=None):
         x, proj = self._project(inputs)  # [B, T, H, D], [B, T, H, m]
         half_sq_norm = 0.5 * ops.sum(ops.square(x), axis=-1, keepdims=True)  # [B, T, H, 1]
         exponent = proj - half_sq_norm  # [B, T, H, m]
@@ -87,7 +94,15 @@ class FavorPlusFeatureMap(RandomFeatureMap):
             stab = ops.max(exponent, axis=-1, keepdims=True)  # [B, T, H, 1]
             exponent = exponent - ops.stop_gradient(stab)
         elif not causal:
-            stab = ops.max(exponent, axis=(1, 3), keepdims=True)  # [B, 1, H, 1]
+            if key_mask is None:
+                stab = ops.max(exponent, axis=(1, 3), keepdims=True)  # [B, 1, H, 1]
+            else:
+                # The max over REAL keys: a padded (zeroed) key has exponent 0, which at
+                # large scales exceeds every real key's and would underflow them all.
+                real = ops.cast(key_mask, "bool")[:, :, None, None]  # [B, S, 1, 1]
+                stab = ops.max(ops.where(real, exponent, ops.full_like(exponent, _NO_KEY)), axis=(1, 3), keepdims=True)
+                stab = ops.where(stab > _NO_KEY, stab, ops.zeros_like(stab))  # [B, 1, H, 1]; 0 with no real key
+                exponent = ops.where(real, exponent, ops.broadcast_to(stab, ops.shape(exponent)))  # padded: exp(0)
             exponent = exponent - ops.stop_gradient(stab)
         else:
             exponent = ops.minimum(exponent, _KEY_EXPONENT_CAP)  # [B, T, H, m]

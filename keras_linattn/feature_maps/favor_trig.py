@@ -22,9 +22,10 @@ class FavorTrigFeatureMap(RandomFeatureMap):
     This map is NOT positive: single features and whole estimates
     ``phi(q).phi(k)`` can be negative, so attention weights can be negative
     and the denominator ``phi(q).z`` can be near zero or negative, where the
-    output is unstable (the denominator is floored at
-    ``epsilon * sum|phi(q)|`` by `keras_linattn.ops.linear_attention`, which
-    prevents division by zero but not a wrong answer). Its variance is
+    output is unstable (`keras_linattn.ops.linear_attention` divides by the
+    signed denominator and replaces it only where it cancels below
+    ``epsilon * |phi(q)|.|z|``, which prevents division by zero but not an
+    ill-conditioned answer). Its variance is
     largest exactly where softmax weights are small. This is why FAVOR+
     (`"favor+"`) exists; keep this map for comparisons. ``C = 2m``.
 
@@ -32,8 +33,10 @@ class FavorTrigFeatureMap(RandomFeatureMap):
     query and cancels in the normalization, so it is left out. For keys,
     non-causal: ``exp(|k'|^2/2 - max_j |k_j'|^2/2)`` (one constant per
     (batch, head), cancels); causal: ``exp(min(|k'|^2/2, 50))`` (no max over
-    time, which would leak the future; the cap only changes keys that would
-    overflow float32).
+    time, which would leak the future). The cap keeps float32 from
+    overflowing, and it changes the kernel of every key with
+    ``|k'|^2/2 > 50``: causal outputs are wrong from inputs of ~x10 at D=4
+    (docs/hardening.md, the log-space sweep).
 
     Args:
         num_features: m, the number of random frequencies (``C = 2m``).

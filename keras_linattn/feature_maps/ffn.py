@@ -4,7 +4,7 @@ import keras
 from keras import ops
 
 from keras_linattn._validation import check_non_negative_float
-from keras_linattn.feature_maps import _trainable
+from keras_linattn.feature_maps import _stable, _trainable
 from keras_linattn.feature_maps.registry import register
 
 __all__ = ["FFNFeatureMap"]
@@ -21,7 +21,9 @@ class FFNFeatureMap(_trainable.StackedFeatureMap):
     and a softplus output layer, so features are positive. Each head has its
     own matrices (weights ``[H, D, C]`` then ``[H, C, C]``, float32, no
     biases). Parameters: ``H * (D*C + (k-1)*C^2)``, twice that with
-    ``share_qk=False``.
+    ``share_qk=False``. A query whose features would all underflow is scaled
+    up by a positive factor (`keras_linattn.feature_maps._stable`), which
+    cancels in the attention ratio.
 
     Args:
         kernel_initializer: initializer of every ``W_i``, applied head by
@@ -70,12 +72,19 @@ class FFNFeatureMap(_trainable.StackedFeatureMap):
             for i, (n_in, n_out) in enumerate(dims)
         ]
 
-    def apply_branch(self, inputs, weights):
+    lifts_queries = True
+
+    def apply_branch(self, inputs, weights, is_query=False):
         act = _trainable.HIDDEN_ACTIVATIONS[self.hidden_activation]
         x = inputs  # [B, T, H, D]
         for w in weights[:-1]:
             x = act(_trainable.headwise_matmul(x, w))  # [B, T, H, C]
-        return ops.softplus(_trainable.headwise_matmul(x, weights[-1]))  # [B, T, H, C]
+        y = _trainable.headwise_matmul(x, weights[-1])  # [B, T, H, C]
+        features = ops.softplus(y)  # [B, T, H, C]
+        if is_query:
+            # softplus(y) underflows for very negative y: lift the query (a factor that cancels).
+            features = _stable.lift_query(features, _stable.log_softplus(y))
+        return features
 
     def get_config(self):
         return {

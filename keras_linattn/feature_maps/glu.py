@@ -4,7 +4,7 @@ import keras
 from keras import ops
 
 from keras_linattn._validation import check_non_negative_float
-from keras_linattn.feature_maps import _trainable
+from keras_linattn.feature_maps import _stable, _trainable
 from keras_linattn.feature_maps.registry import register
 
 __all__ = ["GLUFeatureMap"]
@@ -17,7 +17,9 @@ class _GLUStack(_trainable.StackedFeatureMap):
     ``u_i = act(u_{i-1} W_f^i) * sigmoid(u_{i-1} W_g^i)``; the last unit
     uses softplus for ``act``, so features are positive. The filter
     ``W_f^i`` and gate ``W_g^i`` are ``[H, D, C]`` for the first unit and
-    ``[H, C, C]`` after it. A subclass whose `gate_rank(width)` returns an
+    ``[H, C, C]`` after it. A query whose features would all underflow is
+    scaled up by a positive factor (`keras_linattn.feature_maps._stable`),
+    which cancels in the attention ratio. A subclass whose `gate_rank(width)` returns an
     integer ``r`` gets a low-rank gate ``W_g = A B`` with ``A [H, in, r]``
     and ``B [H, r, C]``, applied as ``(u A) B``.
 
@@ -76,13 +78,20 @@ class _GLUStack(_trainable.StackedFeatureMap):
         low = _trainable.headwise_matmul(x, unit["gate_a"])  # [B, T, H, r]
         return _trainable.headwise_matmul(low, unit["gate_b"])  # [B, T, H, C]
 
-    def apply_branch(self, inputs, units):
+    lifts_queries = True
+
+    def apply_branch(self, inputs, units, is_query=False):
         hidden = _trainable.HIDDEN_ACTIVATIONS[self.hidden_activation]
         x = inputs  # [B, T, H, D]
         for i, unit in enumerate(units):
-            act = ops.softplus if i == len(units) - 1 else hidden
-            filt = act(_trainable.headwise_matmul(x, unit["filter"]))  # [B, T, H, C]
-            x = filt * ops.sigmoid(self._gate_logits(x, unit))  # [B, T, H, C]
+            last = i == len(units) - 1
+            act = ops.softplus if last else hidden
+            f = _trainable.headwise_matmul(x, unit["filter"])  # [B, T, H, C]
+            g = self._gate_logits(x, unit)  # [B, T, H, C]
+            x = act(f) * ops.sigmoid(g)  # [B, T, H, C]
+            if last and is_query:
+                # softplus(f) * sigmoid(g) underflows for very negative f or g: lift the query.
+                x = _stable.lift_query(x, _stable.log_softplus(f) + ops.log_sigmoid(g))  # [B, T, H, C]
         return x
 
 

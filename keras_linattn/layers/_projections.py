@@ -17,6 +17,7 @@ from keras import ops
 
 from keras_linattn import _validation
 from keras_linattn._docstrings import fill
+from keras_linattn._tracking import CheckpointTracked
 
 # The projection arguments every attention layer takes, documented once.
 PROJECTION_ARGS_DOC = """\
@@ -61,7 +62,7 @@ class _ProjectionDense(keras.layers.EinsumDense):
         return None
 
 
-class ProjectedAttention(keras.layers.Layer):
+class ProjectedAttention(CheckpointTracked, keras.layers.Layer):
     """Base of the attention layers: MultiHeadAttention's arguments, projections and call.
 
     Checks and stores `num_heads`, `key_dim`, `value_dim`, `dropout`,
@@ -245,13 +246,16 @@ class ProjectedAttention(keras.layers.Layer):
         training=None,
         return_state=False,
         initial_state=None,
+        return_attention_scores=False,
     ):
+        _validation.refuse_attention_scores(return_attention_scores)
         key, key_mask = self.resolve_keys(
             value, key, value_mask, key_mask, attention_mask,
             "`key_mask` ([B, S]) for padding (and `use_causal_mask=True` for causal attention, "
             "where the layer supports it)",
         )
         self.check_call_inputs(query, value, key)
+        _validation.check_same_batch((("query", query), ("value", value), ("key", key)))
         t, s = query.shape[1], key.shape[1]  # T, S when static
         if use_causal_mask and t is not None and s is not None and t != s:
             raise ValueError(

@@ -4,13 +4,14 @@ import keras
 from keras import ops
 
 from keras_linattn import _state
+from keras_linattn._tracking import CheckpointTracked
 from keras_linattn.layers.linear_attention import LinearAttention
 
 __all__ = ["LinearAttentionCell"]
 
 
 @keras.saving.register_keras_serializable(package="keras_linattn")
-class LinearAttentionCell(keras.layers.Layer):
+class LinearAttentionCell(CheckpointTracked, keras.layers.Layer):
     """Causal linear self-attention as a recurrent cell for `keras.layers.RNN`.
 
     Causal linear attention is an RNN whose state is

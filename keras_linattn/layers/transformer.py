@@ -9,6 +9,7 @@ import keras
 
 from keras_linattn import feature_maps as feature_maps_lib
 from keras_linattn._docstrings import fill
+from keras_linattn._tracking import CheckpointTracked
 from keras_linattn._validation import (
     check_bool,
     check_epsilon,
@@ -52,7 +53,7 @@ _BLOCK_ARGS_DOC = """\
 _document = fill(block_args=_BLOCK_ARGS_DOC)
 
 
-class _LinearTransformerBlock(keras.layers.Layer):
+class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
     """Pre-norm block: ``x + Drop(Attn(LN(x)))``, then ``x + Drop(FFN(LN(x)))``.
 
     Subclasses set the class attribute ``_causal``.

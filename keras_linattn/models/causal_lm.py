@@ -7,6 +7,7 @@ from keras import ops
 from keras_linattn import _validation
 from keras_linattn import samplers as samplers_lib
 from keras_linattn._docstrings import fill
+from keras_linattn._tracking import CheckpointTracked
 from keras_linattn.layers.linear_attention import _get_map, _serialize_map
 from keras_linattn.layers.transformer_decoder import LinearTransformerDecoder
 from keras_linattn.models import generation
@@ -29,6 +30,48 @@ def _is_concrete(x):
     return True
 
 
+def _max_or_none(x):
+    """The largest entry of a concrete tensor (None when empty), for error messages."""
+    return int(ops.max(x)) if int(ops.size(x)) else None
+
+
+def _nan_where(bad, logits):
+    """`logits` with NaN at the tokens marked in `bad` (``[B, T]`` or ``[B]``; None: unchanged)."""
+    if bad is None:
+        return logits
+    # A scalar NaN: tf2onnx lowers a where between two full tensors to x * c + y * (1 - c),
+    # where NaN * 0 poisons every row.
+    return ops.where(bad[..., None], float("nan"), logits)
+
+
+def _block_seed(seed, index):
+    """The seed of block `index`'s feature map, derived from the template's `seed`.
+
+    Block 0 keeps `seed` (a one-block model is the template); block ``i > 0``
+    gets a hash of ``(seed, i)`` (NumPy's `SeedSequence`), below 2**30 so
+    that seeds derived from it (per head, per weight) stay in int32. Seeds
+    ``seed + i`` would give block 1 of seed s the matrix of block 0 of seed
+    s + 1.
+    """
+    if seed is None or index == 0:
+        return seed
+    return int(np.random.SeedSequence([int(seed), int(index)]).generate_state(1)[0]) % (2**30)
+
+
+def _block_feature_map(feature_map, index):
+    """Config of block `index`'s copy of the template `feature_map`: a seeded map gets `_block_seed`.
+
+    Without it every block of a seeded LM drew the same random projection
+    (favor+, favor_trig) or the same initial weights (trainable maps), and
+    `RedrawRandomFeatures` redrew them equal.
+    """
+    seed = getattr(feature_map, "seed", None)
+    if feature_map is None or seed is None or index == 0:
+        return _serialize_map(feature_map)
+    config = dict(feature_map.get_config(), seed=_block_seed(seed, index))
+    return _serialize_map(type(feature_map).from_config(config))
+
+
 class _FunctionCache:
     """Holds compiled functions out of Keras' attribute tracking."""
 
@@ -38,7 +81,7 @@ class _FunctionCache:
 
 @keras.saving.register_keras_serializable(package="keras_linattn")
 @fill(mechanism_args=MECHANISM_ARGS_DOC)
-class LinearCausalLM(keras.Model):
+class LinearCausalLM(CheckpointTracked, keras.Model):
     """Decoder-only language model of causal linear-attention blocks.
 
     token embedding (+ optional learned positions) -> `num_layers` x
@@ -72,7 +115,9 @@ class LinearCausalLM(keras.Model):
         num_heads: attention heads per block.
         intermediate_dim: feed-forward width.
         feature_map: feature-map name, config or `FeatureMap` (template; each
-            block owns a copy). Default ``"elu"``.
+            block owns a copy). Default ``"elu"``. A seeded map (``seed=s``)
+            gives block 0 seed s and block i a seed derived from (s, i): each
+            block draws its own projection or weights, reproducibly.
         key_dim: per-head query/key size; defaults to ``hidden_dim // num_heads``.
         chunk_size: chunk length of the causal algorithm. Default 64.
         dropout: dropout rate inside the blocks.
@@ -179,7 +224,7 @@ class LinearCausalLM(keras.Model):
                 num_heads=num_heads,
                 intermediate_dim=intermediate_dim,
                 key_dim=key_dim,
-                feature_map=_serialize_map(self.feature_map),
+                feature_map=_block_feature_map(self.feature_map, i),
                 chunk_size=chunk_size,
                 dropout=dropout,
                 activation=activation,
@@ -229,6 +274,12 @@ class LinearCausalLM(keras.Model):
                 raise ValueError(
                     f"`{name}` must be in [0, {self.vocabulary_size}). Received: min={low}, max={high}"
                 )
+        elif not _is_concrete(token_ids):
+            # Traced (fit, predict, SavedModel): a run-time assertion before the lookup.
+            ok = ops.logical_and(ops.all(token_ids >= 0), ops.all(token_ids < self.vocabulary_size))
+            token_ids = _validation.graph_assert(
+                token_ids, ok, f"`{name}` must be in [0, {self.vocabulary_size})"
+            )
         if rank == 2 and token_ids.shape[1] is not None and self.max_sequence_length is not None:
             if token_ids.shape[1] > self.max_sequence_length:
                 raise ValueError(
@@ -236,6 +287,39 @@ class LinearCausalLM(keras.Model):
                     f"Received: {name}.shape={tuple(token_ids.shape)}"
                 )
         return token_ids
+
+    def _past_limit(self, token_ids, last_index, name, received):
+        """The rule "a row holds at most `max_sequence_length` tokens", and what graphs do instead.
+
+        `last_index` is the index each token would have in its row (the
+        state's position plus its index in the piece; padding counts):
+        ``[B, T]`` or ``[B]``. Concrete values raise here (`received`, a
+        function, gives the message's values). In a traced graph the rule is
+        a run-time assertion (`_validation.graph_assert`), and the tokens
+        that break it or have an id outside the vocabulary are marked: their
+        logits are NaN, which is what graphs without assertions (XLA, ONNX)
+        return.
+
+        Returns:
+            ``(token_ids, bad)``: the ids (behind the assertion in graphs),
+            and None (concrete inputs) or the ``[B, T]`` / ``[B]`` bool mark.
+        """
+        limit = self.max_sequence_length
+        if _is_concrete(last_index):
+            if limit is not None and int(ops.size(last_index)) and int(ops.max(last_index)) >= limit:
+                raise ValueError(
+                    f"`{name}` runs past max_sequence_length={limit}: a row would hold "
+                    f"{int(ops.max(last_index)) + 1} tokens. Received: {received()}"
+                )
+            return token_ids, None
+        bad = ops.logical_or(token_ids < 0, token_ids >= self.vocabulary_size)
+        if limit is not None:
+            past = last_index >= limit
+            token_ids = _validation.graph_assert(
+                token_ids, ops.logical_not(ops.any(past)), f"`{name}` runs past max_sequence_length={limit}"
+            )
+            bad = ops.logical_or(bad, past)
+        return token_ids, bad
 
     def _embed(self, token_ids, positions):
         x = self.token_embedding(token_ids)  # [B, T, dim] or [B, dim]
@@ -313,6 +397,11 @@ class LinearCausalLM(keras.Model):
         padding_mask = self._check_padding_mask(padding_mask, token_ids)
         batch = ops.shape(token_ids)[0]
         start = ops.zeros((batch,), "int32") if state is None else ops.cast(state[-1], "int32")
+        last_index = start[:, None] + ops.arange(ops.shape(token_ids)[1], dtype="int32")[None, :]  # [B, T]
+        token_ids, bad = self._past_limit(
+            token_ids, last_index, "token_ids",
+            lambda: f"state position={_max_or_none(start)}, token_ids.shape={tuple(token_ids.shape)}",
+        )
         positions, end = self._positions(token_ids, padding_mask, start)
         x = self._embed(token_ids, positions)  # [B, T, dim]
         new_state = []
@@ -331,7 +420,7 @@ class LinearCausalLM(keras.Model):
                 x = block(x, padding_mask=padding_mask, training=training)  # [B, T, dim]
         if return_state:
             new_state.append(end)
-        return self._logits(x), new_state
+        return _nan_where(bad, self._logits(x)), new_state
 
     def call_with_state(self, token_ids, state, padding_mask=None, training=None):
         """Runs a piece of a sequence in parallel, continuing from `state`.
@@ -367,13 +456,16 @@ class LinearCausalLM(keras.Model):
         token_t = self._check_token_ids(token_t, "token_t", 1)
         self._check_state(state, batch_size=token_t.shape[0])
         position = ops.cast(state[-1], "int32")  # [B]
+        token_t, bad = self._past_limit(
+            token_t, position, "token_t", lambda: f"state position (state[-1])={_max_or_none(position)}"
+        )
         x = self._embed(token_t, position)  # [B, dim]
         new_state = []
         for block, layer_state in zip(self.decoder_blocks, self._block_states(state)):
             x, layer_state = block.step(x, layer_state, training=training)  # [B, dim]
             new_state += list(layer_state)
         new_state.append(position + 1)
-        return self._logits(x), new_state
+        return _nan_where(bad, self._logits(x)), new_state
 
     # --------------------------------------------------------- generation
     def compile(self, *args, sampler="greedy", **kwargs):
@@ -469,6 +561,7 @@ class LinearCausalLM(keras.Model):
         if block_size is None:
             block_size = 32 if verbose else max(max_length - prompt_length, 1)
         block_size = _validation.check_positive_int("block_size", block_size)
+        seed = _validation.check_seed("seed", seed)
         if seed is None:
             seed = int(np.random.randint(0, 2**31 - 1))
         seed_t = ops.convert_to_tensor([int(seed) % (2**31 - 1), 0], "int32")

@@ -5,7 +5,7 @@ re-exports exactly those.
 """
 
 from keras_linattn.ops import core, decay, delta, efficient, reference, short_conv, window
-from keras_linattn.ops.core import DEFAULT_EPSILON, linear_attention, linear_attention_step
+from keras_linattn.ops.core import DEFAULT_EPSILON, KernelUnderflowError, linear_attention, linear_attention_step
 from keras_linattn.ops.decay import (
     CHANNEL_CHUNK,
     gated_linear_attention,

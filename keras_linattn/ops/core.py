@@ -29,7 +29,7 @@ from keras import ops
 from keras_linattn._xla import under_xla
 from keras_linattn._validation import check_bool, check_epsilon, check_non_negative_int, check_positive_int, check_rank
 
-__all__ = ["DEFAULT_EPSILON", "linear_attention", "linear_attention_step"]
+__all__ = ["DEFAULT_EPSILON", "KernelUnderflowError", "linear_attention", "linear_attention_step"]
 
 DEFAULT_EPSILON = 1e-6
 # Added to the denominator guard so that a zero query feature vector with no
@@ -167,21 +167,100 @@ def _heads_first(x):
     return ops.transpose(x, (0, 2, 1, 3))
 
 
-def _normalize(q, num, den, eps):
-    """``num / den`` with the relative guard ``eps * sum|phi(q)|`` (q: [..., C]).
+def _normalize(q, num, den, eps, den_abs=None):
+    """``num / den``, guarded only where the denominator is degenerate (q: [..., C]).
 
-    The guard and the ``maximum`` are differentiated as written. Outside XLA
-    the division goes through `_divide_rows`, whose hand-written gradient is
-    the exact one in fewer passes over the ``[..., M]`` tensors; XLA fuses
-    the autodiff of a plain division by itself and was slower with the
-    custom gradient (core at N=8192, forward + backward, CPU: 65 vs 61 ms
+    With ``den_abs`` (``[..., 1]``, the magnitude of the terms summed into
+    ``den``: ``|phi(q)| . |z|``, which equals ``den`` for non-negative
+    features) the guard is relative to the denominator itself: ``den`` is
+    replaced only where ``|den| <= eps * den_abs``, i.e. where the terms
+    cancel (signed maps) or where there is nothing to divide (``den = 0``,
+    e.g. a row whose keys are all padded: ``num = 0`` there and the output
+    is 0, never NaN). For non-negative features that is ``den = 0`` only:
+    every other row is the exact ratio, with its exact gradient (the guard
+    is a constant for autodiff). A negative ``den`` of a signed map is kept:
+    that is what exact kernel attention divides by.
+
+    Without ``den_abs`` (the gated and windowed recurrences) the older guard
+    applies: ``den`` is floored at ``eps * sum|phi(q)| + 1e-30``.
+
+    Outside XLA the division goes through `_divide_rows`, whose hand-written
+    gradient is the exact one in fewer passes over the ``[..., M]`` tensors;
+    XLA fuses the autodiff of a plain division by itself and was slower with
+    the custom gradient (core at N=8192, forward + backward, CPU: 65 vs 61 ms
     non-causal, 118 vs 116 ms causal).
     """
-    guard = eps * ops.sum(ops.abs(q), axis=-1, keepdims=True) + _TINY  # [..., 1]
-    den = ops.maximum(den, guard)  # [..., 1]
+    if den_abs is None:
+        guard = eps * ops.sum(ops.abs(q), axis=-1, keepdims=True) + _TINY  # [..., 1]
+        den = ops.maximum(den, guard)  # [..., 1]
+    else:
+        guard = ops.stop_gradient(eps * den_abs)  # [..., 1]
+        degenerate = ops.abs(den) <= guard  # [..., 1]: cancelled, or 0
+        den = ops.where(degenerate, ops.where(guard > 0, guard, ops.ones_like(guard)), den)  # [..., 1]
     if under_xla():
         return num / den
     return _divide_rows(num, den)
+
+
+class KernelUnderflowError(ValueError):
+    """Raised (eagerly) where float32 features cannot represent the attention kernel of a row.
+
+    A row with at least one real key, nonzero query features and
+    ``|phi(q)| . |z| = 0`` has a kernel that underflowed: every product of
+    its query's and its keys' features is below float32's range, so the
+    exact ratio ``phi(q)^T S / phi(q)^T z`` cannot be formed. In graph mode
+    (`tf.function`, XLA, SavedModel, ONNX), where nothing can raise, such a
+    row is NaN instead: never a silent 0. See docs/hardening.md.
+    """
+
+
+def _has_keys(key_mask, causal, z0, like):
+    """``[B, 1|H, 1|T, 1]`` bool: the row attends to at least one real key (or a carried state), or None for all."""
+    if key_mask is None and z0 is None:
+        return None
+    has = None
+    if key_mask is not None:
+        real = ops.cast(ops.cast(key_mask, "bool"), "float32")  # [B, S]
+        if causal:
+            has = (ops.cumsum(real, axis=1) > 0)[:, None, :, None]  # [B, 1, T, 1]
+        else:
+            has = (ops.sum(real, axis=1) > 0)[:, None, None, None]  # [B, 1, 1, 1]
+    else:
+        has = ops.ones_like(like[..., :1, :1]) > 0  # [B, H, 1, 1]
+    if z0 is not None:
+        carried = ops.any(ops.not_equal(z0, 0.0), axis=-1)[:, :, None, None]  # [B, H, 1, 1]
+        has = ops.logical_or(has, carried)
+    return has
+
+
+def _mark_underflow(out, q, den_abs, has_keys):
+    """NaN rows where the kernel underflowed (`KernelUnderflowError`); raises instead when eager."""
+    underflow = ops.logical_and(den_abs <= 0, ops.sum(ops.abs(q), axis=-1, keepdims=True) > 0)  # [..., 1]
+    if has_keys is not None:
+        underflow = ops.logical_and(underflow, has_keys)
+    if _is_eager(underflow):
+        count = int(ops.convert_to_numpy(ops.sum(ops.cast(underflow, "int32"))))
+        if count:
+            raise KernelUnderflowError(
+                f"{count} attention row(s) have real keys but a kernel that underflows float32: every "
+                "product phi(q) . phi(k) is below the float32 range, so the output is not representable "
+                "(it would be 0). Scale the queries/keys down (e.g. a LayerNorm before attention) or use "
+                f"a map that stabilizes them. Received: {count} underflowed row(s) of shape {tuple(out.shape)}"
+            )
+        return out
+    # sqrt(-1) = NaN where flagged, sqrt(-0) = -0 elsewhere (x + -0 == x bit for bit). Not a
+    # `where` with a NaN branch: tf2onnx lowers `where` to products, and 0 * NaN = NaN everywhere.
+    marker = ops.sqrt(-ops.cast(ops.stop_gradient(underflow), out.dtype))  # [..., 1]
+    return out + marker
+
+
+def _is_eager(x):
+    """True for a concrete (eager) tensor, whose values can be read now."""
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.executing_eagerly() and hasattr(x, "numpy")
+    return False
 
 
 @ops.custom_gradient
@@ -237,8 +316,13 @@ def linear_attention(
         initial_state: optional ``(S [B, H, C, M], z [B, H, C])`` to continue
             from, e.g. the state returned for the previous piece of a sequence.
         return_state: if True, also return the final state ``(S, z)``.
-        eps: relative guard of the denominator: ``phi(q).z`` is floored at
-            ``eps * sum|phi(q)|``. A query with no (unmasked) key gets 0.
+        eps: relative guard of the denominator: ``phi(q).z`` is replaced
+            only where ``|phi(q).z| <= eps * |phi(q)|.|z|`` (the terms cancel,
+            or there are none). For non-negative features that is
+            ``phi(q).z = 0`` only. A query with no (unmasked) key gets 0; a
+            row whose kernel underflowed float32 (real keys, nonzero query
+            features, every product 0) raises `KernelUnderflowError` when
+            eager and is NaN in a graph, never a silent 0.
         normalize: if False, return the numerator ``phi(q)^T S`` without the
             denominator (the caller normalizes the output some other way).
 
@@ -263,8 +347,8 @@ def linear_attention(
     else:
         s0 = z0 = None
     if causal:
-        num, den, (s, z) = _causal_chunked(q, k, v, chunk_size, s0, z0)
-        out = _normalize(q, num, den, eps) if normalize else num  # [B, H, T, M]
+        num, den, *den_abs, (s, z) = _causal_chunked(q, k, v, chunk_size, s0, z0, with_abs=normalize)
+        den_abs = den_abs[0] if den_abs else None
     else:
         s = _matmul(k, v, transpose_a=True)  # [B, H, C, M]
         z = ops.sum(k, axis=2)  # [B, H, C]
@@ -272,7 +356,12 @@ def linear_attention(
             s, z = s + s0, z + z0
         num = ops.matmul(q, s)  # [B, H, T, M]
         den = ops.matmul(q, z[..., None])  # [B, H, T, 1]
-        out = _normalize(q, num, den, eps) if normalize else num  # [B, H, T, M]
+        den_abs = ops.matmul(ops.abs(q), ops.abs(z)[..., None]) if normalize else None  # [B, H, T, 1]
+    if normalize:
+        out = _normalize(q, num, den, eps, den_abs)  # [B, H, T, M]
+        out = _mark_underflow(out, q, den_abs, _has_keys(key_mask, causal, z0, q))
+    else:
+        out = num  # [B, H, T, M]
     out = ops.cast(ops.transpose(out, (0, 2, 1, 3)), out_dtype)  # [B, T, H, M]
     if return_state:
         return out, (s, z)
@@ -337,15 +426,19 @@ def _two_level_group(n):
     return best
 
 
-def _causal_chunked(q, k, v, chunk_size, s0, z0):
+def _causal_chunked(q, k, v, chunk_size, s0, z0, with_abs=False):
     """Chunkwise-parallel causal attention on float32 heads-first tensors.
 
     ``q, k: [B, H, T, C]``, ``v: [B, H, T, M]``. For chunk n:
     ``O_n = Q_n S_{n-1} + tril(Q_n K_n^T) V_n`` (and the same with ``z`` for
     the denominator), ``S_n = S_{n-1} + K_n^T V_n`` where ``S_{n-1}`` is an
     exclusive prefix sum over chunks (`_chunk_prefix`). Returns the numerator
-    and denominator before normalization and the final state:
-    ``(num [B, H, T, M], den [B, H, T, 1], (S, z))``.
+    and denominator before normalization, the denominator's magnitude
+    ``sum_j |phi(q).phi(k_j)|`` over the chunk plus ``|phi(q)| . |z|`` over
+    earlier chunks (None unless `with_abs`; equal to the denominator for
+    non-negative features) and the final state:
+    ``(num [B, H, T, M], den [B, H, T, 1], den_abs, (S, z))`` (without
+    `with_abs`: ``(num, den, (S, z))``).
     """
     t_static = q.shape[2]  # S == T was checked by `_validate_inputs`
     h, c, m = q.shape[1], q.shape[3], v.shape[3]
@@ -374,6 +467,7 @@ def _causal_chunked(q, k, v, chunk_size, s0, z0):
     scores = ops.where(tril, scores, ops.zeros_like(scores))
     num = ops.matmul(scores, vc)  # [B, H, N, L, M]
     den = ops.sum(scores, axis=-1, keepdims=True)  # [B, H, N, L, 1]
+    den_abs = ops.sum(ops.abs(scores), axis=-1, keepdims=True) if with_abs else None  # [B, H, N, L, 1]
 
     # Inter-chunk: exclusive prefix sums of chunk states.
     chunk_s = _matmul(kc, vc, transpose_a=True)  # [B, H, N, C, M]
@@ -393,7 +487,11 @@ def _causal_chunked(q, k, v, chunk_size, s0, z0):
     den = ops.reshape(den, (batch, h, -1, 1))  # [B, H, T (+ padding), 1]
     if padded:
         num, den = num[:, :, :length], den[:, :, :length]
-    return num, den, (s_final, z_final)
+    if not with_abs:
+        return num, den, (s_final, z_final)
+    den_abs = den_abs + ops.matmul(ops.abs(qc), ops.abs(excl_z)[..., None])  # [B, H, N, L, 1]
+    den_abs = ops.reshape(den_abs, (batch, h, -1, 1))[:, :, :length]  # [B, H, T, 1]
+    return num, den, den_abs, (s_final, z_final)
 
 
 def linear_attention_step(q_t, k_t, v_t, state, key_mask_t=None, eps=DEFAULT_EPSILON, normalize=True):
@@ -434,7 +532,15 @@ def linear_attention_step(q_t, k_t, v_t, state, key_mask_t=None, eps=DEFAULT_EPS
     if not normalize:
         return ops.cast(num, out_dtype), (s, z)
     den = ops.sum(q * z, axis=-1, keepdims=True)  # [B, H, 1]
-    out = _normalize(q, num, den, eps)  # [B, H, M]
+    den_abs = ops.sum(ops.abs(q) * ops.abs(z), axis=-1, keepdims=True)  # [B, H, 1]
+    out = _normalize(q, num, den, eps, den_abs)  # [B, H, M]
+    # The step's own key counts as a real key; a masked step only knows the state.
+    has_keys = ops.any(ops.not_equal(z, 0.0), axis=-1, keepdims=True)  # [B, H, 1]
+    if key_mask_t is not None:
+        has_keys = ops.logical_or(has_keys, ops.cast(key_mask_t, "bool")[:, None, None])
+    else:
+        has_keys = None
+    out = _mark_underflow(out, q, den_abs, has_keys)
     return ops.cast(out, out_dtype), (s, z)
 
 

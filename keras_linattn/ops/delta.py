@@ -172,6 +172,10 @@ def delta_rule_attention(
     if q.shape[1] is not None:
         chunk = max(1, min(chunk, q.shape[1]))
     out_dtype = v.dtype
+    if q.shape[1] == 0:  # an empty piece: no output, the state handed on
+        s0 = ops.zeros((ops.shape(q)[0], h, c, m), "float32") if initial_state is None else initial_state
+        out = ops.zeros_like(v)  # [B, 0, H, M]
+        return (out, ops.cast(s0, "float32")) if return_state else out
     batch, length = ops.shape(q)[0], ops.shape(q)[1]
     qf = _heads_first(ops.cast(q, "float32"))  # [B, H, T, C]
     kf = _heads_first(_mask_keys(ops.cast(k, "float32"), key_mask))  # [B, H, T, C]

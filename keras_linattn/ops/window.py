@@ -55,7 +55,8 @@ def _check_scale(scale, q):
 
 def _softmax_terms(scores, allowed):
     """``exp(s - m)`` over allowed keys (``m`` their max) and 0 elsewhere; finite for empty rows."""
-    peak = ops.max(ops.where(allowed, scores, ops.full_like(scores, _NEG)), axis=-1, keepdims=True)
+    # `initial`: no error for an empty batch or piece (the masked scores are >= _NEG anyway).
+    peak = ops.max(ops.where(allowed, scores, ops.full_like(scores, _NEG)), axis=-1, keepdims=True, initial=_NEG)
     return ops.where(allowed, ops.exp(ops.minimum(scores - peak, 0.0)), ops.zeros_like(scores))
 
 

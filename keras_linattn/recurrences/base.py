@@ -138,12 +138,19 @@ class Recurrence:
         return []
 
     # ------------------------------------------------------------ forms
-    def features(self, x, is_query, causal=True, training=None):
-        """``phi(x)`` by the layer's feature map (the identity for ``feature_map=None``)."""
+    def features(self, x, is_query, causal=True, training=None, key_mask=None):
+        """``phi(x)`` by the layer's feature map (the identity for ``feature_map=None``).
+
+        ``key_mask`` (``[B, S]`` or None) reaches maps whose ``call`` takes it:
+        the ones with statistics over keys (favor+'s non-causal stabilizer),
+        so that padded keys never enter those statistics.
+        """
         feature_map = self.layer.feature_map
         if feature_map is None:
             return x
-        return feature_map(x, is_query=is_query, causal=causal, training=training)
+        params = getattr(feature_map, "call_signature_parameters", ())
+        masked = {"key_mask": key_mask} if key_mask is not None and "key_mask" in params else {}
+        return feature_map(x, is_query=is_query, causal=causal, training=training, **masked)
 
     def call(self, q, k, v, gate_keys, key_mask, state, causal=True, training=None):
         """The chunkwise-parallel form over a piece.

@@ -132,7 +132,7 @@ class DecayRecurrence(Recurrence):
 
     def call(self, q, k, v, gate_keys, key_mask, state, causal=True, training=None):
         qf = self.features(q, True, causal, training)  # [B, T, H, C]
-        kf = self.features(k, False, causal, training)  # [B, S, H, C]
+        kf = self.features(k, False, causal, training, key_mask)  # [B, S, H, C]
         out, (s, z) = decay_ops.gated_linear_attention(
             qf, kf, v, self.log_decay(gate_keys), key_mask=key_mask, chunk_size=self.layer.chunk_size,
             initial_state=None if state is None else (state["S"], state["z"]), return_state=True,

@@ -67,15 +67,15 @@ class DeltaRecurrence(Recurrence):
         """``log a_t`` ``[B, S, H]`` from the projected keys, or None without a gate."""
         return None if self.gate is None else _gate_log_decay(self, self.gate, keys)[..., 0]
 
-    def features(self, x, is_query, causal=True, training=None):
-        return _l2_normalize(super().features(x, is_query, causal, training))
+    def features(self, x, is_query, causal=True, training=None, key_mask=None):
+        return _l2_normalize(super().features(x, is_query, causal, training, key_mask))
 
     def state_spec(self):
         return [_state.StateSpec("S", (self.num_heads, self.feature_dim, self.value_dim), "float32")]
 
     def call(self, q, k, v, gate_keys, key_mask, state, causal=True, training=None):
         qf = self.features(q, True, causal, training)  # [B, T, H, C]
-        kf = self.features(k, False, causal, training)  # [B, S, H, C]
+        kf = self.features(k, False, causal, training, key_mask)  # [B, S, H, C]
         out, s = delta_ops.delta_rule_attention(
             qf, kf, v, self.beta(gate_keys), self.log_decay(gate_keys), key_mask=key_mask,
             chunk_size=self.layer.chunk_size, initial_state=None if state is None else state["S"], return_state=True,
