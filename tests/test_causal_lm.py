@@ -129,8 +129,15 @@ def test_recurrent_gradients_match_parallel(rng):
         assert_close(a, b, n=n, conditioning=whole / scale, paths=2, what=w.path)
 
 
-@pytest.mark.parametrize("feature_map", ["elu", "taylor"])
-@pytest.mark.parametrize("max_sequence_length", [None, 20])
+# Each map and each position scheme (none, a learned table) in `make test`;
+# the other two pairs in `make test-slow`: (None, taylor) has the fast twin
+# (None, elu), (20, elu) has the fast twin (20, taylor).
+@pytest.mark.parametrize("max_sequence_length,feature_map", [
+    (None, "elu"),
+    pytest.param(None, "taylor", marks=pytest.mark.slow),
+    pytest.param(20, "elu", marks=pytest.mark.slow),
+    (20, "taylor"),
+])
 def test_greedy_generate_equals_parallel_argmax_decoding(rng, feature_map, max_sequence_length):
     lm = _lm(feature_map, max_sequence_length=max_sequence_length)
     prompt = _ids(rng, batch=3, length=4)

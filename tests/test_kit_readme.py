@@ -264,6 +264,7 @@ def test_every_readme_command_runs(tmp_path):
                 continue
             if what == "cd":
                 cwd = cwd / shlex.split(command)[1]
+                ran.append((command, ""))
                 continue
             run = command.replace("/path/to/encoder.keras", str(models["encoder"]))
             run = run.replace("/path/to/lm.keras", str(models["lm"]))
