@@ -118,8 +118,9 @@ def normalizer_conditioning(q_features, k_features, causal=False, key_mask=None,
     For each (batch, head, query) row with at least one key:
     ``sum_s |A_ts| / max(|sum_s A_ts|, guard)``, the magnitude of what enters
     the denominator over the denominator the layer divides by
-    (``guard = epsilon * sum_c |phi(q)_c|``, the layer's relative floor); 1
-    for positive kernels. The worst row is returned.
+    (replaced where degenerate, ``|sum_s A_ts| <= epsilon * sum_s |A_ts|``,
+    by that guard, as the layer's relative guard does); 1 for positive
+    kernels. The worst row is returned.
 
     ``per_channel=True`` counts every product ``|phi(q)_c phi(k_s)_c|``
     instead of ``|A_ts|``: the condition number of computing the dot
@@ -142,9 +143,8 @@ def normalizer_conditioning(q_features, k_features, causal=False, key_mask=None,
         allowed &= np.asarray(key_mask, bool)[:, None, None, :]
     a = np.where(allowed, a, 0.0)
     magnitude = np.where(allowed, magnitude, 0.0)
-    guard = epsilon * np.abs(q).sum(-1).transpose(0, 2, 1)  # [B, H, T]
-    absolute = magnitude.sum(-1)
-    signed = np.maximum(np.abs(a.sum(-1)), guard)
+    absolute = magnitude.sum(-1)  # [B, H, T]
+    signed = np.maximum(np.abs(a.sum(-1)), epsilon * absolute)
     rows = allowed.any(-1)
     ratio = np.where(rows, absolute / np.maximum(signed, 1e-300), 1.0)
     return float(max(ratio.max(), 1.0))

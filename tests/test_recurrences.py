@@ -487,3 +487,93 @@ def test_conv_of_an_empty_piece_is_empty_and_keeps_the_buffer(rng):
         y, new = fn(empty)
         assert tuple(y.shape) == (B, 0, H, D)
         np.testing.assert_array_equal(new, buffer)
+
+
+# ---------------------------------------------------------------- degenerate-only normalizer guard
+def _small_or_negative_keys(rng, t, keys):
+    """Features whose denominators fall below the old floor ``eps * sum|phi(q)|`` (~4e-6): keys x1e-7 or negative."""
+    q, k, v = _features(rng, t)
+    k = k * np.float32(1e-7) if keys == "small" else -k  # a signed map's keys, all of one sign: no cancellation
+    return q, k, v
+
+
+def _gated_oracle(q, k, v, g, mask):
+    """Exact decayed kernel attention in float64 numpy, from the features (independent of the library)."""
+    q, k, v, g = (np.asarray(x, np.float64) for x in (q, k, v, g))
+    keep = np.asarray(mask, np.float64)[:, :, None, None]
+    k, v, g = k * keep, v * keep, g * keep  # a padded step neither writes nor decays
+    cum = np.cumsum(g, axis=1)  # [B, T, H, G]
+    t = q.shape[1]
+    causal = np.tril(np.ones((t, t)))[None, :, :, None, None]  # [1, T(i), T(j), 1, 1]
+    w = np.exp(np.minimum(cum[:, :, None] - cum[:, None, :], 0.0)) * causal  # [B, T(i), T(j), H, G]
+    a = np.einsum("bihc,bjhc,bijhc->bhij", q, k, np.broadcast_to(w, w.shape[:-1] + (q.shape[-1],)))
+    den = a.sum(-1).transpose(0, 2, 1)[..., None]  # [B, T, H, 1]; 0 for a query before any real key (output 0)
+    return np.einsum("bhij,bjhm->bihm", a, v) / np.where(den == 0, 1.0, den)
+
+
+@pytest.mark.parametrize("keys", ["small", "negative"])
+@pytest.mark.parametrize("width", [1, C], ids=["scalar", "channel"])
+def test_gated_divides_small_and_negative_denominators_exactly(rng, width, keys):
+    # The guard replaces the denominator only where it is degenerate (|den| <= eps * |phi(q)|.|z|):
+    # a row whose keys are small, or a signed map's negative denominator, is the exact ratio.
+    t, chunk = 13, 4
+    q, k, v = _small_or_negative_keys(rng, t, keys)
+    g = _log_decay(rng, t, width)
+    mask = _padding(rng, t)
+    expected = _gated_oracle(q, k, v, g, mask)
+    cond = _decay_conditioning(g, chunk, mask)
+    out = lops.gated_linear_attention(q, k, v, g, key_mask=mask, chunk_size=chunk)
+    assert_close(out, expected, n=t + C, conditioning=cond, what="chunked")
+    ref, _ = lops.gated_linear_attention_reference(q, k, v, g, key_mask=mask)
+    assert_close(ref, expected, n=t + C, what="reference")
+    state = (np.zeros((B, H, C, M), "float32"), np.zeros((B, H, C), "float32"))
+    outs = []
+    for i in range(t):
+        o, state = lops.gated_linear_attention_step(q[:, i], k[:, i], v[:, i], g[:, i], state, mask[:, i])
+        outs.append(np.asarray(o))
+    assert_close(np.stack(outs, 1), expected, n=t + C, what="steps")
+
+
+def _window_oracle(q, qf, k, kf, v, window, mask, scale):
+    """Exact hybrid (softmax over the window, kernel over older keys) in float64 numpy."""
+    q, qf, k, kf, v = (np.asarray(x, np.float64) for x in (q, qf, k, kf, v))
+    t = q.shape[1]
+    i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+    real = np.asarray(mask, bool)[:, None, None, :]  # [B, 1, 1, T]
+    in_window = (j <= i) & (j > i - window) & real  # [B, 1, T, T]
+    older = (j <= i - window) & real
+    s = np.einsum("bthd,bshd->bhts", q, k) * scale
+    peak = np.where(in_window, s, -np.inf).max(-1, keepdims=True)
+    peak = np.where(np.isfinite(peak), peak, 0.0)
+    weights = np.where(in_window, np.exp(s - peak), 0.0) + np.where(older, np.einsum("bthc,bshc->bhts", qf, kf), 0.0)
+    return np.einsum("bhts,bshm->bthm", weights, v) / weights.sum(-1).transpose(0, 2, 1)[..., None]
+
+
+@pytest.mark.parametrize("keys", ["small", "negative"])
+def test_window_divides_small_and_negative_denominators_exactly(rng, keys):
+    # Rows whose whole window is padded divide by the linear part alone: small keys (x1e-7) put it below the
+    # old floor eps * sum|phi(q)|, a signed map's all-negative keys make it negative; both are exact ratios.
+    t, window = 13, 2
+    q, k, _, _, _ = _window_inputs(rng, t, window)
+    qf, kf, v = _small_or_negative_keys(rng, t, keys)
+    mask = np.ones((B, t), bool)
+    mask[0, 5:] = False  # rows 6.. see no key in their window, only the 5 older ones
+    mask[1, 3:9] = False
+    k_all, kf_all, v_all, ok = _with_empty_buffer(k, kf, v, mask, window)
+    expected = _window_oracle(q, qf, k, kf, v, window, mask, D**-0.5)
+    out = lops.window_attention(q, qf, k_all, kf_all, v_all, window, ok, chunk_size=4)
+    assert_close(out, expected, n=t + C + D, what="parallel")
+    ref = lops.window_attention_reference(q, qf, k, kf, v, window, mask)
+    assert_close(ref, expected, n=t + C + D, what="reference")
+    s = (np.zeros((B, H, C, M), "float32"), np.zeros((B, H, C), "float32"))
+    buffer = (np.zeros((B, window, H, D), "float32"), np.zeros((B, window, H, M), "float32"),
+              np.zeros((B, window), "float32"))
+    features = np.zeros((B, window, H, C), "float32")
+    outs = []
+    for i in range(t):
+        o, s, buffer = lops.window_attention_step(
+            q[:, i], qf[:, i], k[:, i], v[:, i], features[:, 0], buffer, s, key_mask_t=mask[:, i]
+        )
+        features = np.concatenate([features[:, 1:], kf[:, i : i + 1]], 1)
+        outs.append(np.asarray(o))
+    assert_close(np.stack(outs, 1), expected, n=t + C + D, what="steps")

@@ -181,8 +181,9 @@ def _normalize(q, num, den, eps, den_abs=None):
     is a constant for autodiff). A negative ``den`` of a signed map is kept:
     that is what exact kernel attention divides by.
 
-    Without ``den_abs`` (the gated and windowed recurrences) the older guard
-    applies: ``den`` is floored at ``eps * sum|phi(q)| + 1e-30``.
+    Without ``den_abs`` the older guard applies: ``den`` is floored at
+    ``eps * sum|phi(q)| + 1e-30`` (kept for callers that have no ``den_abs``;
+    every recurrence in `ops/` passes one).
 
     Outside XLA the division goes through `_divide_rows`, whose hand-written
     gradient is the exact one in fewer passes over the ``[..., M]`` tensors;
@@ -194,12 +195,22 @@ def _normalize(q, num, den, eps, den_abs=None):
         guard = eps * ops.sum(ops.abs(q), axis=-1, keepdims=True) + _TINY  # [..., 1]
         den = ops.maximum(den, guard)  # [..., 1]
     else:
-        guard = ops.stop_gradient(eps * den_abs)  # [..., 1]
-        degenerate = ops.abs(den) <= guard  # [..., 1]: cancelled, or 0
-        den = ops.where(degenerate, ops.where(guard > 0, guard, ops.ones_like(guard)), den)  # [..., 1]
+        den = _guarded_denominator(den, den_abs, eps)  # [..., 1]
     if under_xla():
         return num / den
     return _divide_rows(num, den)
+
+
+def _guarded_denominator(den, den_abs, eps):
+    """``den`` replaced only where ``|den| <= eps * den_abs`` (by that guard, or 1 where it is 0); any dtype.
+
+    The guard of `_normalize` with ``den_abs``, shared with the float64
+    oracles of the recurrences so that they divide by the same thing. The
+    guard is a constant for autodiff.
+    """
+    guard = ops.stop_gradient(eps * den_abs)  # [..., 1]
+    degenerate = ops.abs(den) <= guard  # [..., 1]: cancelled, or 0
+    return ops.where(degenerate, ops.where(guard > 0, guard, ops.ones_like(guard)), den)  # [..., 1]
 
 
 class KernelUnderflowError(ValueError):

@@ -36,6 +36,7 @@ from keras_linattn._validation import check_bool, check_epsilon, check_positive_
 from keras_linattn.ops.core import (
     DEFAULT_EPSILON,
     _heads_first,
+    _guarded_denominator,
     _mask_keys,
     _matmul,
     _normalize,
@@ -126,8 +127,8 @@ def gated_linear_attention(
     v = _heads_first(_mask_keys(ops.cast(v, "float32"), key_mask))  # [B, H, T, M]
     g = _heads_first(_mask_keys(ops.cast(log_decay, "float32"), key_mask))  # [B, H, T, G]
     s0, z0 = _initial(initial_state)
-    num, den, state = _gated_chunked(q, k, v, g, chunk_size, s0, z0)
-    out = _normalize(q, num, den, eps) if normalize else num  # [B, H, T, M]
+    num, den, den_abs, state = _gated_chunked(q, k, v, g, chunk_size, s0, z0, with_abs=normalize)
+    out = _normalize(q, num, den, eps, den_abs) if normalize else num  # [B, H, T, M]
     out = ops.cast(ops.transpose(out, (0, 2, 1, 3)), out_dtype)  # [B, T, H, M]
     if return_state:
         return out, state
@@ -139,11 +140,16 @@ def _decay_weights(diff, allowed):
     return ops.where(allowed, ops.exp(ops.minimum(diff, 0.0)), ops.zeros_like(diff))
 
 
-def _gated_chunked(q, k, v, g, chunk_size, s0, z0):
+def _gated_chunked(q, k, v, g, chunk_size, s0, z0, with_abs=False):
     """Chunkwise-parallel decayed attention on float32 heads-first tensors.
 
     ``q, k [B, H, T, C]``, ``v [B, H, T, M]``, ``g [B, H, T, G]`` (log decay,
-    0 at padded steps). Returns ``(num [B, H, T, M], den [B, H, T, 1], (S, z))``.
+    0 at padded steps). Returns ``(num [B, H, T, M], den [B, H, T, 1],
+    den_abs, (S, z))``: ``den_abs`` (None unless `with_abs`) is the
+    magnitude of the terms summed into ``den``, as in
+    `keras_linattn.ops.core._causal_chunked`: ``sum_j |w_ij|`` over the
+    chunk's own decayed weights plus ``|phi(q_i) exp(b_i)| . |z|`` of the
+    carried state; it equals ``den`` for non-negative features.
     """
     h, c, m, width = q.shape[1], q.shape[3], v.shape[3], g.shape[3]
     channel = width != 1
@@ -173,6 +179,7 @@ def _gated_chunked(q, k, v, g, chunk_size, s0, z0):
         scores = _matmul(qc, kc, transpose_b=True) * w  # [B, H, N, L, L]
     num = ops.matmul(scores, vc)  # [B, H, N, L, M]
     den = ops.sum(scores, axis=-1, keepdims=True)  # [B, H, N, L, 1]
+    den_abs = ops.sum(ops.abs(scores), axis=-1, keepdims=True) if with_abs else None  # [B, H, N, L, 1]
 
     # Each chunk's own state, decayed to the chunk's end.
     last = b[:, :, :, -1:, :]  # [B, H, N, 1, G] total log decay of each chunk
@@ -215,7 +222,10 @@ def _gated_chunked(q, k, v, g, chunk_size, s0, z0):
     den = den + ops.matmul(q_in, enter_z[..., None])  # [B, H, N, L, 1]
     num = ops.reshape(num, (batch, h, -1, m))[:, :, :length]  # [B, H, T, M]
     den = ops.reshape(den, (batch, h, -1, 1))[:, :, :length]  # [B, H, T, 1]
-    return num, den, (s_final, z_final)
+    if with_abs:
+        den_abs = den_abs + ops.matmul(ops.abs(q_in), ops.abs(enter_z)[..., None])  # [B, H, N, L, 1]
+        den_abs = ops.reshape(den_abs, (batch, h, -1, 1))[:, :, :length]  # [B, H, T, 1]
+    return num, den, den_abs, (s_final, z_final)
 
 
 def gated_linear_attention_step(
@@ -251,7 +261,8 @@ def gated_linear_attention_step(
     num = ops.einsum("bhc,bhcm->bhm", q, s)  # [B, H, M]
     if normalize:
         den = ops.sum(q * z, axis=-1, keepdims=True)  # [B, H, 1]
-        num = _normalize(q, num, den, eps)
+        den_abs = ops.sum(ops.abs(q) * ops.abs(z), axis=-1, keepdims=True)  # [B, H, 1]
+        num = _normalize(q, num, den, eps, den_abs)
     return ops.cast(num, out_dtype), (s, z)
 
 
@@ -294,8 +305,8 @@ def gated_linear_attention_reference(
         num = ops.einsum("bhc,bhcm->bhm", qt, s)  # [B, H, M]
         if normalize:
             den = ops.sum(qt * z, axis=-1, keepdims=True)  # [B, H, 1]
-            guard = eps * ops.sum(ops.abs(qt), axis=-1, keepdims=True) + 1e-30
-            num = num / ops.maximum(den, guard)
+            den_abs = ops.sum(ops.abs(qt) * ops.abs(z), axis=-1, keepdims=True)  # [B, H, 1]
+            num = num / _guarded_denominator(den, den_abs, eps)
         outs.append(num)
     out = ops.stack(outs, axis=1) if outs else ops.zeros((batch, 0, h, m), compute_dtype)  # [B, T, H, M]
     return ops.cast(out, v.dtype), (s, z)

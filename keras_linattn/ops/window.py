@@ -32,6 +32,7 @@ from keras_linattn._validation import check_epsilon, check_positive_int, check_r
 from keras_linattn.ops.core import (
     DEFAULT_EPSILON,
     _causal_chunked,
+    _guarded_denominator,
     _heads_first,
     _mask_keys,
     _matmul,
@@ -94,7 +95,9 @@ def window_attention(
             but the last W).
         scale: softmax logit scale; None means ``D ** -0.5``.
         chunk_size: chunk length of the linear part's causal algorithm.
-        eps: relative guard of the shared denominator.
+        eps: relative guard of the shared denominator: replaced only where
+            ``|den| <= eps * (softmax terms + |phi(q)| . |z|)`` (a row with no
+            real key gets 0), as in `keras_linattn.ops.linear_attention`.
 
     Returns:
         ``[B, T, H, M]`` in ``v_all``'s dtype (and ``(S, z)`` if `return_state`).
@@ -128,7 +131,9 @@ def window_attention(
     s0 = z0 = None
     if initial_state is not None:
         s0, z0 = (ops.cast(x, "float32") for x in initial_state)
-    num, den, state = _causal_chunked(qf, kf, _heads_first(vv[:, :length]), chunk_size, s0, z0)
+    num, den, den_abs, state = _causal_chunked(
+        qf, kf, _heads_first(vv[:, :length]), chunk_size, s0, z0, with_abs=True
+    )
 
     # Softmax part: blocks of W queries against the 2W keys that can fall in their windows.
     pad = (window - length % window) % window
@@ -153,7 +158,8 @@ def window_attention(
     num_sm = ops.reshape(ops.matmul(e, vwin), (batch, h, -1, m))[:, :, :length]  # [B, H, T, M]
     den_sm = ops.reshape(ops.sum(e, axis=-1), (batch, h, -1, 1))[:, :, :length]  # [B, H, T, 1]
 
-    out = _normalize(qf, num + num_sm, den + den_sm, eps)  # [B, H, T, M]
+    # The softmax terms are positive: they add to the denominator's magnitude as they are.
+    out = _normalize(qf, num + num_sm, den + den_sm, eps, den_abs + den_sm)  # [B, H, T, M]
     out = ops.cast(ops.transpose(out, (0, 2, 1, 3)), out_dtype)  # [B, T, H, M]
     if return_state:
         return out, state
@@ -217,8 +223,10 @@ def window_attention_step(
     scores = ops.einsum("bhd,bwhd->bhw", q * scale, keys)  # [B, H, W]
     e = _softmax_terms(scores, (valid > 0)[:, None, :])  # [B, H, W]
     num = ops.einsum("bhw,bwhm->bhm", e, values) + ops.einsum("bhc,bhcm->bhm", qf, s)  # [B, H, M]
-    den = ops.sum(e, axis=-1, keepdims=True) + ops.sum(qf * z, axis=-1, keepdims=True)  # [B, H, 1]
-    out = _normalize(qf, num, den, eps)  # [B, H, M]
+    den_sm = ops.sum(e, axis=-1, keepdims=True)  # [B, H, 1]
+    den = den_sm + ops.sum(qf * z, axis=-1, keepdims=True)  # [B, H, 1]
+    den_abs = den_sm + ops.sum(ops.abs(qf) * ops.abs(z), axis=-1, keepdims=True)  # [B, H, 1]
+    out = _normalize(qf, num, den, eps, den_abs)  # [B, H, M]
     return ops.cast(out, out_dtype), (s, z), (keys, values, valid)
 
 
@@ -253,5 +261,5 @@ def window_attention_reference(
         vv = _mask_keys(vv, key_mask)
     num = ops.einsum("bhts,bshm->bthm", weights, vv)  # [B, T, H, M]
     den = ops.transpose(ops.sum(weights, axis=-1), (0, 2, 1))[..., None]  # [B, T, H, 1]
-    guard = eps * ops.sum(ops.abs(cast(q_features)), axis=-1, keepdims=True) + 1e-30
-    return ops.cast(num / ops.maximum(den, guard), v.dtype)
+    den_abs = ops.transpose(ops.sum(ops.abs(weights), axis=-1), (0, 2, 1))[..., None]  # [B, T, H, 1]
+    return ops.cast(num / _guarded_denominator(den, den_abs, eps), v.dtype)
