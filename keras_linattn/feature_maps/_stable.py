@@ -24,7 +24,8 @@ def log_softplus(x):
 
 def query_shift(log_features):
     """``s = min(0, max_c log phi_c - QUERY_LOG_FLOOR)`` per query (``[..., 1]``, no gradient)."""
-    peak = ops.max(log_features, axis=-1, keepdims=True)
+    # `initial`: keras' eager max refuses an empty tensor, and a piece of length 0 is one.
+    peak = ops.max(log_features, axis=-1, keepdims=True, initial=float("-inf"))
     return ops.stop_gradient(ops.minimum(peak - QUERY_LOG_FLOOR, 0.0))
 
 

@@ -38,7 +38,9 @@ class EluFeatureMap(FeatureMap):
     def call(self, inputs, is_query=True, causal=False):
         if is_query:
             # A per-query shift, only where every feature would be below exp(-30).
-            shift = ops.minimum(ops.max(inputs, axis=-1, keepdims=True) - QUERY_LOG_FLOOR, 0.0)  # [B, T, H, 1]
+            # (`initial`: keras' eager max refuses an empty tensor, and a piece of length 0 is one.)
+            peak = ops.max(inputs, axis=-1, keepdims=True, initial=float("-inf"))  # [B, T, H, 1]
+            shift = ops.minimum(peak - QUERY_LOG_FLOOR, 0.0)  # [B, T, H, 1]
             inputs = inputs - ops.stop_gradient(shift)
         return _elu_plus_one(inputs)
 

@@ -91,7 +91,7 @@ class FavorPlusFeatureMap(RandomFeatureMap):
         half_sq_norm = 0.5 * ops.sum(ops.square(x), axis=-1, keepdims=True)  # [B, T, H, 1]
         exponent = proj - half_sq_norm  # [B, T, H, m]
         if is_query:
-            stab = ops.max(exponent, axis=-1, keepdims=True)  # [B, T, H, 1]
+            stab = ops.max(exponent, axis=-1, keepdims=True, initial=float("-inf"))  # [B, T, H, 1]
             exponent = exponent - ops.stop_gradient(stab)
         elif not causal:
             if key_mask is None:

@@ -225,9 +225,14 @@ class KernelUnderflowError(ValueError):
     """
 
 
-def _has_keys(key_mask, causal, z0, like):
-    """``[B, 1|H, 1|T, 1]`` bool: the row attends to at least one real key (or a carried state), or None for all."""
-    if key_mask is None and z0 is None:
+def _has_keys(key_mask, causal, z0, like, num_keys):
+    """``[B, 1|H, 1|T, 1]`` bool: the row attends to at least one real key (or a carried state), or None for all.
+
+    ``num_keys`` is the key length S (a Python int or a scalar tensor): with
+    no key (S = 0) and no carried state there is nothing to attend to, and
+    the output row is 0 like an all-padded row's, not an underflow.
+    """
+    if key_mask is None and z0 is None and isinstance(num_keys, int) and num_keys > 0:
         return None
     has = None
     if key_mask is not None:
@@ -237,7 +242,7 @@ def _has_keys(key_mask, causal, z0, like):
         else:
             has = (ops.sum(real, axis=1) > 0)[:, None, None, None]  # [B, 1, 1, 1]
     else:
-        has = ops.ones_like(like[..., :1, :1]) > 0  # [B, H, 1, 1]
+        has = ops.logical_and(ops.ones_like(like[..., :1, :1]) > 0, num_keys > 0)  # [B, H, 1, 1]
     if z0 is not None:
         carried = ops.any(ops.not_equal(z0, 0.0), axis=-1)[:, :, None, None]  # [B, H, 1, 1]
         has = ops.logical_or(has, carried)
@@ -370,7 +375,8 @@ def linear_attention(
         den_abs = ops.matmul(ops.abs(q), ops.abs(z)[..., None]) if normalize else None  # [B, H, T, 1]
     if normalize:
         out = _normalize(q, num, den, eps, den_abs)  # [B, H, T, M]
-        out = _mark_underflow(out, q, den_abs, _has_keys(key_mask, causal, z0, q))
+        num_keys = k.shape[2] if k.shape[2] is not None else ops.shape(k)[2]  # S
+        out = _mark_underflow(out, q, den_abs, _has_keys(key_mask, causal, z0, q, num_keys))
     else:
         out = num  # [B, H, T, M]
     out = ops.cast(ops.transpose(out, (0, 2, 1, 3)), out_dtype)  # [B, T, H, M]
