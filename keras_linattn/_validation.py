@@ -259,8 +259,11 @@ def check_same_batch(names_and_tensors):
     Raises:
         ValueError: "... must have the same batch size. Received: query.shape=..., value.shape=..."
     """
-    known = [(name, x) for name, x in names_and_tensors if x is not None and len(x.shape) and x.shape[0] is not None]
-    if len({int(x.shape[0]) for _, x in known}) > 1:
+    # A symbolic dim (JAX's shape polymorphism while Keras infers output specs) is unknown too.
+    known = [
+        (name, x) for name, x in names_and_tensors if x is not None and len(x.shape) and isinstance(x.shape[0], int)
+    ]
+    if len({x.shape[0] for _, x in known}) > 1:
         received = ", ".join(f"{name}.shape={tuple(x.shape)}" for name, x in known)
         names = ", ".join(f"`{name}`" for name, _ in known)
         raise ValueError(f"{names} must have the same batch size. Received: {received}")
