@@ -27,7 +27,8 @@ from keras import ops
 from keras_linattn import recurrences
 from keras_linattn.layers import LinearAttention
 from keras_linattn.ops.core import _mask_keys
-from tests._backend import flat, gradients, xla
+from tests._backend import xla
+from tests._helpers import _outputs_and_gradients
 from tests.tolerance import assert_close
 
 DIM, HEADS, KEY_DIM, T, CHUNK, CONV = 16, 2, 8, 11, 4, 3
@@ -87,14 +88,6 @@ def _oracle(layer, x, mask):
     return layer.output_dense(att)
 
 
-def _out_and_grads(fn, x, weights):
-    def loss(x_):
-        out = fn(x_)
-        return ops.sum(out * ops.cos(ops.arange(out.shape[-1], dtype="float32"))), out
-
-    out, grads = gradients(loss, [x], weights)
-    return out, flat(grads)
-
 
 def test_the_registry_holds_the_built_ins_and_the_test_only_recurrence():
     assert {"additive", "decay", "delta", "window", "scratch_fixed_decay"} <= set(recurrences.available())
@@ -106,8 +99,8 @@ def test_outputs_and_gradients_match_the_float64_oracle(rng, case):
     layer = _layer(case)
     x, mask = _inputs(rng)
     weights = layer.trainable_variables
-    out, grads = _out_and_grads(lambda x_: layer(x_, x_, key_mask=mask, use_causal_mask=True), x, weights)
-    ref, ref_grads = _out_and_grads(lambda x_: _oracle(layer, x_, mask), x, weights)
+    out, grads = _outputs_and_gradients(lambda x_: layer(x_, x_, key_mask=mask, use_causal_mask=True), x, weights)
+    ref, ref_grads = _outputs_and_gradients(lambda x_: _oracle(layer, x_, mask), x, weights)
     n = _n(layer)
     # Chunked exponents are differences of float32 cumulative log decays.
     conditioning = layer.recurrence.conditioning(layer.project(x, x)[1])
