@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-slow test-onednn-off test-jax lint docs dist dist-check bench install clean
+.PHONY: demo test test-fast test-slow test-onednn-off test-jax lint format docs dist dist-check bench install clean
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -59,8 +59,15 @@ test-jax: $(STAMP)
 	KERAS_BACKEND=jax $(PYTEST) -rx $(JAX_TESTS)
 
 # ruff (config: [tool.ruff] in pyproject.toml) over everything that is Python; run by .ci/run before the tests.
+# `make lint` checks the rules and that `ruff format` has nothing to change; `make format` applies both.
+RUFF_PATHS := keras_linattn tests examples benchmarks export docs/_hooks
 lint: $(STAMP)
-	$(PY) -m ruff check keras_linattn tests examples benchmarks export docs/_hooks
+	$(PY) -m ruff check $(RUFF_PATHS)
+	$(PY) -m ruff format --check $(RUFF_PATHS)
+
+format: $(STAMP)
+	$(PY) -m ruff check --fix $(RUFF_PATHS)
+	$(PY) -m ruff format $(RUFF_PATHS)
 
 # The reference site: mkdocs + mkdocstrings (mkdocs.yml) from docs/*.md and the docstrings, into site/.
 # --strict: a broken link, a missing page or an unresolved cross-reference fails the build.

@@ -81,9 +81,7 @@ class AnchorUnavailable(RuntimeError):
 def _find_wheel(cache_dir):
     if not os.path.isdir(cache_dir):
         return None
-    wheels = sorted(
-        f for f in os.listdir(cache_dir) if f.startswith("tf_models_official-2.20") and f.endswith(".whl")
-    )
+    wheels = sorted(f for f in os.listdir(cache_dir) if f.startswith("tf_models_official-2.20") and f.endswith(".whl"))
     return os.path.join(cache_dir, wheels[-1]) if wheels else None
 
 
@@ -154,9 +152,7 @@ def load_kernel_attention(cache_dir=CACHE_DIR, allow_download=True, log=print):
     try:
         import tf_keras  # noqa: F401
     except ImportError as e:
-        raise AnchorUnavailable(
-            f"tf-keras is not installed ({e}); `pip install 'tf-keras>=2.21,<2.22'`"
-        ) from e
+        raise AnchorUnavailable(f"tf-keras is not installed ({e}); `pip install 'tf-keras>=2.21,<2.22'`") from e
     path = fetch_kernel_attention_source(cache_dir, allow_download=allow_download, log=log)
     stub_names = ("official", "official.modeling", "official.modeling.tf_utils")
     saved = {name: sys.modules.get(name) for name in stub_names}
@@ -166,9 +162,7 @@ def load_kernel_attention(cache_dir=CACHE_DIR, allow_download=True, log=print):
     tf_utils.get_shape_list = _get_shape_list
     official.modeling = modeling
     modeling.tf_utils = tf_utils
-    sys.modules.update(
-        {"official": official, "official.modeling": modeling, "official.modeling.tf_utils": tf_utils}
-    )
+    sys.modules.update({"official": official, "official.modeling": modeling, "official.modeling.tf_utils": tf_utils})
     try:
         spec = importlib.util.spec_from_file_location("_benchmarks_model_garden_kernel_attention", path)
         module = importlib.util.module_from_spec(spec)

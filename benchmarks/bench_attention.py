@@ -77,7 +77,13 @@ MECHANISMS = {
     "causal_gated_delta": dict(update="delta", normalize=False, decay="scalar"),
 }
 IMPLS = (
-    "linear", "linear_causal", "projections", "mha", "kernel_attention", "kernel_attention_rf", "naive_causal"
+    "linear",
+    "linear_causal",
+    "projections",
+    "mha",
+    "kernel_attention",
+    "kernel_attention_rf",
+    "naive_causal",
 ) + tuple(MECHANISMS)
 LABELS = {
     "linear": "LinearAttention (non-causal)",
@@ -87,8 +93,10 @@ LABELS = {
     "kernel_attention_rf": "Model Garden KernelAttention(elu), default 256 random features",
     "naive_causal": "naive causal cumsum [B,T,H,C,M]",
     "projections": "the four projections alone (no attention)",
-    **{name: f"LinearAttention (causal, {', '.join(f'{k}={v!r}' for k, v in kw.items())})"
-       for name, kw in MECHANISMS.items()},
+    **{
+        name: f"LinearAttention (causal, {', '.join(f'{k}={v!r}' for k, v in kw.items())})"
+        for name, kw in MECHANISMS.items()
+    },
 }
 SHORT = {
     "linear": "ours non-causal",
@@ -142,10 +150,16 @@ def parse_args(argv=None):
         description="Forward+backward time and peak memory of LinearAttention vs softmax "
         "MultiHeadAttention, Model Garden KernelAttention and a naive cumsum causal attention.",
     )
-    p.add_argument("--ns", default=",".join(str(n) for n in DEFAULT_NS),
-                   help="comma-separated sequence lengths N (default: %(default)s)")
-    p.add_argument("--impls", default=",".join(IMPLS),
-                   help="comma-separated implementations among %s (default: all)" % ", ".join(IMPLS))
+    p.add_argument(
+        "--ns",
+        default=",".join(str(n) for n in DEFAULT_NS),
+        help="comma-separated sequence lengths N (default: %(default)s)",
+    )
+    p.add_argument(
+        "--impls",
+        default=",".join(IMPLS),
+        help="comma-separated implementations among %s (default: all)" % ", ".join(IMPLS),
+    )
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--key-dim", type=int, default=64, help="per-head dim D = M; width = heads * key-dim")
@@ -154,22 +168,37 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=1, help="untimed calls per point (the first one traces)")
     p.add_argument("--jit", action="store_true", help="XLA: tf.function(jit_compile=True) for all")
     p.add_argument("--no-memory", action="store_true", help="skip the per-point child processes")
-    p.add_argument("--memory-impls", default=None,
-                   help="comma-separated implementations to measure memory for (default: --impls)")
-    p.add_argument("--mem-budget-gb", type=float, default=None,
-                   help="skip points estimated above this (default: 60%% of available RAM at start)")
-    p.add_argument("--max-call-seconds", type=float, default=60.0,
-                   help="skip a point whose predicted time per call (extrapolated from the previous N, "
-                   "quadratic for softmax, linear otherwise) exceeds this (default: %(default)s)")
-    p.add_argument("--no-download", action="store_true",
-                   help="do not fetch tf-models-official; skip KernelAttention if not cached")
+    p.add_argument(
+        "--memory-impls", default=None, help="comma-separated implementations to measure memory for (default: --impls)"
+    )
+    p.add_argument(
+        "--mem-budget-gb",
+        type=float,
+        default=None,
+        help="skip points estimated above this (default: 60%% of available RAM at start)",
+    )
+    p.add_argument(
+        "--max-call-seconds",
+        type=float,
+        default=60.0,
+        help="skip a point whose predicted time per call (extrapolated from the previous N, "
+        "quadratic for softmax, linear otherwise) exceeds this (default: %(default)s)",
+    )
+    p.add_argument(
+        "--no-download", action="store_true", help="do not fetch tf-models-official; skip KernelAttention if not cached"
+    )
     p.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    p.add_argument("--prefix", default=None,
-                   help="output file prefix (default: attention, or attention.xla with --jit)")
+    p.add_argument(
+        "--prefix", default=None, help="output file prefix (default: attention, or attention.xla with --jit)"
+    )
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--from-json", default=None, metavar="PATH",
-                   help="measure nothing: recompute the figures and rewrite the outputs from a saved JSON")
+    p.add_argument(
+        "--from-json",
+        default=None,
+        metavar="PATH",
+        help="measure nothing: recompute the figures and rewrite the outputs from a saved JSON",
+    )
     p.add_argument("--child", nargs=2, metavar=("IMPL", "N"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.ns = [int(n) for n in args.ns.split(",") if n.strip()]
@@ -177,9 +206,9 @@ def parse_args(argv=None):
     unknown = [i for i in args.impls if i not in IMPLS]
     if unknown:
         p.error(f"unknown implementation(s) {unknown}; choose among {list(IMPLS)}")
-    args.memory_impls = args.impls if args.memory_impls is None else [
-        i.strip() for i in args.memory_impls.split(",") if i.strip()
-    ]
+    args.memory_impls = (
+        args.impls if args.memory_impls is None else [i.strip() for i in args.memory_impls.split(",") if i.strip()]
+    )
     if args.prefix is None:
         args.prefix = "attention.xla" if args.jit else "attention"
     return args
@@ -257,6 +286,7 @@ class Impl:
             raise ValueError(f"Unknown implementation. Received: impl={name!r}")
 
         if name == "projections":
+
             def apply(x):
                 q, k, v = layer.project(x, x)  # [B, N, H, D] each
                 # Three different gradients, so that all 12 matmuls run (see
@@ -264,9 +294,11 @@ class Impl:
                 # forward, two products backward.
                 return layer.project_output(q * k + v, False)  # [B, N, width]
         elif name in ("linear", "linear_causal") or name in MECHANISMS:
+
             def apply(x):
                 return layer(x, x, use_causal_mask=causal)
         else:
+
             def apply(x):
                 return layer(x, x)
 
@@ -348,9 +380,24 @@ def child_memory(args):
 
 
 def measure_memory(impl, n, args, timeout=900):
-    cmd = [sys.executable, "-m", "benchmarks.bench_attention", "--child", impl, str(n),
-           "--batch", str(args.batch), "--heads", str(args.heads), "--key-dim", str(args.key_dim),
-           "--chunk-size", str(args.chunk_size), "--seed", str(args.seed)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.bench_attention",
+        "--child",
+        impl,
+        str(n),
+        "--batch",
+        str(args.batch),
+        "--heads",
+        str(args.heads),
+        "--key-dim",
+        str(args.key_dim),
+        "--chunk-size",
+        str(args.chunk_size),
+        "--seed",
+        str(args.seed),
+    ]
     if args.jit:
         cmd.append("--jit")
     if args.no_download:
@@ -365,7 +412,7 @@ def measure_memory(impl, n, args, timeout=900):
         return {"impl": impl, "n": n, "error": f"child timed out after {timeout} s"}
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(RESULT_TAG):
-            return json.loads(line[len(RESULT_TAG):])
+            return json.loads(line[len(RESULT_TAG) :])
     tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
     return {"impl": impl, "n": n, "error": f"child exited with {proc.returncode}: {tail}"}
 
@@ -379,15 +426,26 @@ def run_benchmark(args, log=print):
     budget = args.mem_budget_gb * GB if args.mem_budget_gb else 0.6 * available_memory_bytes()
     results = {
         "config": {
-            "batch": args.batch, "heads": args.heads, "key_dim": args.key_dim,
-            "width": args.heads * args.key_dim, "feature_map": "elu", "chunk_size": args.chunk_size,
-            "repeats": args.repeats, "warmup": args.warmup, "jit": bool(args.jit),
-            "ns": list(args.ns), "impls": list(args.impls), "memory_budget_bytes": budget,
+            "batch": args.batch,
+            "heads": args.heads,
+            "key_dim": args.key_dim,
+            "width": args.heads * args.key_dim,
+            "feature_map": "elu",
+            "chunk_size": args.chunk_size,
+            "repeats": args.repeats,
+            "warmup": args.warmup,
+            "jit": bool(args.jit),
+            "ns": list(args.ns),
+            "impls": list(args.impls),
+            "memory_budget_bytes": budget,
             "memory": not args.no_memory,
         },
         "environment": {
-            "tensorflow": tf.__version__, "keras": keras.__version__, "python": platform.python_version(),
-            "machine": platform.machine(), "cpu_count": os.cpu_count(),
+            "tensorflow": tf.__version__,
+            "keras": keras.__version__,
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "cpu_count": os.cpu_count(),
             "loadavg_start": list(os.getloadavg()),
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         },
@@ -395,9 +453,11 @@ def run_benchmark(args, log=print):
         "memory_method": "fresh child per point; increase = peak RSS (VmHWM, reset after build) - RSS after build",
     }
     mode = "XLA (jit_compile=True)" if args.jit else "tf.function, no XLA"
-    log(f"[bench] {mode}; B={args.batch} H={args.heads} D={args.key_dim} width={args.heads * args.key_dim} "
+    log(
+        f"[bench] {mode}; B={args.batch} H={args.heads} D={args.key_dim} width={args.heads * args.key_dim} "
         f"chunk={args.chunk_size}; repeats={args.repeats}; memory budget {budget / GB:.1f} GB; "
-        f"load average {os.getloadavg()[0]:.2f}")
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
 
     impls, unavailable = {}, {}
     for name in args.impls:
@@ -428,8 +488,10 @@ def run_benchmark(args, log=print):
             if prev is not None:
                 predicted = prev[1] * (n / prev[0]) ** (2 if name == "mha" else 1)
                 if predicted > args.max_call_seconds:
-                    pt["skipped"] = (f"predicted ~{predicted:.0f} s per call > limit "
-                                     f"{args.max_call_seconds:g} s (--max-call-seconds)")
+                    pt["skipped"] = (
+                        f"predicted ~{predicted:.0f} s per call > limit "
+                        f"{args.max_call_seconds:g} s (--max-call-seconds)"
+                    )
                     log(f"[bench] N={n:>6} {name:<17} skipped: {pt['skipped']}")
                     continue
             runnable.append(name)
@@ -475,8 +537,10 @@ def run_benchmark(args, log=print):
             pt["cpu_median_s"] = statistics.median(cpu_times[name]) if cpu_times[name] else None
             if pt["median_s"] is not None:
                 last_time[name] = (n, pt["median_s"])
-            log(f"[bench] N={n:>6} {name:<17} time median {pt['median_s']:.4f} s "
-                f"(runs {', '.join(f'{t:.3f}' for t in times[name])}; CPU median {pt['cpu_median_s']:.3f} s)")
+            log(
+                f"[bench] N={n:>6} {name:<17} time median {pt['median_s']:.4f} s "
+                f"(runs {', '.join(f'{t:.3f}' for t in times[name])}; CPU median {pt['cpu_median_s']:.3f} s)"
+            )
         if not args.no_memory:
             for name in runnable:
                 if name not in args.memory_impls:
@@ -517,7 +581,7 @@ def _mem(results, impl, n):
 
 def loglog_slope(ns, values):
     """Least-squares slope of log(value) against log(N); None with < 2 points."""
-    pairs = [(math.log(n), math.log(v)) for n, v in zip(ns, values) if v is not None and v > 0]
+    pairs = [(math.log(n), math.log(v)) for n, v in zip(ns, values, strict=True) if v is not None and v > 0]
     if len(pairs) < 2:
         return None
     mx = sum(p[0] for p in pairs) / len(pairs)
@@ -696,7 +760,7 @@ def write_plot(results, path):
 
     cfg = results["config"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
-    for kind, ax in zip(("time", "memory"), axes):
+    for kind, ax in zip(("time", "memory"), axes, strict=True):
         for impl in cfg["impls"]:
             ns, vals = [], []
             for n in cfg["ns"]:
@@ -753,7 +817,7 @@ def main(argv=None):
         results = run_benchmark(args)
     paths = write_outputs(results, args.out_dir, args.prefix, plot=not args.no_plot)
     print_figures(results)
-    for kind, path in paths.items():
+    for path in paths.values():
         print(f"[bench] wrote {path}")
     return 0
 

@@ -250,7 +250,7 @@ def measure_times(args):
         kv_token = ops.zeros((args.batch,), "int32")
         index = tf.constant(context)
 
-        def run_kv():
+        def run_kv(kv_token=kv_token, caches=caches, index=index):
             start = time.perf_counter()
             kv_decode(kv_token, caches, index, n)[0].numpy()
             return time.perf_counter() - start
@@ -269,7 +269,7 @@ def measure_times(args):
             ids = rng.integers(0, CONFIG["vocabulary_size"], size=(args.batch, context)).astype("int32")
             forward = tf.function(lambda x: ops.argmax(model(x)[:, -1], axis=-1), jit_compile=True, autograph=False)
 
-            def run_recompute():
+            def run_recompute(forward=forward, ids=ids):
                 forward(ids).numpy()
 
             run_recompute()
@@ -338,15 +338,25 @@ def measure_memory(args):
         row = {"context": context}
         for method in ("ours", "kv_cache"):
             cmd = [
-                sys.executable, "-m", "benchmarks.bench_decode", "--child", method, str(context),
-                "--batch", str(args.batch), "--tokens", str(args.tokens), "--prefill-piece", str(args.prefill_piece),
+                sys.executable,
+                "-m",
+                "benchmarks.bench_decode",
+                "--child",
+                method,
+                str(context),
+                "--batch",
+                str(args.batch),
+                "--tokens",
+                str(args.tokens),
+                "--prefill-piece",
+                str(args.prefill_piece),
             ]
             proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
             if proc.returncode or not lines:
                 row[method] = {"error": (proc.stderr or proc.stdout)[-400:]}
             else:
-                row[method] = json.loads(lines[-1][len(RESULT_TAG):])
+                row[method] = json.loads(lines[-1][len(RESULT_TAG) :])
         row["kv_cache_tensor_mb"] = (
             2 * CONFIG["num_layers"] * args.batch * (context + args.tokens) * CONFIG["hidden_dim"] * 4 / MB
         )
@@ -435,7 +445,8 @@ def write_report(meta, rows, memory_rows, out_dir):
             "|---:|---:|---:|---:|---:|---:|",
         ]
         for r in memory_rows:
-            def cell(m, key):
+
+            def cell(m, key, r=r):
                 v = r[m].get(key)
                 return f"{v:.0f}" if v is not None else "error"
 

@@ -97,8 +97,12 @@ def main(argv=None):
 
     meta = {
         "command": "python -m benchmarks.bench_decode_mechanisms " + " ".join(argv or []),
-        "config": CONFIG, "batch": args.batch, "tokens": args.tokens, "repeats": args.repeats,
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "tensorflow": tf.__version__,
+        "config": CONFIG,
+        "batch": args.batch,
+        "tokens": args.tokens,
+        "repeats": args.repeats,
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+        "tensorflow": tf.__version__,
     }
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "decode_mechanisms.json"), "w") as f:

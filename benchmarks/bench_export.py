@@ -99,14 +99,16 @@ def bench_encoder(workdir, shapes, repeats, width, heads, ffn):
         (sm_name,) = sm_out
         timings = timed(
             {
-                "saved_model": lambda: runner.run("serving_default", {"features": x}),
-                "onnxruntime": lambda: predictor({"features": x}),
-                "spinning": lambda: spinning({"features": x}),
+                "saved_model": lambda x=x: runner.run("serving_default", {"features": x}),
+                "onnxruntime": lambda x=x: predictor({"features": x}),
+                "spinning": lambda x=x: spinning({"features": x}),
             },
             repeats,
         )
         (sm_med, sm_all), (ort_med, ort_all), (spin_med, spin_all) = (
-            timings["saved_model"], timings["onnxruntime"], timings["spinning"]
+            timings["saved_model"],
+            timings["onnxruntime"],
+            timings["spinning"],
         )
         rows.append(
             {

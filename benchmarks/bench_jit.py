@@ -172,8 +172,7 @@ def main(argv=None):
         f"first {args.warmup} steps, XLA (s)",
     ]
     table = "\n".join(
-        ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        + ["| " + " | ".join(r) + " |" for r in rows]
+        ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
     )
     setup = (
         f"2 layers, N={args.length}, batch {args.batch_size}, width {args.hidden_dim}, {args.num_heads} heads, "

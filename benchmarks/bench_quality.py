@@ -88,8 +88,18 @@ DEFAULT_SEEDS = (0, 1)
 TEST_SEED = 1
 TRAIN_SEED_OFFSET = 10_000
 
-QUICK = dict(settings=((16, 2, 32),), steps=150, batch_size=32, num_train=2000, num_test=256, lrs=(3e-3,),
-             seeds=(0,), eval_every=50, vocabulary=16, contenders=("softmax", "elu"))
+QUICK = dict(
+    settings=((16, 2, 32),),
+    steps=150,
+    batch_size=32,
+    num_train=2000,
+    num_test=256,
+    lrs=(3e-3,),
+    seeds=(0,),
+    eval_every=50,
+    vocabulary=16,
+    contenders=("softmax", "elu"),
+)
 
 
 # --------------------------------------------------------------- configuration
@@ -124,18 +134,28 @@ def parse_args(argv=None):
         "one model family, one training budget.",
     )
     p.add_argument("--task", choices=["mqar", "lm"], default="mqar")
-    p.add_argument("--contenders", default="default",
-                   help="comma list of names, or 'default' (softmax + every feature map), 'mechanisms', 'all'. "
-                   f"Known: {', '.join(qm.ALL_CONTENDERS)}")
-    p.add_argument("--settings", default=None,
-                   help="MQAR: comma list of T:P:E, or 'full' (%s); default %s" % tuple(
-                       ",".join(":".join(map(str, s)) for s in group) for group in (FULL_SETTINGS, DEFAULT_SETTINGS)))
+    p.add_argument(
+        "--contenders",
+        default="default",
+        help="comma list of names, or 'default' (softmax + every feature map), 'mechanisms', 'all'. "
+        f"Known: {', '.join(qm.ALL_CONTENDERS)}",
+    )
+    p.add_argument(
+        "--settings",
+        default=None,
+        help="MQAR: comma list of T:P:E, or 'full' (%s); default %s"
+        % tuple(",".join(":".join(map(str, s)) for s in group) for group in (FULL_SETTINGS, DEFAULT_SETTINGS)),
+    )
     p.add_argument("--vocabulary", type=int, default=None, help="MQAR vocabulary (default 2T per setting)")
-    p.add_argument("--steps", type=int, default=None,
-                   help=f"training steps per run (MQAR default {DEFAULT_STEPS}; LM 1200)")
+    p.add_argument(
+        "--steps", type=int, default=None, help=f"training steps per run (MQAR default {DEFAULT_STEPS}; LM 1200)"
+    )
     p.add_argument("--batch-size", type=int, default=None, help="(MQAR default 32, LM 16)")
-    p.add_argument("--lrs", default=None, help="comma list of AdamW learning rates (MQAR default %s; LM 3e-3)"
-                   % ",".join(f"{x:g}" for x in DEFAULT_LRS))
+    p.add_argument(
+        "--lrs",
+        default=None,
+        help="comma list of AdamW learning rates (MQAR default %s; LM 3e-3)" % ",".join(f"{x:g}" for x in DEFAULT_LRS),
+    )
     p.add_argument("--seeds", default=None, help="comma list of seeds (default 0,1 for MQAR, 0 for LM)")
     p.add_argument("--num-train", type=int, default=10_000, help="MQAR training examples")
     p.add_argument("--num-test", type=int, default=1000, help="MQAR held-out test examples")
@@ -145,12 +165,18 @@ def parse_args(argv=None):
     p.add_argument("--lm-sequence-length", type=int, default=128)
     p.add_argument("--lm-max-chars", type=int, default=1_000_000)
     p.add_argument("--lm-validation-steps", type=int, default=20)
-    p.add_argument("--quick", action="store_true", help="CI smoke run: tiny MQAR (T=16, 2 pairs, V=16), "
-                   "softmax and elu, 150 steps, one rate and seed")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="CI smoke run: tiny MQAR (T=16, 2 pairs, V=16), softmax and elu, 150 steps, one rate and seed",
+    )
     p.add_argument("--resume", action="store_true", help="reuse finished runs from <out-dir>/<prefix>_runs.json")
-    p.add_argument("--from-cache", action="store_true",
-                   help="train nothing: write the tables from the finished runs in the cache (MQAR); cells with "
-                   "missing runs say how many of their runs exist")
+    p.add_argument(
+        "--from-cache",
+        action="store_true",
+        help="train nothing: write the tables from the finished runs in the cache (MQAR); cells with "
+        "missing runs say how many of their runs exist",
+    )
     p.add_argument("--out-dir", default=RESULTS_DIR)
     p.add_argument("--prefix", default=None, help="output file prefix (default quality_<task>)")
     p.add_argument("--no-plot", action="store_true")
@@ -174,8 +200,13 @@ def parse_args(argv=None):
     if args.from_cache and lm:
         p.error("--from-cache renders MQAR tables; the LM task has no partial table")
     args.contender_list = parse_contenders(args.contenders)
-    args.settings = (DEFAULT_SETTINGS if args.settings is None else FULL_SETTINGS if args.settings == "full"
-                     else parse_settings(args.settings))
+    args.settings = (
+        DEFAULT_SETTINGS
+        if args.settings is None
+        else FULL_SETTINGS
+        if args.settings == "full"
+        else parse_settings(args.settings)
+    )
     default_lrs = ",".join(map(str, (3e-3,) if lm else DEFAULT_LRS))
     args.lr_list = tuple(float(x) for x in (args.lrs or default_lrs).split(","))
     args.seed_list = tuple(int(x) for x in (args.seeds or ("0" if lm else "0,1")).split(","))
@@ -207,7 +238,8 @@ def compile_model(model, steps, lr, weighted):
         optimizer=keras.optimizers.AdamW(warmup_cosine_schedule(steps, lr), weight_decay=0.01, clipnorm=1.0),
         # Masked MQAR positions carry weight 0; the loss is the mean over query positions.
         loss=keras.losses.SparseCategoricalCrossentropy(
-            from_logits=True, reduction="mean_with_sample_weight" if weighted else "sum_over_batch_size"),
+            from_logits=True, reduction="mean_with_sample_weight" if weighted else "sum_over_batch_size"
+        ),
         weighted_metrics=["accuracy"] if weighted else None,
         metrics=None if weighted else ["accuracy"],
         jit_compile=True,
@@ -233,13 +265,22 @@ def _fit(model, train_ds, val_ds, steps, eval_every, log_prefix, log):
             logs = {k: float(v) for k, v in (logs or {}).items()}
             point = {"step": (epoch + 1) * eval_every, "seconds": time.perf_counter() - start, **logs}
             curve.append(point)
-            log(f"{log_prefix} step {point['step']:>5}  loss {logs.get('loss', float('nan')):.3f}  "
+            log(
+                f"{log_prefix} step {point['step']:>5}  loss {logs.get('loss', float('nan')):.3f}  "
                 f"val_loss {logs.get('val_loss', float('nan')):.3f}  "
                 f"val_acc {logs.get('val_accuracy', float('nan')):.3f}"
-                f"  {point['seconds']:.0f}s")
+                f"  {point['seconds']:.0f}s"
+            )
 
-    model.fit(train_ds, epochs=epochs, steps_per_epoch=eval_every, validation_data=val_ds, verbose=0,
-              callbacks=[Progress()], shuffle=False)  # the datasets shuffle themselves
+    model.fit(
+        train_ds,
+        epochs=epochs,
+        steps_per_epoch=eval_every,
+        validation_data=val_ds,
+        verbose=0,
+        callbacks=[Progress()],
+        shuffle=False,
+    )  # the datasets shuffle themselves
     return curve, time.perf_counter() - start
 
 
@@ -256,10 +297,16 @@ def run_mqar(contender, setting, lr, seed, args, data, log=log_line):
     (x_tr, y_tr), (x_te, y_te) = data
     train_ds = _mqar_dataset(x_tr, y_tr, args.batch_size, shuffle_seed=seed)
     test_ds = _mqar_dataset(x_te, y_te, 250)
-    curve, seconds = _fit(model, train_ds, test_ds, steps, args.eval_every or max(1, steps // 10),
-                          f"[mqar {name} T={t} P={p} E={e} lr={lr:g} seed={seed}]", log)
-    return {"accuracy": curve[-1]["val_accuracy"], "curve": curve, "wall_s": seconds,
-            "params": model.count_params()}
+    curve, seconds = _fit(
+        model,
+        train_ds,
+        test_ds,
+        steps,
+        args.eval_every or max(1, steps // 10),
+        f"[mqar {name} T={t} P={p} E={e} lr={lr:g} seed={seed}]",
+        log,
+    )
+    return {"accuracy": curve[-1]["val_accuracy"], "curve": curve, "wall_s": seconds, "params": model.count_params()}
 
 
 def run_lm(contender, lr, seed, args, data, log=log_line):
@@ -275,20 +322,27 @@ def run_lm(contender, lr, seed, args, data, log=log_line):
     compile_model(model, steps, lr, weighted=False)
     train_ds = lm_data.windows(train_ids, t, args.batch_size, shuffle=True, seed=seed).repeat()
     val_ds = lm_data.windows(val_ids, t, args.batch_size).take(args.lm_validation_steps)
-    curve, seconds = _fit(model, train_ds, val_ds, steps, args.eval_every or 100,
-                          f"[lm {name} lr={lr:g} seed={seed}]", log)
+    curve, seconds = _fit(
+        model, train_ds, val_ds, steps, args.eval_every or 100, f"[lm {name} lr={lr:g} seed={seed}]", log
+    )
     for point in curve:
         point["train_bits_per_char"] = point["loss"] / math.log(2)
         point["val_bits_per_char"] = point["val_loss"] / math.log(2)
-    return {"train_bits_per_char": curve[-1]["train_bits_per_char"],
-            "val_bits_per_char": curve[-1]["val_bits_per_char"], "curve": curve, "wall_s": seconds,
-            "params": model.count_params()}
+    return {
+        "train_bits_per_char": curve[-1]["train_bits_per_char"],
+        "val_bits_per_char": curve[-1]["val_bits_per_char"],
+        "curve": curve,
+        "wall_s": seconds,
+        "params": model.count_params(),
+    }
 
 
 # ---------------------------------------------------------------- bookkeeping
 def run_key(task, name, kwargs, setting, lr, seed, budget):
-    return json.dumps({"task": task, "contender": name, "kwargs": kwargs, "setting": list(setting), "lr": lr,
-                       "seed": seed, **budget}, sort_keys=True)
+    return json.dumps(
+        {"task": task, "contender": name, "kwargs": kwargs, "setting": list(setting), "lr": lr, "seed": seed, **budget},
+        sort_keys=True,
+    )
 
 
 class RunCache:
@@ -319,16 +373,27 @@ def aggregate(runs, metric, higher_is_better=True):
     means = {lr: statistics.fmean(r[metric] for r in rs) for lr, rs in by_lr.items()}
     best = max(means, key=lambda lr: sign * means[lr])
     vals = [r[metric] for r in by_lr[best]]
-    return {"best_lr": best, "mean": means[best], "min": min(vals), "max": max(vals),
-            "std": statistics.pstdev(vals), "seeds": len(vals),
-            "per_lr": {f"{lr:g}": means[lr] for lr in sorted(means)},
-            "wall_s_mean": statistics.fmean(r["wall_s"] for rs in by_lr.values() for r in rs)}
+    return {
+        "best_lr": best,
+        "mean": means[best],
+        "min": min(vals),
+        "max": max(vals),
+        "std": statistics.pstdev(vals),
+        "seeds": len(vals),
+        "per_lr": {f"{lr:g}": means[lr] for lr in sorted(means)},
+        "wall_s_mean": statistics.fmean(r["wall_s"] for rs in by_lr.values() for r in rs),
+    }
 
 
 def environment():
-    return {"python": platform.python_version(), "tensorflow": tf.__version__, "keras": keras.__version__,
-            "machine": platform.machine(), "cpu_count": os.cpu_count(),
-            "gpus": len(tf.config.list_physical_devices("GPU"))}
+    return {
+        "python": platform.python_version(),
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "gpus": len(tf.config.list_physical_devices("GPU")),
+    }
 
 
 # ------------------------------------------------------------------------ main
@@ -342,9 +407,15 @@ def benchmark_mqar(args, log=log_line):
         v = args.vocabulary or 2 * t
         train = {s: None for s in args.seed_list}
         test = mqar.generate(args.num_test, t, p, v, seed=TEST_SEED)
-        budget = {"steps": steps_for(args, t), "batch_size": args.batch_size, "num_train": args.num_train,
-                  "num_test": args.num_test, "vocabulary": v, "num_heads": args.num_heads,
-                  "eval_every": args.eval_every or max(1, steps_for(args, t) // 10)}
+        budget = {
+            "steps": steps_for(args, t),
+            "batch_size": args.batch_size,
+            "num_train": args.num_train,
+            "num_test": args.num_test,
+            "vocabulary": v,
+            "num_heads": args.num_heads,
+            "eval_every": args.eval_every or max(1, steps_for(args, t) // 10),
+        }
         for name, kwargs in args.contender_list:
             for lr in args.lr_list:
                 for seed in args.seed_list:
@@ -358,16 +429,19 @@ def benchmark_mqar(args, log=log_line):
                         if train[seed] is None:
                             train[seed] = mqar.generate(args.num_train, t, p, v, seed=TRAIN_SEED_OFFSET + seed)
                         record = run_mqar((name, kwargs), setting, lr, seed, args, (train[seed], test), log)
-                        record.update(contender=name, kwargs=kwargs, setting=list(setting), lr=lr, seed=seed,
-                                      budget=budget)
+                        record.update(
+                            contender=name, kwargs=kwargs, setting=list(setting), lr=lr, seed=seed, budget=budget
+                        )
                         cache.put(key, record)
                         state = "ran"
                     else:
                         state = "cached"
                     records.append(record)
-                    log(f"[{done}/{total}] {state} {name} T={t} P={p} E={e} lr={lr:g} seed={seed}: "
+                    log(
+                        f"[{done}/{total}] {state} {name} T={t} P={p} E={e} lr={lr:g} seed={seed}: "
                         f"acc {record['accuracy']:.3f} ({record['wall_s']:.0f}s; {time.perf_counter() - started:.0f}s "
-                        "elapsed)")
+                        "elapsed)"
+                    )
     table = []
     for setting in args.settings:
         for name, kwargs in args.contender_list:
@@ -375,18 +449,37 @@ def benchmark_mqar(args, log=log_line):
             if not rs:
                 continue
             t, p, e = setting
-            table.append({"contender": name, "setting": list(setting),
-                          "chance": mqar.chance_accuracy(p, args.vocabulary or 2 * t),
-                          "state_floats_per_layer": qm.state_floats(kwargs, e, args.num_heads, t),
-                          "runs": len(rs), "planned_runs": len(args.lr_list) * len(args.seed_list),
-                          **aggregate(rs, "accuracy")})
-    return {"task": "mqar", "command": args.command, "environment": environment(),
-            "config": {"settings": [list(s) for s in args.settings], "lrs": list(args.lr_list),
-                       "seeds": list(args.seed_list), "batch_size": args.batch_size, "num_train": args.num_train,
-                       "num_test": args.num_test, "num_heads": args.num_heads, "vocabulary": args.vocabulary,
-                       "steps": {str(s[0]): steps_for(args, s[0]) for s in args.settings},
-                       "contenders": {n: k for n, k in args.contender_list}},
-            "table": table, "runs": records, "total_wall_s": time.perf_counter() - started}
+            table.append(
+                {
+                    "contender": name,
+                    "setting": list(setting),
+                    "chance": mqar.chance_accuracy(p, args.vocabulary or 2 * t),
+                    "state_floats_per_layer": qm.state_floats(kwargs, e, args.num_heads, t),
+                    "runs": len(rs),
+                    "planned_runs": len(args.lr_list) * len(args.seed_list),
+                    **aggregate(rs, "accuracy"),
+                }
+            )
+    return {
+        "task": "mqar",
+        "command": args.command,
+        "environment": environment(),
+        "config": {
+            "settings": [list(s) for s in args.settings],
+            "lrs": list(args.lr_list),
+            "seeds": list(args.seed_list),
+            "batch_size": args.batch_size,
+            "num_train": args.num_train,
+            "num_test": args.num_test,
+            "num_heads": args.num_heads,
+            "vocabulary": args.vocabulary,
+            "steps": {str(s[0]): steps_for(args, s[0]) for s in args.settings},
+            "contenders": {n: k for n, k in args.contender_list},
+        },
+        "table": table,
+        "runs": records,
+        "total_wall_s": time.perf_counter() - started,
+    }
 
 
 def benchmark_lm(args, log=log_line):
@@ -397,10 +490,16 @@ def benchmark_lm(args, log=log_line):
     vocab = lm_data.CharVocabulary.from_text(text, max_size=128)
     train_ids, val_ids = lm_data.split_ids(vocab.encode(text))
     cache = RunCache(os.path.join(args.out_dir, args.prefix + "_runs.json"), args.resume)
-    budget = {"steps": steps_for(args, args.lm_sequence_length), "batch_size": args.batch_size,
-              "width": args.lm_width, "sequence_length": args.lm_sequence_length, "num_heads": args.num_heads,
-              "max_chars": args.lm_max_chars, "validation_steps": args.lm_validation_steps,
-              "eval_every": args.eval_every or 100}
+    budget = {
+        "steps": steps_for(args, args.lm_sequence_length),
+        "batch_size": args.batch_size,
+        "width": args.lm_width,
+        "sequence_length": args.lm_sequence_length,
+        "num_heads": args.num_heads,
+        "max_chars": args.lm_max_chars,
+        "validation_steps": args.lm_validation_steps,
+        "eval_every": args.eval_every or 100,
+    }
     total = len(args.contender_list) * len(args.lr_list) * len(args.seed_list)
     done, records, started = 0, [], time.perf_counter()
     for name, kwargs in args.contender_list:
@@ -416,21 +515,41 @@ def benchmark_lm(args, log=log_line):
                     cache.put(key, record)
                     state = "ran"
                 records.append(record)
-                log(f"[{done}/{total}] {state} lm {name} lr={lr:g} seed={seed}: val bits/char "
-                    f"{record['val_bits_per_char']:.3f} ({record['wall_s']:.0f}s)")
+                log(
+                    f"[{done}/{total}] {state} lm {name} lr={lr:g} seed={seed}: val bits/char "
+                    f"{record['val_bits_per_char']:.3f} ({record['wall_s']:.0f}s)"
+                )
     table = []
     for name, kwargs in args.contender_list:
         rs = [r for r in records if r["contender"] == name]
         row = aggregate(rs, "val_bits_per_char", higher_is_better=False)
         best = [r for r in rs if r["lr"] == row["best_lr"]]
         row["train_bits_per_char"] = statistics.fmean(r["train_bits_per_char"] for r in best)
-        table.append({"contender": name, "state_floats_per_layer": qm.state_floats(
-            kwargs, args.lm_width, args.num_heads, args.lm_sequence_length), **row})
-    return {"task": "lm", "command": args.command, "environment": environment(),
-            "config": {**budget, "lrs": list(args.lr_list), "seeds": list(args.seed_list),
-                       "vocabulary": vocab.size, "corpus_chars": len(text),
-                       "contenders": {n: k for n, k in args.contender_list}},
-            "table": table, "runs": records, "total_wall_s": time.perf_counter() - started}
+        table.append(
+            {
+                "contender": name,
+                "state_floats_per_layer": qm.state_floats(
+                    kwargs, args.lm_width, args.num_heads, args.lm_sequence_length
+                ),
+                **row,
+            }
+        )
+    return {
+        "task": "lm",
+        "command": args.command,
+        "environment": environment(),
+        "config": {
+            **budget,
+            "lrs": list(args.lr_list),
+            "seeds": list(args.seed_list),
+            "vocabulary": vocab.size,
+            "corpus_chars": len(text),
+            "contenders": {n: k for n, k in args.contender_list},
+        },
+        "table": table,
+        "runs": records,
+        "total_wall_s": time.perf_counter() - started,
+    }
 
 
 def _setting_label(s):
@@ -439,22 +558,32 @@ def _setting_label(s):
 
 def render_markdown(results):
     cfg = results["config"]
-    lines = [f"# {'MQAR recall' if results['task'] == 'mqar' else 'Character LM'}: quality per attention choice",
-             "", f"Command: `{results['command']}`", "",
-             f"Environment: {json.dumps(results['environment'])}; wall time of this invocation "
-             f"{results['total_wall_s']:.0f} s (cached runs excluded); sum of the wall times of the runs in the "
-             f"tables {sum(r['wall_s'] for r in results['runs']):.0f} s over {len(results['runs'])} runs.", ""]
+    lines = [
+        f"# {'MQAR recall' if results['task'] == 'mqar' else 'Character LM'}: quality per attention choice",
+        "",
+        f"Command: `{results['command']}`",
+        "",
+        f"Environment: {json.dumps(results['environment'])}; wall time of this invocation "
+        f"{results['total_wall_s']:.0f} s (cached runs excluded); sum of the wall times of the runs in the "
+        f"tables {sum(r['wall_s'] for r in results['runs']):.0f} s over {len(results['runs'])} runs.",
+        "",
+    ]
     if results["task"] == "mqar":
         settings = [tuple(s) for s in cfg["settings"]]
-        lines += [f"Budget per run: steps {cfg['steps']} (by T; same for every contender), "
-                  f"batch {cfg['batch_size']}, {cfg['num_train']} "
-                  f"training / {cfg['num_test']} test examples, {cfg['num_heads']} head(s), AdamW + warm-up/cosine, "
-                  f"rates {cfg['lrs']}, seeds {cfg['seeds']}. Vocabulary {cfg['vocabulary'] or '2T'}. "
-                  "Accuracy on query positions of the "
-                  "held-out set after the last step.", "",
-                  "### Test accuracy at the best rate: mean (min..max over seeds)", ""]
+        lines += [
+            f"Budget per run: steps {cfg['steps']} (by T; same for every contender), "
+            f"batch {cfg['batch_size']}, {cfg['num_train']} "
+            f"training / {cfg['num_test']} test examples, {cfg['num_heads']} head(s), AdamW + warm-up/cosine, "
+            f"rates {cfg['lrs']}, seeds {cfg['seeds']}. Vocabulary {cfg['vocabulary'] or '2T'}. "
+            "Accuracy on query positions of the "
+            "held-out set after the last step.",
+            "",
+            "### Test accuracy at the best rate: mean (min..max over seeds)",
+            "",
+        ]
         cell = {(r["contender"], tuple(r["setting"])): r for r in results["table"]}
         names = list(dict.fromkeys(r["contender"] for r in results["table"]))
+
         def acc(c):
             text = f"{c['mean']:.3f} ({c['min']:.3f}..{c['max']:.3f})"
             if c.get("runs", 0) < c.get("planned_runs", 0):
@@ -462,42 +591,97 @@ def render_markdown(results):
             return text
 
         rows = [[n] + [acc(cell[n, s]) if (n, s) in cell else "not run" for s in settings] for n in names]
-        rows.append(["chance: 1/#values ; 1/P"] + [
-            f"{cell[names[0], s]['chance']['uniform_value']:.3f} ; "
-            f"{cell[names[0], s]['chance']['in_context_value']:.3f}"
-            for s in settings])
-        lines += [format_table(["contender"] + [_setting_label(s) for s in settings], rows), "",
-                  "### Best learning rate (mean accuracy per rate)", ""]
-        rows = [[n] + [f"{cell[n, s]['best_lr']:g} ("
-                       + ", ".join(f"{lr}: {a:.3f}" for lr, a in cell[n, s]["per_lr"].items()) + ")"
-                       if (n, s) in cell else "not run" for s in settings] for n in names]
-        lines += [format_table(["contender"] + [_setting_label(s) for s in settings], rows), "",
-                  "### Wall time per run (s, mean over rates and seeds) and decode state per layer (floats)", ""]
-        rows = [[n] + [f"{cell[n, s]['wall_s_mean']:.0f} s / {cell[n, s]['state_floats_per_layer']}"
-                       if (n, s) in cell else "not run" for s in settings] for n in names]
-        lines += [format_table(["contender"] + [_setting_label(s) for s in settings], rows), "",
-                  "Softmax's state is its key/value cache at length T (it grows with T); linear attention's "
-                  "is S and z (fixed).", ""]
+        rows.append(
+            ["chance: 1/#values ; 1/P"]
+            + [
+                f"{cell[names[0], s]['chance']['uniform_value']:.3f} ; "
+                f"{cell[names[0], s]['chance']['in_context_value']:.3f}"
+                for s in settings
+            ]
+        )
+        lines += [
+            format_table(["contender"] + [_setting_label(s) for s in settings], rows),
+            "",
+            "### Best learning rate (mean accuracy per rate)",
+            "",
+        ]
+        rows = [
+            [n]
+            + [
+                f"{cell[n, s]['best_lr']:g} ("
+                + ", ".join(f"{lr}: {a:.3f}" for lr, a in cell[n, s]["per_lr"].items())
+                + ")"
+                if (n, s) in cell
+                else "not run"
+                for s in settings
+            ]
+            for n in names
+        ]
+        lines += [
+            format_table(["contender"] + [_setting_label(s) for s in settings], rows),
+            "",
+            "### Wall time per run (s, mean over rates and seeds) and decode state per layer (floats)",
+            "",
+        ]
+        rows = [
+            [n]
+            + [
+                f"{cell[n, s]['wall_s_mean']:.0f} s / {cell[n, s]['state_floats_per_layer']}"
+                if (n, s) in cell
+                else "not run"
+                for s in settings
+            ]
+            for n in names
+        ]
+        lines += [
+            format_table(["contender"] + [_setting_label(s) for s in settings], rows),
+            "",
+            "Softmax's state is its key/value cache at length T (it grows with T); linear attention's "
+            "is S and z (fixed).",
+            "",
+        ]
     else:
-        lines += [f"Budget per run: {cfg['steps']} steps, batch {cfg['batch_size']}, windows of "
-                  f"{cfg['sequence_length']} characters, width {cfg['width']}, {cfg['num_heads']} heads, 2 blocks, "
-                  f"vocabulary {cfg['vocabulary']}, {cfg['corpus_chars']:,} characters of stdlib source "
-                  f"(5% held out), rates {cfg['lrs']}, seeds {cfg['seeds']}.", "",
-                  "### Bits per character after the last step (best rate)", ""]
-        rows = [[r["contender"], f"{r['mean']:.3f} ({r['min']:.3f}..{r['max']:.3f})",
-                 f"{r['train_bits_per_char']:.3f}", f"{r['best_lr']:g}", f"{r['wall_s_mean']:.0f}",
-                 r["state_floats_per_layer"]] for r in results["table"]]
-        lines += [format_table(["contender", "val bits/char (min..max)", "train bits/char", "lr", "wall s/run",
-                                "state floats/layer"], rows), "",
-                  "### Validation bits/char vs step (best rate, first seed)", ""]
+        lines += [
+            f"Budget per run: {cfg['steps']} steps, batch {cfg['batch_size']}, windows of "
+            f"{cfg['sequence_length']} characters, width {cfg['width']}, {cfg['num_heads']} heads, 2 blocks, "
+            f"vocabulary {cfg['vocabulary']}, {cfg['corpus_chars']:,} characters of stdlib source "
+            f"(5% held out), rates {cfg['lrs']}, seeds {cfg['seeds']}.",
+            "",
+            "### Bits per character after the last step (best rate)",
+            "",
+        ]
+        rows = [
+            [
+                r["contender"],
+                f"{r['mean']:.3f} ({r['min']:.3f}..{r['max']:.3f})",
+                f"{r['train_bits_per_char']:.3f}",
+                f"{r['best_lr']:g}",
+                f"{r['wall_s_mean']:.0f}",
+                r["state_floats_per_layer"],
+            ]
+            for r in results["table"]
+        ]
+        lines += [
+            format_table(
+                ["contender", "val bits/char (min..max)", "train bits/char", "lr", "wall s/run", "state floats/layer"],
+                rows,
+            ),
+            "",
+            "### Validation bits/char vs step (best rate, first seed)",
+            "",
+        ]
         curves = {}
         for r in results["table"]:
             run = next(x for x in results["runs"] if x["contender"] == r["contender"] and x["lr"] == r["best_lr"])
             curves[r["contender"]] = {pt["step"]: pt["val_bits_per_char"] for pt in run["curve"]}
         steps = sorted({s for c in curves.values() for s in c})
-        lines += [format_table(["contender"] + [str(s) for s in steps],
-                               [[n] + [f"{c[s]:.3f}" if s in c else "" for s in steps] for n, c in curves.items()]),
-                  ""]
+        lines += [
+            format_table(
+                ["contender"] + [str(s) for s in steps],
+                [[n] + [f"{c[s]:.3f}" if s in c else "" for s in steps] for n, c in curves.items()],
+            ),
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -510,7 +694,7 @@ def write_plot(results, path):
     if results["task"] == "mqar":
         widths = sorted({r["setting"][2] for r in results["table"]})
         fig, axes = plt.subplots(1, len(widths), figsize=(6 * len(widths), 4.5), squeeze=False)
-        for ax, e in zip(axes[0], widths):
+        for ax, e in zip(axes[0], widths, strict=True):
             rows = [r for r in results["table"] if r["setting"][2] == e]
             settings = sorted({tuple(r["setting"]) for r in rows})
             for name in dict.fromkeys(r["contender"] for r in rows):
@@ -532,7 +716,7 @@ def write_plot(results, path):
             steps = [pt["step"] for pt in run["curve"]]
             axes[0][0].plot(steps, [pt["train_bits_per_char"] for pt in run["curve"]], label=r["contender"])
             axes[0][1].plot(steps, [pt["val_bits_per_char"] for pt in run["curve"]], label=r["contender"])
-        for ax, title in zip(axes[0], ("train", "validation")):
+        for ax, title in zip(axes[0], ("train", "validation"), strict=True):
             ax.set_xlabel("step")
             ax.set_ylabel("bits per character")
             ax.set_title(title)

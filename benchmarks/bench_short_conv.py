@@ -78,11 +78,19 @@ def run(shapes, repeats, size=4, log=print):
         for mode in MODES:
             auto = medians[("shifted" if mode == "xla" else "depthwise", mode)]
             for m in METHODS:
-                row = {"shape": [b, t, width], "method": m, "mode": mode, "median_s": medians[(m, mode)],
-                       "over_auto": medians[(m, mode)] / auto, "repeats": repeats}
+                row = {
+                    "shape": [b, t, width],
+                    "method": m,
+                    "mode": mode,
+                    "median_s": medians[(m, mode)],
+                    "over_auto": medians[(m, mode)] / auto,
+                    "repeats": repeats,
+                }
                 rows.append(row)
-                log(f"B={b} T={t} X={width} {mode:5s} {m:9s} {1000 * row['median_s']:8.2f} ms "
-                    f"({row['over_auto']:.2f}x the auto choice)")
+                log(
+                    f"B={b} T={t} X={width} {mode:5s} {m:9s} {1000 * row['median_s']:8.2f} ms "
+                    f"({row['over_auto']:.2f}x the auto choice)"
+                )
     return rows
 
 
@@ -100,8 +108,9 @@ def render_markdown(rows, command):
     ]
     for r in rows:
         b, t, x = r["shape"]
-        lines.append(f"| {b} x {t} x {x} | {r['mode']} | {r['method']} | {1000 * r['median_s']:.2f} | "
-                     f"{r['over_auto']:.2f} |")
+        lines.append(
+            f"| {b} x {t} x {x} | {r['mode']} | {r['method']} | {1000 * r['median_s']:.2f} | {r['over_auto']:.2f} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -41,16 +41,58 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 GROUPS = (
-    ("matmul", ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "_MklMatMul",
-                "_MklBatchMatMulV2", "_MklFusedMatMul", "_FusedMatMul", "_MklNativeFusedMatMul",
-                "_MklNativeBatchMatMulV2", "_MklNativeMatMul", "dot", "fusion.dot", "Conv2D")),
+    (
+        "matmul",
+        (
+            "MatMul",
+            "BatchMatMul",
+            "BatchMatMulV2",
+            "BatchMatMulV3",
+            "Einsum",
+            "_MklMatMul",
+            "_MklBatchMatMulV2",
+            "_MklFusedMatMul",
+            "_FusedMatMul",
+            "_MklNativeFusedMatMul",
+            "_MklNativeBatchMatMulV2",
+            "_MklNativeMatMul",
+            "dot",
+            "fusion.dot",
+            "Conv2D",
+        ),
+    ),
     ("transpose", ("Transpose", "_MklTranspose", "ConjugateTranspose")),
     ("cast", ("Cast",)),
     ("select", ("Select", "SelectV2")),
     ("scan", ("Cumsum",)),
-    ("move", ("Pad", "PadV2", "Slice", "StridedSlice", "StridedSliceGrad", "ConcatV2", "Reshape", "Tile", "Pack",
-              "Unpack", "Split", "SplitV", "ExpandDims", "Squeeze", "Identity", "BroadcastTo", "GatherV2",
-              "ConcatOffset", "Fill", "ZerosLike", "OnesLike", "Shape", "Const")),
+    (
+        "move",
+        (
+            "Pad",
+            "PadV2",
+            "Slice",
+            "StridedSlice",
+            "StridedSliceGrad",
+            "ConcatV2",
+            "Reshape",
+            "Tile",
+            "Pack",
+            "Unpack",
+            "Split",
+            "SplitV",
+            "ExpandDims",
+            "Squeeze",
+            "Identity",
+            "BroadcastTo",
+            "GatherV2",
+            "ConcatOffset",
+            "Fill",
+            "ZerosLike",
+            "OnesLike",
+            "Shape",
+            "Const",
+        ),
+    ),
     ("reduce", ("Sum", "Max", "Min", "Mean", "Prod", "All", "Any")),
 )
 GROUP_ORDER = [g for g, _ in GROUPS] + ["elementwise"]
@@ -74,8 +116,11 @@ def parse_args(argv=None):
     from benchmarks import bench_attention
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--impls", default="linear,linear_causal,projections",
-                   help=f"comma-separated, among {', '.join(bench_attention.IMPLS)}")
+    p.add_argument(
+        "--impls",
+        default="linear,linear_causal,projections",
+        help=f"comma-separated, among {', '.join(bench_attention.IMPLS)}",
+    )
     p.add_argument("--n", type=int, default=8192)
     p.add_argument("--steps", type=int, default=3, help="profiled calls per implementation")
     p.add_argument("--batch", type=int, default=1)
@@ -114,7 +159,7 @@ def read_op_stats(logdir):
     cols = [c["id"] for c in table["cols"]]
     rows = []
     for row in table["rows"]:
-        cell = dict(zip(cols, (c.get("v") for c in row["c"])))
+        cell = dict(zip(cols, (c.get("v") for c in row["c"]), strict=True))
         if cell.get("host_or_device") not in (None, "Host", "Device"):
             continue
         op_type = cell["type"]
@@ -164,14 +209,18 @@ def profile_impl(name, args, log=print):
         "op_self_time_per_step_s": total / 1e6 / steps,
         "groups_s": {g: groups.get(g, 0.0) / 1e6 / steps for g in GROUP_ORDER},
         "op_types": sorted(
-            ({"type": t, "group": group_of(t), "calls_per_step": occ / steps, "self_s": us / 1e6 / steps}
-             for t, (occ, us) in by_type.items()),
+            (
+                {"type": t, "group": group_of(t), "calls_per_step": occ / steps, "self_s": us / 1e6 / steps}
+                for t, (occ, us) in by_type.items()
+            ),
             key=lambda r: -r["self_s"],
         ),
     }
-    log(f"[profile] {name:<17} wall {wall:.3f} s/step under the profiler; op self time "
+    log(
+        f"[profile] {name:<17} wall {wall:.3f} s/step under the profiler; op self time "
         f"{result['op_self_time_per_step_s']:.3f} s/step: "
-        + ", ".join(f"{g} {result['groups_s'][g]:.3f}" for g in GROUP_ORDER if result["groups_s"][g] > 0))
+        + ", ".join(f"{g} {result['groups_s'][g]:.3f}" for g in GROUP_ORDER if result["groups_s"][g] > 0)
+    )
     return result
 
 
@@ -197,8 +246,11 @@ def render_markdown(results, top):
     ]
     for r in results["impls"]:
         cells = [f"{r['groups_s'][g]:.3f}" for g in GROUP_ORDER]
-        lines.append(f"| {r['impl']} | {r['wall_per_step_s']:.3f} | {r['op_self_time_per_step_s']:.3f} | "
-                     + " | ".join(cells) + " |")
+        lines.append(
+            f"| {r['impl']} | {r['wall_per_step_s']:.3f} | {r['op_self_time_per_step_s']:.3f} | "
+            + " | ".join(cells)
+            + " |"
+        )
     lines.append("")
     floor = next((r for r in results["impls"] if r["impl"] == "projections"), None)
     if floor is not None:
@@ -212,8 +264,11 @@ def render_markdown(results, top):
             if r is floor:
                 continue
             cells = [f"{r['groups_s'][g] - floor['groups_s'][g]:+.3f}" for g in GROUP_ORDER]
-            lines.append(f"| {r['impl']} | {r['op_self_time_per_step_s'] - floor['op_self_time_per_step_s']:+.3f} | "
-                         + " | ".join(cells) + " |")
+            lines.append(
+                f"| {r['impl']} | {r['op_self_time_per_step_s'] - floor['op_self_time_per_step_s']:+.3f} | "
+                + " | ".join(cells)
+                + " |"
+            )
         lines.append("")
     for r in results["impls"]:
         lines += [
@@ -224,8 +279,10 @@ def render_markdown(results, top):
         ]
         total = r["op_self_time_per_step_s"] or 1.0
         for op in r["op_types"][:top]:
-            lines.append(f"| {op['type']} | {op['group']} | {op['calls_per_step']:.0f} | {op['self_s']:.4f} | "
-                         f"{op['self_s'] / total:.1%} |")
+            lines.append(
+                f"| {op['type']} | {op['group']} | {op['calls_per_step']:.0f} | {op['self_s']:.4f} | "
+                f"{op['self_s'] / total:.1%} |"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -240,8 +297,11 @@ def main(argv=None):
         "command": "python -m benchmarks.profile_attention " + " ".join(argv if argv is not None else sys.argv[1:]),
         "config": {k: getattr(args, k) for k in ("n", "steps", "batch", "heads", "key_dim", "chunk_size", "jit")},
         "environment": {
-            "tensorflow": tf.__version__, "keras": keras.__version__, "python": platform.python_version(),
-            "cpu_count": os.cpu_count(), "loadavg_start": list(os.getloadavg()),
+            "tensorflow": tf.__version__,
+            "keras": keras.__version__,
+            "python": platform.python_version(),
+            "cpu_count": os.cpu_count(),
+            "loadavg_start": list(os.getloadavg()),
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         },
         "impls": [profile_impl(name, args) for name in args.impls],

@@ -182,8 +182,13 @@ class CausalMixer(keras.layers.Layer):
         return self.attention(x, x, use_causal_mask=True, training=training)  # [B, T, E]
 
     def get_config(self):
-        return {**super().get_config(), "contender": self.contender, "width": self.width,
-                "num_heads": self.num_heads, "seed": self.seed}
+        return {
+            **super().get_config(),
+            "contender": self.contender,
+            "width": self.width,
+            "num_heads": self.num_heads,
+            "seed": self.seed,
+        }
 
 
 class Block(keras.layers.Layer):
@@ -220,12 +225,17 @@ class Block(keras.layers.Layer):
         return x + self.mlp_out(self.mlp_in(self.norm2(x)))  # [B, T, E]
 
     def get_config(self):
-        return {**super().get_config(), "contender": self.contender, "width": self.width,
-                "num_heads": self.num_heads, "seed": self.seed, "mlp_ratio": self.mlp_ratio}
+        return {
+            **super().get_config(),
+            "contender": self.contender,
+            "width": self.width,
+            "num_heads": self.num_heads,
+            "seed": self.seed,
+            "mlp_ratio": self.mlp_ratio,
+        }
 
 
-def build_model(contender, vocabulary_size, sequence_length, width, num_heads=1, num_layers=2, seed=0,
-                name=None):
+def build_model(contender, vocabulary_size, sequence_length, width, num_heads=1, num_layers=2, seed=0, name=None):
     """The benchmark's causal sequence model for one contender.
 
     Args:

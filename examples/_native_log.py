@@ -77,7 +77,7 @@ def filter_native_noise():
                 *pieces, pending = _PIECE.split(pending)
                 kept = b"".join(
                     text + end
-                    for text, end in zip(pieces[0::2], pieces[1::2])
+                    for text, end in zip(pieces[0::2], pieces[1::2], strict=True)
                     if not pattern.search(text.decode("utf-8", "replace"))
                 )
                 if kept:

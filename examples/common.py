@@ -229,9 +229,7 @@ class EncoderBlock(keras.layers.Layer):
                 "hidden_dim": self.hidden_dim,
                 "num_heads": self.num_heads,
                 "intermediate_dim": self.intermediate_dim,
-                "feature_map": (
-                    SOFTMAX if self.feature_map == SOFTMAX else feature_maps.serialize(self.feature_map)
-                ),
+                "feature_map": (SOFTMAX if self.feature_map == SOFTMAX else feature_maps.serialize(self.feature_map)),
                 "dropout": self.dropout,
             }
         )
@@ -386,8 +384,9 @@ def fit_timed(model, train_ds, steps, eval_every, verbose, validation_data=None,
     if backup is not None:
         start_epoch, start_batch = backup.resume_point()
         if start_epoch or start_batch:
-            print(f"resuming from the backup in {backup.backup_dir}: epoch {start_epoch}, batch {start_batch}",
-                  flush=True)
+            print(
+                f"resuming from the backup in {backup.backup_dir}: epoch {start_epoch}, batch {start_batch}", flush=True
+            )
         train_ds = train_ds.skip(start_epoch * eval_every)
         epoch_log = EpochLog(os.path.join(backup.backup_dir, EpochLog.FILE))
         earlier = {e: logs for e, logs in epoch_log.read().items() if e < start_epoch}

@@ -45,17 +45,27 @@ def build_parser():
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--sequence-length", type=int, default=128)
     parser.add_argument("--feature-map", default="elu", help="attention feature map")
-    parser.add_argument("--conv-size", type=int, default=4,
-                        help="short causal convolution on q/k/v (LinearAttention's conv_size); 0 for none")
-    parser.add_argument("--decay", default="scalar", choices=("none", "fixed", "scalar", "channel"),
-                        help="decay gate of the attention state (LinearAttention's decay)")
-    parser.add_argument("--window-size", type=int, default=0,
-                        help="sliding softmax window (LinearAttention's window_size); 0 for none")
+    parser.add_argument(
+        "--conv-size",
+        type=int,
+        default=4,
+        help="short causal convolution on q/k/v (LinearAttention's conv_size); 0 for none",
+    )
+    parser.add_argument(
+        "--decay",
+        default="scalar",
+        choices=("none", "fixed", "scalar", "channel"),
+        help="decay gate of the attention state (LinearAttention's decay)",
+    )
+    parser.add_argument(
+        "--window-size", type=int, default=0, help="sliding softmax window (LinearAttention's window_size); 0 for none"
+    )
     parser.add_argument("--max-chars", type=int, default=600_000, help="characters of corpus used")
     parser.add_argument("--generate-length", type=int, default=160)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--backup-dir", default=None,
+        "--backup-dir",
+        default=None,
         help="back up training after every epoch; rerun the same command after a crash to resume",
     )
     return parser
@@ -116,15 +126,22 @@ def main(argv=None):
         callbacks.append(backup)
     t0 = time.time()
     history = model.fit(
-        stream, steps_per_epoch=steps_per_epoch, epochs=epochs, callbacks=callbacks,
-        validation_data=val, validation_steps=5, verbose=2 if os.environ.get("CI") else 1,
+        stream,
+        steps_per_epoch=steps_per_epoch,
+        epochs=epochs,
+        callbacks=callbacks,
+        validation_data=val,
+        validation_steps=5,
+        verbose=2 if os.environ.get("CI") else 1,
         shuffle=False,  # `train` is a tf.data pipeline that shuffles itself
     )
     train_s = time.time() - t0
     val_loss = history.history.get("val_loss", [float("nan")])[-1]  # NaN: the backup was complete
-    print(f"trained {epochs * steps_per_epoch} steps in {train_s:.0f} s; "
-          f"validation loss {val_loss:.3f} nats/char ({val_loss / np.log(2):.2f} bits/char), "
-          f"accuracy {history.history.get('val_accuracy', [float('nan')])[-1]:.3f}")
+    print(
+        f"trained {epochs * steps_per_epoch} steps in {train_s:.0f} s; "
+        f"validation loss {val_loss:.3f} nats/char ({val_loss / np.log(2):.2f} bits/char), "
+        f"accuracy {history.history.get('val_accuracy', [float('nan')])[-1]:.3f}"
+    )
     model_path = os.path.join(args.out, "char_lm.keras")
     model.save(model_path)
 
@@ -133,8 +150,11 @@ def main(argv=None):
     prompt_ids = vocab.encode(prompt)[None, :]
     t0 = time.time()
     tokens = model.generate(
-        prompt_ids, max_length=len(prompt) + args.generate_length,
-        sampler=samplers.get("top_k", k=10, temperature=0.8), seed=args.seed, verbose=True,
+        prompt_ids,
+        max_length=len(prompt) + args.generate_length,
+        sampler=samplers.get("top_k", k=10, temperature=0.8),
+        seed=args.seed,
+        verbose=True,
     )
     gen_s = time.time() - t0
     sample = vocab.decode(tokens[0])
@@ -147,8 +167,11 @@ def main(argv=None):
     onnx_paths = export.export_onnx(model, onnx_path)
     print("verifying both exports against Keras (outputs, step, greedy generate)...", flush=True)
     report = export.verify(
-        model, saved_model_dir=version_dir, onnx_path=onnx_paths["model"],
-        onnx_step_path=onnx_paths.get("step"), raise_on_failure=False,
+        model,
+        saved_model_dir=version_dir,
+        onnx_path=onnx_paths["model"],
+        onnx_step_path=onnx_paths.get("step"),
+        raise_on_failure=False,
     )
     print(report.table())
 

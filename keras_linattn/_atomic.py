@@ -264,9 +264,7 @@ def check_digest(path, expected, what=None):
     got = file_digest(path)
     if got["size"] != expected["size"]:
         kind = "truncated" if got["size"] < expected["size"] else "longer than written"
-        raise ValueError(
-            f"{what} is {kind} ({got['size']} of {expected['size']} bytes). Received: path={path!r}"
-        )
+        raise ValueError(f"{what} is {kind} ({got['size']} of {expected['size']} bytes). Received: path={path!r}")
     if got["sha256"] != expected["sha256"]:
         raise ValueError(
             f"{what} is corrupted (its sha256 differs from the one recorded when it was written). "

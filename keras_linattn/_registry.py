@@ -59,8 +59,7 @@ class NameRegistry:
             cls = self._classes.get(identifier)
             if cls is None:
                 raise ValueError(
-                    f"Unknown {self.kind}. Received: {self.argument}={identifier!r}. "
-                    f"Available: {self.available()}"
+                    f"Unknown {self.kind}. Received: {self.argument}={identifier!r}. Available: {self.available()}"
                 )
             return cls(**kwargs)
         if isinstance(identifier, dict):

@@ -39,14 +39,12 @@ def check_state(spec, state, batch_size=None, name="state"):
             f"`{name}` must be a list of {len(spec)} tensors [{names}] as returned by "
             f"`get_initial_state`. Received: {name} with {got} entries"
         )
-    for i, (s, x) in enumerate(zip(spec, state)):
+    for i, (s, x) in enumerate(zip(spec, state, strict=True)):
         shape = tuple(getattr(x, "shape", ()))
         expected = ((batch_size,) if batch_size is not None else (None,)) + tuple(s.shape)
         ok = len(shape) == len(expected) and all(
-            a is None or b is None or a == b for a, b in zip(shape, expected)
+            a is None or b is None or a == b for a, b in zip(shape, expected, strict=True)
         )
         if not ok:
             shown = tuple("B" if d is None else d for d in expected)
-            raise ValueError(
-                f"`{name}[{i}]` ({s.name}) must have shape {shown}. Received: {name}[{i}].shape={shape}"
-            )
+            raise ValueError(f"`{name}[{i}]` ({s.name}) must have shape {shown}. Received: {name}[{i}].shape={shape}")

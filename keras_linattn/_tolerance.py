@@ -166,8 +166,15 @@ def assert_rows_close(actual, expected, *, n, row_conditioning, dtype="float32",
         if paths * C_ROUND * eps(dtype) * math.sqrt(n) * conditioning >= VACUOUS:
             assert np.isfinite(actual[row]).all(), f"{what}: non-finite output in row {row}"
             continue
-        assert_close(actual[row], expected[row], n=n, dtype=dtype, conditioning=conditioning, paths=paths,
-                     what=f"{what} row {row}")
+        assert_close(
+            actual[row],
+            expected[row],
+            n=n,
+            dtype=dtype,
+            conditioning=conditioning,
+            paths=paths,
+            what=f"{what} row {row}",
+        )
         compared += 1
     assert compared, f"{what}: every row is too ill-conditioned for {dtype}: {list(row_conditioning)}"
     return compared

@@ -86,11 +86,7 @@ class CheckpointTracked:
             # A Keras layer (e.g. `Dropout`) keeps its seed generator in an
             # attribute TF does not follow: its state is added here, for it
             # and its own Keras sublayers (ours add theirs themselves).
-            generators = [
-                generator
-                for sublayer in _keras_layers(layer)
-                for generator in sublayer._seed_generators
-            ]
+            generators = [generator for sublayer in _keras_layers(layer) for generator in sublayer._seed_generators]
             for number, generator in enumerate(generators):
                 _add(children, present, f"keras_layer_{index}_seed_generator_{number}", generator.state)
         return children

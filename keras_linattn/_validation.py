@@ -244,9 +244,7 @@ def check_rank(name, x, rank):
     ranks = (rank,) if isinstance(rank, int) else tuple(rank)
     if len(x.shape) not in ranks:
         expected = str(ranks[0]) if len(ranks) == 1 else " or ".join(map(str, ranks))
-        raise ValueError(
-            f"`{name}` must have rank {expected}. Received: {name}.shape={tuple(x.shape)}"
-        )
+        raise ValueError(f"`{name}` must have rank {expected}. Received: {name}.shape={tuple(x.shape)}")
 
 
 def check_same_batch(names_and_tensors):

@@ -395,7 +395,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"The backup holds {len(states)} seed-generator states, the model has {len(generators)}: "
                 f"it belongs to another model. Received: path={self.metadata_path!r}"
             )
-        for generator, state in zip(generators, states):
+        for generator, state in zip(generators, states, strict=True):
             generator.state.assign(keras.ops.convert_to_tensor(state, dtype=generator.state.dtype))
         self._sequence = meta["sequence"]
         self._epoch = meta["epoch"]

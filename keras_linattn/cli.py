@@ -58,9 +58,7 @@ def _parse_shapes(text):
     for item in text.split(","):
         match = re.fullmatch(r"\s*(\d+)x(\d+)\s*", item)
         if not match:
-            raise argparse.ArgumentTypeError(
-                f"--shapes must look like 1x7,3x13 (batch x length). Received: {text!r}"
-            )
+            raise argparse.ArgumentTypeError(f"--shapes must look like 1x7,3x13 (batch x length). Received: {text!r}")
         shapes.append((int(match.group(1)), int(match.group(2))))
     return shapes
 
@@ -308,8 +306,10 @@ def _cmd_verify(args):
         generate_path = entry.get("onnx", {}).get("generate") if onnx_path else None
         generate_path = os.path.join(args.dir, generate_path) if generate_path else None
         model = _load_model(os.path.join(args.dir, entry["keras_model"]))
-        _log(f"verifying {name!r}: saved_model={saved_model_dir}, onnx={onnx_path}, step={step_path}, "
-             f"generate={generate_path}")
+        _log(
+            f"verifying {name!r}: saved_model={saved_model_dir}, onnx={onnx_path}, step={step_path}, "
+            f"generate={generate_path}"
+        )
         try:
             report = export.verify(
                 model,
@@ -365,10 +365,18 @@ def build_parser():
         help="batch x length list (default 1x7,3x13,2x70, lengths clipped to the model's max_sequence_length, "
         "plus one of that full length)",
     )
-    v.add_argument("--decode-steps", type=int, default=None,
-                   help="tokens compared for step/generate (default: max_sequence_length, else 5)")
-    v.add_argument("--saved-model-tolerance", type=float, default=None,
-                   help="fixed max relative difference (default: the error model, eps * sqrt(n) * conditioning)")
+    v.add_argument(
+        "--decode-steps",
+        type=int,
+        default=None,
+        help="tokens compared for step/generate (default: max_sequence_length, else 5)",
+    )
+    v.add_argument(
+        "--saved-model-tolerance",
+        type=float,
+        default=None,
+        help="fixed max relative difference (default: the error model, eps * sqrt(n) * conditioning)",
+    )
     v.add_argument("--onnx-tolerance", type=float, default=None, help="likewise for onnxruntime")
     v.add_argument("--device", default="cpu", choices=("cpu", "auto", "gpu"), help="onnxruntime device (default cpu)")
     v.set_defaults(func=_cmd_verify)

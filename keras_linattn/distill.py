@@ -190,7 +190,7 @@ def _per_layer_terms(layers, records, causal):
     seen = [False] * len(layers)
     for index, arguments in records:
         terms = _layer_terms(layers[index], arguments, causal)
-        sums[index] = [a + b for a, b in zip(sums[index], terms)]
+        sums[index] = [a + b for a, b in zip(sums[index], terms, strict=True)]
         seen[index] = True
     missing = [layers[i].name for i, s in enumerate(seen) if not s]
     if missing:
@@ -207,8 +207,7 @@ def _as_dataset(data, batch_size):
         return data
     if isinstance(data, keras.utils.PyDataset):
         raise ValueError(
-            "Pass a tf.data.Dataset or arrays; a PyDataset is not supported. "
-            f"Received: data={type(data).__name__}"
+            f"Pass a tf.data.Dataset or arrays; a PyDataset is not supported. Received: data={type(data).__name__}"
         )
     batch_size = check_positive_int("batch_size", batch_size)
     return tf.data.Dataset.from_tensor_slices(data).batch(batch_size)
@@ -235,10 +234,7 @@ def _select_layers(model, layers):
                     )
                 layer = match[0]
             elif not any(layer is found for found in everything):
-                raise ValueError(
-                    "`layers` must name LinearAttention layers of the model. "
-                    f"Received: {layer!r}"
-                )
+                raise ValueError(f"`layers` must name LinearAttention layers of the model. Received: {layer!r}")
             chosen.append(layer)
     if not chosen:
         raise ValueError(
@@ -303,7 +299,7 @@ def attention_kl(model, data, steps=None, batch_size=32, causal=None, layers=Non
     steps = check_optional_positive_int("steps", steps)
     chosen = _select_layers(model, layers)
     values = _evaluate(model, chosen, _as_dataset(data, batch_size), steps, causal)
-    return dict(zip(_layer_names(chosen), (float(v) for v in values)))
+    return dict(zip(_layer_names(chosen), (float(v) for v in values), strict=True))
 
 
 class _TrainableOnlyFeatureMaps:
@@ -440,7 +436,7 @@ def distill_attention(
                 penalty = sum((ops.sum(ops.stack(fm.losses)) for fm in feature_maps if fm.losses), 0.0)
                 loss = ops.mean(ops.stack(ce)) + penalty
             grads = tape.gradient(loss, variables)
-            optimizer.apply_gradients(zip(grads, variables))
+            optimizer.apply_gradients(zip(grads, variables, strict=True))
             kls = ops.stack([s[1] / ops.maximum(s[2], 1.0) for s in sums])  # [layers]
             return loss, kls
 
@@ -478,13 +474,13 @@ def distill_attention(
                 )
             history["loss"].append(float(np.mean(losses)))
             history["kl"].append(float(mean_kl.mean()))
-            for name, value in zip(names, mean_kl):
+            for name, value in zip(names, mean_kl, strict=True):
                 history[f"kl/{name}"].append(float(value))
 
     after = _evaluate(model, chosen, eval_dataset, eval_steps, causal)
     return DistillationHistory(
         layers=names,
-        kl_before=dict(zip(names, (float(v) for v in before))),
-        kl_after=dict(zip(names, (float(v) for v in after))),
+        kl_before=dict(zip(names, (float(v) for v in before), strict=True)),
+        kl_after=dict(zip(names, (float(v) for v in after), strict=True)),
         history=history,
     )

@@ -48,7 +48,7 @@ def gradients(loss_fn, inputs=(), variables=()):
         import jax.numpy as jnp
 
         def pure(input_values, variable_values):
-            with keras.StatelessScope(state_mapping=list(zip(variables, variable_values))):
+            with keras.StatelessScope(state_mapping=list(zip(variables, variable_values, strict=True))):
                 return loss_fn(*input_values)
 
         (_, aux), (input_grads, variable_grads) = jax.value_and_grad(pure, argnums=(0, 1), has_aux=True)(

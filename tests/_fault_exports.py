@@ -37,8 +37,9 @@ def _root():
     try:
         for seed in (0, 1):
             built_lm(seed).save(os.path.join(root, f"lm{seed}.keras"))
-        code = cli.main(["export", os.path.join(root, "lm0.keras"), "--out", os.path.join(root, "exported"),
-                         "--name", NAME])
+        code = cli.main(
+            ["export", os.path.join(root, "lm0.keras"), "--out", os.path.join(root, "exported"), "--name", NAME]
+        )
     finally:
         keras.config.set_dtype_policy(policy)
     assert code == 0

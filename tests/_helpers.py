@@ -6,10 +6,10 @@ import keras
 import numpy as np
 import pytest
 
-from keras_linattn import ops as lops
-from keras_linattn.layers import LinearAttention
 from keras_linattn import feature_maps
+from keras_linattn import ops as lops
 from keras_linattn.feature_maps.random_features import RandomFeatureMap
+from keras_linattn.layers import LinearAttention
 from tests import _backend, conftest
 from tests.tolerance import assert_close, normalizer_conditioning
 

@@ -59,8 +59,10 @@ def main():
     cli = os.path.join(venv, "bin", "keras-linattn")
     out = subprocess.run([cli, "--help"], capture_output=True, text=True, check=True).stdout
     assert "export" in out, out
-    print(f"dist-check: keras_linattn {kla.__version__} from {where}; LinearAttention forward max error {error:.1e}; "
-          f"{os.path.basename(cli)} --help ok; {os.path.basename(wheels[0])}, {os.path.basename(sdists[0])}")
+    print(
+        f"dist-check: keras_linattn {kla.__version__} from {where}; LinearAttention forward max error {error:.1e}; "
+        f"{os.path.basename(cli)} --help ok; {os.path.basename(wheels[0])}, {os.path.basename(sdists[0])}"
+    )
     return 0
 
 

@@ -94,7 +94,7 @@ def test_symbolic_call_with_return_state(rng):
     x = rng.normal(size=(2, 6, 12)).astype("float32")
     got = model(x)
     want_out, (want_s, want_z) = layer(x, x, use_causal_mask=True, return_state=True)
-    for g, w in zip(got, (want_out, want_s, want_z)):
+    for g, w in zip(got, (want_out, want_s, want_z), strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
@@ -114,8 +114,9 @@ def test_stateless_attention_refuses_state(rng):
 class SoftmaxAttention(ProjectedAttention):
     """Plain softmax attention through the hook: the whole subclass."""
 
-    def _compute_attention(self, query, key, value, key_mask=None, use_causal_mask=False, training=None,
-                           initial_state=None):
+    def _compute_attention(
+        self, query, key, value, key_mask=None, use_causal_mask=False, training=None, initial_state=None
+    ):
         # Padded logits are masked by the op; padded values are zeroed here
         # (the hook's contract), so junk there cannot reach the weighted sum.
         value = _mask_keys(value, key_mask)  # [B, S, H, M]
@@ -197,7 +198,7 @@ def test_efficient_op_matches_float64_reference_outputs_and_gradients(projected,
     proj = [tf.Variable(x.astype("float32")) for x in (e, f)] if projected else []
     cot = tf.constant(rng.normal(size=(b, t, h, m)))
     with tf.GradientTape(persistent=True) as tape:
-        projections = dict(zip(("projection_key", "projection_value"), proj))
+        projections = dict(zip(("projection_key", "projection_value"), proj, strict=True))
         out = lops.efficient_attention(*inputs, key_mask=mask, **projections)
         ref = lops.efficient_attention_reference(
             *(tf.cast(x, "float64") for x in inputs),
@@ -223,7 +224,7 @@ def test_efficient_op_matches_float64_reference_outputs_and_gradients(projected,
     # Per source, conditioned by the ratio of the whole gradient's scale to the
     # source's: its absolute error is inherited from the whole backward pass.
     whole = float(np.abs(flat_ref).max())
-    for name, g, gr in zip(["q", "k", "v", "E", "F"], grads, grads_ref):
+    for name, g, gr in zip(["q", "k", "v", "E", "F"], grads, grads_ref, strict=True):
         assert_close(g, gr, n=n_grad, conditioning=whole / float(np.abs(gr).max()), what=name)
 
 

@@ -14,11 +14,11 @@ from examples.recall import mqar
 def _check_row(inputs, labels, p, v):
     """One MQAR row: the context, the queries and their labels (see `examples.recall.mqar`)."""
     half = v // 2
-    keys, values = inputs[0:2 * p:2], inputs[1:2 * p:2]
+    keys, values = inputs[0 : 2 * p : 2], inputs[1 : 2 * p : 2]
     assert len(set(keys.tolist())) == p and len(set(values.tolist())) == p
     assert np.all((keys >= 1) & (keys < half)), keys  # keys from the lower half
     assert np.all((values >= half) & (values < v)), values  # values from the upper half
-    binding = dict(zip(keys.tolist(), values.tolist()))
+    binding = dict(zip(keys.tolist(), values.tolist(), strict=True))
     scored = np.flatnonzero(labels != mqar.IGNORE)
     assert len(scored) == p  # one query per key
     assert np.all(labels[labels != mqar.IGNORE] >= half)
@@ -85,8 +85,12 @@ def test_chance_accuracy():
 
 
 def test_aggregate_takes_the_best_mean_rate():
-    runs = [{"lr": 1e-3, "accuracy": 0.9, "wall_s": 1.0}, {"lr": 1e-3, "accuracy": 0.5, "wall_s": 1.0},
-            {"lr": 1e-2, "accuracy": 0.8, "wall_s": 3.0}, {"lr": 1e-2, "accuracy": 0.7, "wall_s": 3.0}]
+    runs = [
+        {"lr": 1e-3, "accuracy": 0.9, "wall_s": 1.0},
+        {"lr": 1e-3, "accuracy": 0.5, "wall_s": 1.0},
+        {"lr": 1e-2, "accuracy": 0.8, "wall_s": 3.0},
+        {"lr": 1e-2, "accuracy": 0.7, "wall_s": 3.0},
+    ]
     row = bench.aggregate(runs, "accuracy")
     assert row["best_lr"] == 1e-2  # mean 0.75 beats 0.70, though 1e-3 holds the best single run
     assert row["mean"] == pytest.approx(0.75) and row["min"] == 0.7 and row["max"] == 0.8
@@ -167,8 +171,26 @@ def test_quick_run_softmax_recalls_and_resume_reuses_runs(tmp_path, capsys):
 
 def test_lm_run_reports_bits_per_character(tmp_path):
     out = str(tmp_path)
-    argv = ["--task", "lm", "--contenders", "elu", "--steps", "4", "--eval-every", "2", "--lm-max-chars", "20000",
-            "--lm-validation-steps", "1", "--lm-sequence-length", "32", "--lm-width", "32", "--out-dir", out]
+    argv = [
+        "--task",
+        "lm",
+        "--contenders",
+        "elu",
+        "--steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--lm-max-chars",
+        "20000",
+        "--lm-validation-steps",
+        "1",
+        "--lm-sequence-length",
+        "32",
+        "--lm-width",
+        "32",
+        "--out-dir",
+        out,
+    ]
     assert bench.main(argv) == 0
     with open(tmp_path / "quality_lm.json") as f:
         results = json.load(f)

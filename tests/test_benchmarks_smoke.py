@@ -27,7 +27,7 @@ def assert_gradients_close(got, expected, ns, paths, what="gradient"):
     expected = [np.asarray(e, np.float64) for e in expected]
     scale = max(float(np.abs(e).max()) for e in expected)
     assert len(got) == len(expected) == len(ns)
-    for i, (a, e, n) in enumerate(zip(got, expected, ns)):
+    for i, (a, e, n) in enumerate(zip(got, expected, ns, strict=True)):
         conditioning = scale / float(np.abs(e).max())
         assert_close(a, e, n=n, paths=paths, conditioning=conditioning, what=f"{what} {i}")
 
@@ -94,10 +94,21 @@ def _parse_tables(markdown):
 
 
 def test_benchmark_machinery_at_n64(tmp_path):
-    args = bench.parse_args([
-        "--ns", "64", "--repeats", "2", "--memory-impls", "linear_causal",
-        "--no-download", "--out-dir", str(tmp_path), "--prefix", "smoke",
-    ])
+    args = bench.parse_args(
+        [
+            "--ns",
+            "64",
+            "--repeats",
+            "2",
+            "--memory-impls",
+            "linear_causal",
+            "--no-download",
+            "--out-dir",
+            str(tmp_path),
+            "--prefix",
+            "smoke",
+        ]
+    )
     results = bench.run_benchmark(args, log=lambda *a: None)
     paths = bench.write_outputs(results, args.out_dir, args.prefix, plot=True)
 
@@ -111,7 +122,7 @@ def test_benchmark_machinery_at_n64(tmp_path):
     assert header == ["N"] + [bench.SHORT[i] for i in bench.IMPLS]
     assert [r[0] for r in rows] == ["64"]
     by_impl = {p["impl"]: p for p in raw["points"]}
-    for impl, cell in zip(bench.IMPLS, rows[0][1:]):
+    for impl, cell in zip(bench.IMPLS, rows[0][1:], strict=True):
         pt = by_impl[impl]
         if impl in ("kernel_attention", "kernel_attention_rf") and "skipped" in pt:
             # Allowed only because downloads are off and the file is not cached.
@@ -122,12 +133,12 @@ def test_benchmark_machinery_at_n64(tmp_path):
         assert float(cell) == pytest.approx(np.median(pt["times_s"]), abs=5e-5)
         assert float(cell) > 0
     cpu_rows = tables["Process CPU time (s), median forward + backward (all threads)"][1:]
-    for impl, cell in zip(bench.IMPLS, cpu_rows[0][1:]):
+    for impl, cell in zip(bench.IMPLS, cpu_rows[0][1:], strict=True):
         if "skipped" in by_impl[impl]:
             continue
         assert float(cell) == pytest.approx(np.median(by_impl[impl]["cpu_times_s"]), abs=5e-5)
     mem_rows = tables["Peak memory increase (MB), fresh child process per point"][1:]
-    mem_cells = dict(zip(bench.IMPLS, mem_rows[0][1:]))
+    mem_cells = dict(zip(bench.IMPLS, mem_rows[0][1:], strict=True))
     mem = by_impl["linear_causal"]["memory"]
     assert "error" not in mem, mem
     assert mem["peak_rss"] >= mem["baseline_rss"] > 0
@@ -200,8 +211,20 @@ def test_profile_reads_the_trace_and_its_groups_add_up(tmp_path):
 
     assert prof.group_of("_MklBatchMatMulV2") == "matmul" and prof.group_of("Cumsum") == "scan"
     assert prof.group_of("StridedSliceGrad") == "move" and prof.group_of("EluGrad") == "elementwise"
-    prof.main(["--impls", "linear_causal,projections", "--n", "64", "--steps", "1",
-               "--out-dir", str(tmp_path), "--prefix", "p"])
+    prof.main(
+        [
+            "--impls",
+            "linear_causal,projections",
+            "--n",
+            "64",
+            "--steps",
+            "1",
+            "--out-dir",
+            str(tmp_path),
+            "--prefix",
+            "p",
+        ]
+    )
     with open(tmp_path / "p.json") as f:
         raw = json.load(f)
     assert [r["impl"] for r in raw["impls"]] == ["linear_causal", "projections"]
@@ -219,7 +242,11 @@ def test_short_conv_benchmark_times_both_methods_in_both_modes(tmp_path):
 
     rows = bench_short_conv.main(["--shapes", "2x9x6", "--repeats", "1", "--out-dir", str(tmp_path), "--prefix", "c"])
     assert sorted((r["mode"], r["method"]) for r in rows) == [
-        ("graph", "depthwise"), ("graph", "shifted"), ("xla", "depthwise"), ("xla", "shifted")]
+        ("graph", "depthwise"),
+        ("graph", "shifted"),
+        ("xla", "depthwise"),
+        ("xla", "shifted"),
+    ]
     for r in rows:
         assert r["median_s"] > 0 and r["shape"] == [2, 9, 6]
     auto = {(r["mode"], r["method"]): r["over_auto"] for r in rows}

@@ -52,7 +52,7 @@ def test_blocks_draw_distinct_projections_reproducibly(map_name):
     first = _lm(map_name, seed=7, global_seed=1)
     second = _lm(map_name, seed=7, global_seed=2)
     _assert_pairwise_distinct(_projections(first))
-    for a, b in zip(_projections(first), _projections(second)):
+    for a, b in zip(_projections(first), _projections(second), strict=True):
         np.testing.assert_array_equal(a, b)  # a function of the map's seed only
     # Block 0 keeps the template's seed: a lone map built with it draws the same matrix.
     lone = MAPS[map_name](num_features=8, seed=7)
@@ -60,7 +60,7 @@ def test_blocks_draw_distinct_projections_reproducibly(map_name):
     np.testing.assert_array_equal(_projections(first)[0], lone.projection.numpy())
     # Another seed gives other matrices in every block.
     other = _lm(map_name, seed=8)
-    for a, b in zip(_projections(first), _projections(other)):
+    for a, b in zip(_projections(first), _projections(other), strict=True):
         assert not np.allclose(a, b)
 
 
@@ -73,9 +73,9 @@ def test_redraws_stay_distinct_and_reproducible(map_name):
         _redraw(second)
         redrawn = _projections(first)
         _assert_pairwise_distinct(redrawn)
-        for a, b in zip(redrawn, _projections(second)):
+        for a, b in zip(redrawn, _projections(second), strict=True):
             np.testing.assert_array_equal(a, b)
-        for a, b in zip(redrawn, initial):
+        for a, b in zip(redrawn, initial, strict=True):
             assert not np.allclose(a, b)
     indices = [int(block.attention.feature_map.draw_index.numpy()) for block in first.decoder_blocks]
     assert indices == [2, 2, 2]
@@ -84,7 +84,7 @@ def test_redraws_stay_distinct_and_reproducible(map_name):
 def test_from_config_rebuilds_the_same_block_projections():
     lm = _lm("favor+", seed=5)
     rebuilt = LinearCausalLM.from_config(lm.get_config())
-    for a, b in zip(_projections(lm), _projections(rebuilt)):
+    for a, b in zip(_projections(lm), _projections(rebuilt), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
@@ -94,7 +94,11 @@ def test_seeded_trainable_map_blocks_start_from_distinct_weights():
     def weights(global_seed):
         keras.utils.set_random_seed(global_seed)
         lm = LinearCausalLM(
-            vocabulary_size=16, num_layers=3, hidden_dim=16, num_heads=2, intermediate_dim=16,
+            vocabulary_size=16,
+            num_layers=3,
+            hidden_dim=16,
+            num_heads=2,
+            intermediate_dim=16,
             feature_map=feature_maps.get("glu", seed=3),
         )
         return [[np.array(w.numpy()) for w in block.attention.feature_map.weights] for block in lm.decoder_blocks]
@@ -102,8 +106,10 @@ def test_seeded_trainable_map_blocks_start_from_distinct_weights():
     first, second = weights(1), weights(2)
     for i in range(3):
         for j in range(i + 1, 3):
-            same = [np.allclose(x, y) for x, y in zip(first[i], first[j]) if np.std(x) > 0]  # not constant inits
+            same = [
+                np.allclose(x, y) for x, y in zip(first[i], first[j], strict=True) if np.std(x) > 0
+            ]  # not constant inits
             assert same and not any(same), f"blocks {i} and {j} start from the same weights"
-    for a, b in zip(first, second):
-        for x, y in zip(a, b):
+    for a, b in zip(first, second, strict=True):
+        for x, y in zip(a, b, strict=True):
             np.testing.assert_array_equal(x, y)

@@ -9,7 +9,7 @@ import pytest
 from keras_linattn import feature_maps, samplers
 from keras_linattn.models import LinearCausalLM
 from tests._backend import gradients
-from tests._helpers import step_test_feature_map, layer_conditioning, run_steps
+from tests._helpers import layer_conditioning, run_steps, step_test_feature_map
 from tests.tolerance import assert_close, assert_rows_close
 
 VOCAB = 23
@@ -123,7 +123,7 @@ def test_recurrent_gradients_match_parallel(rng):
     # (e.g. the query biases get tiny sums of larger terms): a weight's
     # absolute error is inherited from the whole backward pass.
     whole = max(float(np.abs(np.asarray(g)).max()) for g in g_par)
-    for w, a, b in zip(lm.trainable_weights, g_step, g_par):
+    for w, a, b in zip(lm.trainable_weights, g_step, g_par, strict=True):
         scale = float(np.abs(np.asarray(b)).max())
         assert scale > 0, w.path
         assert_close(a, b, n=n, conditioning=whole / scale, paths=2, what=w.path)
@@ -132,12 +132,15 @@ def test_recurrent_gradients_match_parallel(rng):
 # Each map and each position scheme (none, a learned table) in `make test`;
 # the other two pairs in `make test-slow`: (None, taylor) has the fast twin
 # (None, elu), (20, elu) has the fast twin (20, taylor).
-@pytest.mark.parametrize("max_sequence_length,feature_map", [
-    (None, "elu"),
-    pytest.param(None, "taylor", marks=pytest.mark.slow),
-    pytest.param(20, "elu", marks=pytest.mark.slow),
-    (20, "taylor"),
-])
+@pytest.mark.parametrize(
+    "max_sequence_length,feature_map",
+    [
+        (None, "elu"),
+        pytest.param(None, "taylor", marks=pytest.mark.slow),
+        pytest.param(20, "elu", marks=pytest.mark.slow),
+        (20, "taylor"),
+    ],
+)
 def test_greedy_generate_equals_parallel_argmax_decoding(rng, feature_map, max_sequence_length):
     lm = _lm(feature_map, max_sequence_length=max_sequence_length)
     prompt = _ids(rng, batch=3, length=4)
@@ -266,7 +269,7 @@ def test_mixed_precision_keeps_float32_state(rng):
     # the attention accumulate in float32 (negligible next to bfloat16's eps).
     # The state sums keys and values projected over hidden inputs:
     _, par_state = lm.call_with_state(ids, lm.get_initial_state(ids.shape[0]))
-    for a, b in zip(state[:-1], par_state[:-1]):
+    for a, b in zip(state[:-1], par_state[:-1], strict=True):
         assert_close(a, b, n=lm.hidden_dim, dtype="mixed_bfloat16", paths=2, what="state")
     # The logits: hidden (q/k/v projections) + H*M (output projection) +
     # hidden (feed-forward input) + intermediate (feed-forward output) + hidden (logits).
@@ -288,6 +291,4 @@ def test_save_and_load_every_feature_map(rng, tmp_path, feature_map):
     lm.save(path)
     restored = keras.models.load_model(path)
     # Two float32 runs of the same weights (paths=2).
-    assert_close(
-        restored(ids), expected, n=_n_logits(lm, ids.shape[1]), conditioning=_conditioning(lm, ids), paths=2
-    )
+    assert_close(restored(ids), expected, n=_n_logits(lm, ids.shape[1]), conditioning=_conditioning(lm, ids), paths=2)

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from keras_linattn import feature_maps
 from keras_linattn.layers import LinearAttention, LinearAttentionCell
-from tests._helpers import step_test_feature_map, layer_conditioning, run_steps
+from tests._helpers import layer_conditioning, run_steps, step_test_feature_map
 from tests.tolerance import assert_close
 
 DIM = 8
@@ -133,7 +133,7 @@ def test_cell_shares_weights_and_gradients_with_parallel_layer(rng):
     # A weight's gradient adds the sum over the B*T positions that share it.
     n = _n_output(layer, T) + x.shape[0] * T
     whole = max(float(np.abs(np.asarray(g)).max()) for g in g_par)
-    for w, a, b in zip(layer.trainable_weights, g_rnn, g_par):
+    for w, a, b in zip(layer.trainable_weights, g_rnn, g_par, strict=True):
         # Conditioned by the whole gradient's scale over this weight's: its
         # absolute error is inherited from the whole backward pass.
         scale = float(np.abs(np.asarray(b)).max())

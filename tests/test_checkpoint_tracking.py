@@ -43,9 +43,7 @@ def _lm(seed, **config):
 
 def _train_one_step(model, ids):
     # Eager: tracing a train step costs more than the step of these small models.
-    model.compile(
-        optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), run_eagerly=True
-    )
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), run_eagerly=True)
     model.fit(ids, ids, epochs=1, batch_size=2, verbose=0)
 
 
@@ -111,9 +109,11 @@ def roundtrip(make, ids, directory, optimizer=False, manager=False):
     return same, total, sorted(set(saved) - set(same))
 
 
-LM_CASES = [(name, "model") for name in sorted(LM_CONFIGS)] + [
-    (name, "manager+optimizer") for name in sorted(LM_CONFIGS)
-] + [("favor+", "model+optimizer")]
+LM_CASES = (
+    [(name, "model") for name in sorted(LM_CONFIGS)]
+    + [(name, "manager+optimizer") for name in sorted(LM_CONFIGS)]
+    + [("favor+", "model+optimizer")]
+)
 
 
 @pytest.mark.parametrize("name,mode", LM_CASES)

@@ -113,7 +113,10 @@ def test_unbuilt_model_error_through_cli(tmp_path, capsys):
 def test_console_script_entry_point():
     result = subprocess.run(
         [sys.executable, "-c", "import sys; from keras_linattn.cli import main; sys.exit(main(['--help']))"],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
     )
     assert result.returncode == 0
     assert "{export,verify}" in result.stdout

@@ -86,9 +86,7 @@ def run_concurrently(runtimes, rounds):
         th.start()
     for th in threads:
         th.join()
-    pairs = [
-        (kind, e, g) for t in work for (kind, _), e, g in zip(work[t], expected[t], got[t])
-    ]
+    pairs = [(kind, e, g) for t in work for (kind, _), e, g in zip(work[t], expected[t], got[t], strict=True)]
     return pairs, errors
 
 
@@ -128,8 +126,10 @@ def main(rounds=25):
         else:
             mismatches += int(np.abs(got - expected).max() > 0)
     runtimes[1].close()
-    print(f"threads {THREADS}, concurrent calls {len(pairs)}, errors {len(errors)}, "
-          f"mismatches (not bit-identical) {mismatches}, RSS {before:.0f} -> {after:.0f} MB")
+    print(
+        f"threads {THREADS}, concurrent calls {len(pairs)}, errors {len(errors)}, "
+        f"mismatches (not bit-identical) {mismatches}, RSS {before:.0f} -> {after:.0f} MB"
+    )
 
 
 if __name__ == "__main__":

@@ -99,7 +99,7 @@ def test_outputs_and_gradients_match_reference(projection, use_mask, rng):
     # Per source, conditioned by the ratio of the whole gradient's scale to the
     # source's: its absolute error is inherited from the whole backward pass.
     whole = float(np.abs(flat_ref).max())
-    for g, gr, src in zip(grads, grads_ref, sources):
+    for g, gr, src in zip(grads, grads_ref, sources, strict=True):
         name = getattr(src, "name", "input")
         assert g is not None, name
         if projection is None and src is layer.key_dense.bias:
@@ -286,6 +286,7 @@ def test_mixed_precision_matches_float32(rng):
 @pytest.mark.parametrize("projection", [None, "random"])
 def test_saved_model_and_onnx_export_with_dynamic_length(projection, tmp_path, rng):
     import onnxruntime as ort
+
     kwargs = {} if projection is None else dict(projection=projection, projection_dim=4, max_length=32)
     inp = keras.Input((None, 16))
     out = EfficientAttention(2, 4, seed=0, **kwargs)(inp, inp)

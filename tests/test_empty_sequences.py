@@ -104,7 +104,7 @@ def test_an_empty_piece_hands_every_mechanisms_state_on(kwargs):
     empty, after = layer(x[:, :0], x[:, :0], use_causal_mask=True, return_state=True, initial_state=state)
     assert tuple(empty.shape) == (B, 0, 8)
     assert len(after) == len(state)
-    for s, a in zip(state, after):
+    for s, a in zip(state, after, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(s))
     fresh, _ = layer(x[:, :0], x[:, :0], use_causal_mask=True, return_state=True)  # no initial state
     assert tuple(fresh.shape) == (B, 0, 8)

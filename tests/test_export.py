@@ -53,7 +53,12 @@ def encoder(feature_map, causal, seed=0):
 def tiny_lm(feature_map="elu", seed=0):
     keras.utils.set_random_seed(seed)
     return LinearCausalLM(
-        vocabulary_size=40, num_layers=2, hidden_dim=16, num_heads=2, intermediate_dim=32, chunk_size=CHUNK,
+        vocabulary_size=40,
+        num_layers=2,
+        hidden_dim=16,
+        num_heads=2,
+        intermediate_dim=32,
+        chunk_size=CHUNK,
         feature_map=seeded_feature_map(feature_map, seed),
     )
 
@@ -81,7 +86,8 @@ def attention_terms(att, length):
     fm = att.feature_map
     return (
         feature_map_reduction(fm, att.key_dim)
-        + length + fm.feature_dim(att.key_dim)  # attention over S keys and C features
+        + length
+        + fm.feature_dim(att.key_dim)  # attention over S keys and C features
         + att.num_heads * att.value_dim  # output projection over H * M
     )
 
@@ -110,8 +116,11 @@ def lm_tolerance(model, ids):
         att = block.attention
         n += (
             2 * d  # pre-attention LayerNorm: mean, then variance, over d
-            + d + attention_terms(att, ids.shape[1])  # projections over d, then attention
-            + 2 * d + d + block.intermediate_dim  # FFN: LayerNorm, Dense over d, Dense over I
+            + d
+            + attention_terms(att, ids.shape[1])  # projections over d, then attention
+            + 2 * d
+            + d
+            + block.intermediate_dim  # FFN: LayerNorm, Dense over d, Dense over I
         )
         h = block._attention_norm(x)  # the attention's input
         conditioning *= layer_conditioning(att, h, h, causal=True)
@@ -163,10 +172,23 @@ def test_saved_model_cli_show_and_run(tmp_path, rng):
     np.save(tmp_path / "x.npy", x)
     run = subprocess.run(
         [
-            SAVED_MODEL_CLI, "run", "--dir", version_dir, "--tag_set", "serve", "--signature_def", "serving_default",
-            "--inputs", f"features={tmp_path / 'x.npy'}", "--outdir", str(tmp_path / "out"),
+            SAVED_MODEL_CLI,
+            "run",
+            "--dir",
+            version_dir,
+            "--tag_set",
+            "serve",
+            "--signature_def",
+            "serving_default",
+            "--inputs",
+            f"features={tmp_path / 'x.npy'}",
+            "--outdir",
+            str(tmp_path / "out"),
         ],
-        capture_output=True, text=True, env=env, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr[-2000:]
     got = np.load(tmp_path / "out" / "head.npy")

@@ -7,8 +7,7 @@ import tensorflow as tf
 
 from keras_linattn import feature_maps
 from keras_linattn import ops as lops
-from keras_linattn.feature_maps import FavorPlusFeatureMap, FavorTrigFeatureMap
-from keras_linattn.feature_maps import random_features
+from keras_linattn.feature_maps import FavorPlusFeatureMap, FavorTrigFeatureMap, random_features
 from keras_linattn.layers import LinearAttention
 from tests._helpers import (
     assert_causal_outputs_never_see_the_future,
@@ -16,8 +15,8 @@ from tests._helpers import (
     assert_rejects_bad_input_rank_and_shape,
     assert_self_attention_matches_oracle,
     causal_attention_model,
-    run_steps,
     layer_conditioning,
+    run_steps,
     save_and_load,
 )
 from tests.conftest import rel_err
@@ -96,7 +95,7 @@ def test_output_error_shrinks_as_num_features_grows():
     mses = [float(np.mean(e)) for e in per_seed]
     # Statistical: each 4x more features lowers the MSE (mean over 20 draws) by
     # more than 4 standard errors of the difference.
-    for smaller_m, larger_m in zip(per_seed, per_seed[1:]):
+    for smaller_m, larger_m in zip(per_seed, per_seed[1:], strict=True):
         assert _gain_in_standard_errors(smaller_m, larger_m) > 4, mses
     # The estimator's variance falls like 1/m: 64x the features should divide
     # the MSE by ~64; require 10 (the attention is a ratio of two estimates,

@@ -41,7 +41,12 @@ class Env:
     def __init__(self, tmp):
         keras.utils.set_random_seed(1234)
         self.lm = LinearCausalLM(
-            vocabulary_size=V, num_layers=1, hidden_dim=8, num_heads=2, intermediate_dim=16, chunk_size=4,
+            vocabulary_size=V,
+            num_layers=1,
+            hidden_dim=8,
+            num_heads=2,
+            intermediate_dim=16,
+            chunk_size=4,
             max_sequence_length=LIMIT,
         )
         rng = np.random.default_rng(7)  # logits well apart: exact token comparisons across runtimes
@@ -56,14 +61,23 @@ class Env:
 
     # ---- SavedModel
     def sm_generate(self, prompt, mask, max_length):
-        feeds = {"prompt_ids": np.asarray(prompt, "int32"), "padding_mask": np.asarray(mask, "int32"),
-                 "max_length": np.int32(max_length)}
+        feeds = {
+            "prompt_ids": np.asarray(prompt, "int32"),
+            "padding_mask": np.asarray(mask, "int32"),
+            "max_length": np.int32(max_length),
+        }
         return self.runner.run("generate", feeds)["output_ids"]
 
     def sm_generate_sampled(self, prompt, mask, max_length):
-        feeds = {"prompt_ids": np.asarray(prompt, "int32"), "padding_mask": np.asarray(mask, "int32"),
-                 "max_length": np.int32(max_length), "temperature": np.float32(0.7), "top_k": np.int32(0),
-                 "top_p": np.float32(1.0), "seed": np.int64(3)}
+        feeds = {
+            "prompt_ids": np.asarray(prompt, "int32"),
+            "padding_mask": np.asarray(mask, "int32"),
+            "max_length": np.int32(max_length),
+            "temperature": np.float32(0.7),
+            "top_k": np.int32(0),
+            "top_p": np.float32(1.0),
+            "seed": np.int64(3),
+        }
         return self.runner.run("generate_sampled", feeds)["output_ids"]
 
     def sm_step(self, token, state):
@@ -73,9 +87,15 @@ class Env:
 
     # ---- raw ONNX graphs
     def onnx_generate(self, prompt, mask, max_length):
-        feeds = {"prompt_ids": np.asarray(prompt, "int32"), "padding_mask": np.asarray(mask, "int32"),
-                 "max_length": np.array(max_length, np.int32), "temperature": np.array(0, np.float32),
-                 "top_k": np.array(0, np.int32), "top_p": np.array(1, np.float32), "seed": np.array(0, np.int64)}
+        feeds = {
+            "prompt_ids": np.asarray(prompt, "int32"),
+            "padding_mask": np.asarray(mask, "int32"),
+            "max_length": np.array(max_length, np.int32),
+            "temperature": np.array(0, np.float32),
+            "top_k": np.array(0, np.int32),
+            "top_p": np.array(1, np.float32),
+            "seed": np.array(0, np.int64),
+        }
         return self.raw["generate"].predict(feeds)["output_ids"]
 
     def onnx_step(self, token, state):
@@ -117,66 +137,185 @@ def _graph_call(lm, x):
 RAISES = [
     # --- max_sequence_length: a row holds at most 8 tokens (state position + index in the piece)
     ("length > limit", "Keras call", lambda e: e.lm(ids(1, 9)), ValueError, "max_sequence_length=8"),
-    ("length > limit", "Keras call traced (fit/predict)", lambda e: _graph_call(e.lm, ids(1, 9)), IAE,
-     "`token_ids` runs past max_sequence_length=8"),
-    ("length > limit", "Keras step", lambda e: e.lm.step(ids(1, 1)[:, 0], e.state_at(8)), ValueError,
-     "`token_t` runs past max_sequence_length=8"),
-    ("length > limit", "Keras call_with_state", lambda e: e.lm.call_with_state(ids(1, 3), e.state_at(6)), ValueError,
-     "`token_ids` runs past max_sequence_length=8"),
+    (
+        "length > limit",
+        "Keras call traced (fit/predict)",
+        lambda e: _graph_call(e.lm, ids(1, 9)),
+        IAE,
+        "`token_ids` runs past max_sequence_length=8",
+    ),
+    (
+        "length > limit",
+        "Keras step",
+        lambda e: e.lm.step(ids(1, 1)[:, 0], e.state_at(8)),
+        ValueError,
+        "`token_t` runs past max_sequence_length=8",
+    ),
+    (
+        "length > limit",
+        "Keras call_with_state",
+        lambda e: e.lm.call_with_state(ids(1, 3), e.state_at(6)),
+        ValueError,
+        "`token_ids` runs past max_sequence_length=8",
+    ),
     ("length > limit", "Keras generate", lambda e: e.lm.generate(ids(1, 2), 9), ValueError, "max_length=9"),
-    ("length > limit", "SavedModel serving_default",
-     lambda e: e.runner.run("serving_default", {"token_ids": ids(1, 9)}), IAE,
-     "`token_ids` runs past max_sequence_length=8"),
-    ("length > limit", "SavedModel step", lambda e: e.sm_step([1], e.state_at(8)), IAE,
-     "`token_t` runs past max_sequence_length=8"),
-    ("length > limit", "SavedModel generate", lambda e: e.sm_generate(ids(1, 2), ones(1, 2), 9), IAE,
-     "`max_length` must be <= max_sequence_length=8"),
-    ("length > limit", "SavedModel generate_sampled", lambda e: e.sm_generate_sampled(ids(1, 2), ones(1, 2), 9), IAE,
-     "`max_length` must be <= max_sequence_length=8"),
+    (
+        "length > limit",
+        "SavedModel serving_default",
+        lambda e: e.runner.run("serving_default", {"token_ids": ids(1, 9)}),
+        IAE,
+        "`token_ids` runs past max_sequence_length=8",
+    ),
+    (
+        "length > limit",
+        "SavedModel step",
+        lambda e: e.sm_step([1], e.state_at(8)),
+        IAE,
+        "`token_t` runs past max_sequence_length=8",
+    ),
+    (
+        "length > limit",
+        "SavedModel generate",
+        lambda e: e.sm_generate(ids(1, 2), ones(1, 2), 9),
+        IAE,
+        "`max_length` must be <= max_sequence_length=8",
+    ),
+    (
+        "length > limit",
+        "SavedModel generate_sampled",
+        lambda e: e.sm_generate_sampled(ids(1, 2), ones(1, 2), 9),
+        IAE,
+        "`max_length` must be <= max_sequence_length=8",
+    ),
     ("length > limit", "OnnxGenerator", lambda e: e.generator.generate(ids(1, 2), 9), ValueError, "max_length=9"),
     # --- padding_mask: left padding, at least one real token per row
-    ("right-padded mask", "Keras generate", lambda e: e.lm.generate(ids(1, 3), 5, padding_mask=RIGHT_PADDED),
-     ValueError, "padding_mask=[[1, 1, 0]]"),
-    ("right-padded mask", "SavedModel generate", lambda e: e.sm_generate(ids(1, 3), RIGHT_PADDED, 5), IAE,
-     "`padding_mask` rows must be left-padded"),
-    ("right-padded mask", "OnnxGenerator", lambda e: e.generator.generate(ids(1, 3), 5, padding_mask=RIGHT_PADDED),
-     ValueError, "padding_mask=[[1, 1, 0]]"),
-    ("all-zero mask", "Keras generate", lambda e: e.lm.generate(ids(1, 3), 5, padding_mask=ALL_ZERO), ValueError,
-     "padding_mask=[[0, 0, 0]]"),
-    ("all-zero mask", "SavedModel generate", lambda e: e.sm_generate(ids(1, 3), ALL_ZERO, 5), IAE,
-     "at least one real token"),
-    ("all-zero mask", "OnnxGenerator", lambda e: e.generator.generate(ids(1, 3), 5, padding_mask=ALL_ZERO), ValueError,
-     "padding_mask=[[0, 0, 0]]"),
-    ("mask shape", "SavedModel generate", lambda e: e.sm_generate(ids(1, 3), ones(1, 4), 5), IAE,
-     "`padding_mask` must have the shape of `prompt_ids`"),
+    (
+        "right-padded mask",
+        "Keras generate",
+        lambda e: e.lm.generate(ids(1, 3), 5, padding_mask=RIGHT_PADDED),
+        ValueError,
+        "padding_mask=[[1, 1, 0]]",
+    ),
+    (
+        "right-padded mask",
+        "SavedModel generate",
+        lambda e: e.sm_generate(ids(1, 3), RIGHT_PADDED, 5),
+        IAE,
+        "`padding_mask` rows must be left-padded",
+    ),
+    (
+        "right-padded mask",
+        "OnnxGenerator",
+        lambda e: e.generator.generate(ids(1, 3), 5, padding_mask=RIGHT_PADDED),
+        ValueError,
+        "padding_mask=[[1, 1, 0]]",
+    ),
+    (
+        "all-zero mask",
+        "Keras generate",
+        lambda e: e.lm.generate(ids(1, 3), 5, padding_mask=ALL_ZERO),
+        ValueError,
+        "padding_mask=[[0, 0, 0]]",
+    ),
+    (
+        "all-zero mask",
+        "SavedModel generate",
+        lambda e: e.sm_generate(ids(1, 3), ALL_ZERO, 5),
+        IAE,
+        "at least one real token",
+    ),
+    (
+        "all-zero mask",
+        "OnnxGenerator",
+        lambda e: e.generator.generate(ids(1, 3), 5, padding_mask=ALL_ZERO),
+        ValueError,
+        "padding_mask=[[0, 0, 0]]",
+    ),
+    (
+        "mask shape",
+        "SavedModel generate",
+        lambda e: e.sm_generate(ids(1, 3), ones(1, 4), 5),
+        IAE,
+        "`padding_mask` must have the shape of `prompt_ids`",
+    ),
     # --- max_length >= prompt length
     ("max_length < P", "Keras generate", lambda e: e.lm.generate(ids(1, 3), 2), ValueError, "max_length=2"),
-    ("max_length < P", "SavedModel generate", lambda e: e.sm_generate(ids(1, 3), ones(1, 3), 2), IAE,
-     "`max_length` must be >= the prompt length"),
+    (
+        "max_length < P",
+        "SavedModel generate",
+        lambda e: e.sm_generate(ids(1, 3), ones(1, 3), 2),
+        IAE,
+        "`max_length` must be >= the prompt length",
+    ),
     ("max_length < P", "OnnxGenerator", lambda e: e.generator.generate(ids(1, 3), 2), ValueError, "max_length=2"),
     # --- empty prompts
     ("empty prompt", "Keras generate", lambda e: e.lm.generate(ids(1, 0), 4), ValueError, "prompt_ids.shape=(1, 0)"),
-    ("empty prompt", "SavedModel generate", lambda e: e.sm_generate(ids(1, 0), ones(1, 0), 4), IAE,
-     "`prompt_ids` must be a non-empty"),
-    ("empty prompt", "OnnxGenerator", lambda e: e.generator.generate(ids(1, 0), 4), ValueError,
-     "prompt_ids.shape=(1, 0)"),
+    (
+        "empty prompt",
+        "SavedModel generate",
+        lambda e: e.sm_generate(ids(1, 0), ones(1, 0), 4),
+        IAE,
+        "`prompt_ids` must be a non-empty",
+    ),
+    (
+        "empty prompt",
+        "OnnxGenerator",
+        lambda e: e.generator.generate(ids(1, 0), 4),
+        ValueError,
+        "prompt_ids.shape=(1, 0)",
+    ),
     # --- ids in [0, V)
     ("id >= V", "Keras call", lambda e: e.lm(ids(1, 3, V)), ValueError, "`token_ids` must be in [0, 16)"),
-    ("id >= V", "Keras predict", lambda e: e.lm.predict(ids(2, 3, V), verbose=0), IAE,
-     "`token_ids` must be in [0, 16)"),
-    ("id < 0", "Keras call traced (fit/predict)", lambda e: _graph_call(e.lm, ids(1, 3, -1)), IAE,
-     "`token_ids` must be in [0, 16)"),
-    ("id >= V", "SavedModel serving_default", lambda e: e.runner.run("serving_default", {"token_ids": ids(1, 3, V)}),
-     IAE, "`token_ids` must be in [0, 16)"),
-    ("id >= V", "SavedModel generate", lambda e: e.sm_generate(ids(1, 3, V), ones(1, 3), 5), IAE,
-     "`prompt_ids` must be in [0, 16)"),
-    ("id >= V", "OnnxGenerator", lambda e: e.generator.generate(ids(1, 3, V), 5), ValueError,
-     "`prompt_ids` must be in"),
+    (
+        "id >= V",
+        "Keras predict",
+        lambda e: e.lm.predict(ids(2, 3, V), verbose=0),
+        IAE,
+        "`token_ids` must be in [0, 16)",
+    ),
+    (
+        "id < 0",
+        "Keras call traced (fit/predict)",
+        lambda e: _graph_call(e.lm, ids(1, 3, -1)),
+        IAE,
+        "`token_ids` must be in [0, 16)",
+    ),
+    (
+        "id >= V",
+        "SavedModel serving_default",
+        lambda e: e.runner.run("serving_default", {"token_ids": ids(1, 3, V)}),
+        IAE,
+        "`token_ids` must be in [0, 16)",
+    ),
+    (
+        "id >= V",
+        "SavedModel generate",
+        lambda e: e.sm_generate(ids(1, 3, V), ones(1, 3), 5),
+        IAE,
+        "`prompt_ids` must be in [0, 16)",
+    ),
+    (
+        "id >= V",
+        "OnnxGenerator",
+        lambda e: e.generator.generate(ids(1, 3, V), 5),
+        ValueError,
+        "`prompt_ids` must be in",
+    ),
     # --- seeds
-    ("seed='a'", "Keras generate", lambda e: e.lm.generate(ids(1, 2), 4, sampler="random", seed="a"), ValueError,
-     "seed='a'"),
-    ("seed='a'", "OnnxGenerator", lambda e: e.generator.generate(ids(1, 2), 4, sampler="random", seed="a"), ValueError,
-     "seed='a'"),
+    (
+        "seed='a'",
+        "Keras generate",
+        lambda e: e.lm.generate(ids(1, 2), 4, sampler="random", seed="a"),
+        ValueError,
+        "seed='a'",
+    ),
+    (
+        "seed='a'",
+        "OnnxGenerator",
+        lambda e: e.generator.generate(ids(1, 2), 4, sampler="random", seed="a"),
+        ValueError,
+        "seed='a'",
+    ),
 ]
 
 

@@ -43,9 +43,10 @@ def _lm(feature_map):
 
 # elu in `make test`; the random (favor+) and trainable (oglu) maps in `make test-slow`
 # (the decode contract does not depend on the map: one export per map costs ~20 s).
-@pytest.fixture(scope="module", params=[
-    pytest.param(name, marks=() if name == "elu" else pytest.mark.slow) for name in FEATURE_MAPS
-])
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(name, marks=() if name == "elu" else pytest.mark.slow) for name in FEATURE_MAPS],
+)
 def exported(request, tmp_path_factory):
     keras.utils.set_random_seed(1234)
     lm = _lm(request.param)
@@ -143,7 +144,7 @@ def test_state_spec_describes_the_state(exported):
     state = lm.get_initial_state(3)
     assert [s.name for s in spec][-1] == "position"
     assert len(spec) == len(state) == 2 * lm.num_layers + 1
-    for s, x in zip(spec, state):
+    for s, x in zip(spec, state, strict=True):
         assert tuple(x.shape) == (3,) + tuple(s.shape) and keras.backend.standardize_dtype(x.dtype) == s.dtype
     with pytest.raises(ValueError, match=r"state\[1\]"):
         generation.check_state(spec, [state[0], state[0]] + state[2:], batch_size=3)

@@ -130,7 +130,7 @@ def test_fit_with_xla_trains_the_kernels(rng):
     model = causal_attention_model(fm)
     initial = [w.numpy().copy() for w in fm.trainable_weights]
     assert_fits_with_xla(model, rng)
-    for before, w in zip(initial, fm.trainable_weights):
+    for before, w in zip(initial, fm.trainable_weights, strict=True):
         assert not np.allclose(before, w.numpy())
 
 
@@ -188,8 +188,14 @@ _OLD_DTYPE = {"module": "keras", "class_name": "DTypePolicy", "config": {"name":
 @pytest.mark.parametrize("share_qk", [False, True])
 @pytest.mark.parametrize("use_bias", [False, True])
 def test_old_config_with_feature_size_and_explicit_share_qk_loads_the_same(rng, share_qk, use_bias):
-    old = {"name": "hh", "trainable": True, "dtype": _OLD_DTYPE,
-           "feature_size": 3, "share_qk": share_qk, "use_bias": use_bias}
+    old = {
+        "name": "hh",
+        "trainable": True,
+        "dtype": _OLD_DTYPE,
+        "feature_size": 3,
+        "share_qk": share_qk,
+        "use_bias": use_bias,
+    }
     with pytest.warns(DeprecationWarning, match="feature_dim=6"):
         fm = HedgehogFeatureMap.from_config(old)
     assert (fm.feature_dim(4), fm.share_qk, fm.use_bias) == (6, share_qk, use_bias)

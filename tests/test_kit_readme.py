@@ -66,9 +66,19 @@ def readme_commands(text=None):
 
 
 def kind(command):
-    for prefix in ("pip install", "docker compose", "./serve.sh", "cd ", "./export_model.sh", "keras-linattn ",
-                   "saved_model_cli ", "curl ", "python clients/rest_client.py", "python clients/grpc_client.py",
-                   "python clients/onnxruntime_gpu_example.py"):
+    for prefix in (
+        "pip install",
+        "docker compose",
+        "./serve.sh",
+        "cd ",
+        "./export_model.sh",
+        "keras-linattn ",
+        "saved_model_cli ",
+        "curl ",
+        "python clients/rest_client.py",
+        "python clients/grpc_client.py",
+        "python clients/onnxruntime_gpu_example.py",
+    ):
         if command.startswith(prefix):
             return prefix.strip()
     return None
@@ -88,8 +98,9 @@ def test_every_readme_command_has_a_handler():
 
 def tiny_lm():
     keras.utils.set_random_seed(0)
-    lm = LinearCausalLM(vocabulary_size=VOCAB, num_layers=2, hidden_dim=16, num_heads=2, intermediate_dim=32,
-                        chunk_size=4)
+    lm = LinearCausalLM(
+        vocabulary_size=VOCAB, num_layers=2, hidden_dim=16, num_heads=2, intermediate_dim=32, chunk_size=4
+    )
     lm(np.zeros((1, 2), "int32"))
     return lm
 
@@ -127,8 +138,9 @@ def test_readme_requests_feed_every_input_and_give_keras_tokens(lm_export, capsy
     with export.SavedModelRunner(version_dir) as runner:
         for command, body in requests:
             if isinstance(body, str):
-                signature, feeds = input_exprs_feeds(body, runner.input_info(
-                    shlex.split(body)[shlex.split(body).index("--signature_def") + 1]))
+                signature, feeds = input_exprs_feeds(
+                    body, runner.input_info(shlex.split(body)[shlex.split(body).index("--signature_def") + 1])
+                )
             else:
                 signature = body["signature_name"]
                 feeds = decode_rest_body(body, runner.input_info(signature))
@@ -141,8 +153,12 @@ def test_readme_requests_feed_every_input_and_give_keras_tokens(lm_export, capsy
             else:
                 from keras_linattn import samplers
 
-                sampler = samplers.get("top_p", p=float(feeds["top_p"]), k=int(feeds["top_k"]) or None,
-                                       temperature=float(feeds["temperature"]))
+                sampler = samplers.get(
+                    "top_p",
+                    p=float(feeds["top_p"]),
+                    k=int(feeds["top_k"]) or None,
+                    temperature=float(feeds["temperature"]),
+                )
                 expected = model.generate(prompt, max_length=max_length, sampler=sampler, seed=int(feeds["seed"]))
                 settings = (float(feeds["temperature"]), int(feeds["top_k"]), float(feeds["top_p"]), int(feeds["seed"]))
                 assert settings == (pytest.approx(0.8), 20, pytest.approx(0.95), 7)
@@ -189,22 +205,31 @@ def start_rest(standin):
             if not match:
                 return self._send(404, {"error": f"unknown path {self.path}"})
             versions = sorted(int(v) for v in os.listdir(os.path.join(standin.exported, match.group(1))) if v.isdigit())
-            self._send(200, {"model_version_status": [
-                {"version": str(versions[-1]), "state": "AVAILABLE", "status": {"error_code": "OK"}}]})
+            self._send(
+                200,
+                {
+                    "model_version_status": [
+                        {"version": str(versions[-1]), "state": "AVAILABLE", "status": {"error_code": "OK"}}
+                    ]
+                },
+            )
 
         def do_POST(self):  # noqa: N802
             match = re.fullmatch(r"/v1/models/(\w+)(?:/versions/(\d+))?:predict", self.path)
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             signature = body.get("signature_name", "serving_default")
             try:
-                out = standin.predict(match.group(1), match.group(2), signature,
-                                      lambda info: decode_rest_body(body, info))
+                out = standin.predict(
+                    match.group(1), match.group(2), signature, lambda info: decode_rest_body(body, info)
+                )
             except Exception as e:  # what TF Serving answers: {"error": ...}
                 return self._send(400, {"error": str(e).strip().splitlines()[0]})
             if "instances" in body:
                 names = list(out)
-                rows = [out[names[0]][i].tolist() if len(names) == 1 else {k: v[i].tolist() for k, v in out.items()}
-                        for i in range(len(out[names[0]]))]
+                rows = [
+                    out[names[0]][i].tolist() if len(names) == 1 else {k: v[i].tolist() for k, v in out.items()}
+                    for i in range(len(out[names[0]]))
+                ]
                 return self._send(200, {"predictions": rows})
             self._send(200, {"outputs": {k: v.tolist() for k, v in out.items()}})
 
@@ -226,7 +251,9 @@ def start_grpc(standin):
         def Predict(self, request, context):  # noqa: N802
             spec = request.model_spec
             out = standin.predict(
-                spec.name, spec.version.value or None, spec.signature_name or "serving_default",
+                spec.name,
+                spec.version.value or None,
+                spec.signature_name or "serving_default",
                 lambda info: {k: tf.make_ndarray(v) for k, v in request.inputs.items()},
             )
             response = predict_pb2.PredictResponse()
@@ -279,7 +306,7 @@ def test_every_readme_command_runs(tmp_path):
                 elif what == "python clients/grpc_client.py":
                     run += f" --target 127.0.0.1:{grpc_port}"
             if run.startswith("python "):
-                run = shlex.quote(sys.executable) + run[len("python"):]
+                run = shlex.quote(sys.executable) + run[len("python") :]
             result = subprocess.run(run, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
             assert result.returncode == 0, f"{command}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
             assert '"error"' not in result.stdout, f"{command}\n{result.stdout[-2000:]}"

@@ -179,9 +179,18 @@ def test_fit_with_xla(rng, causal):
 def test_keras_save_load_with_non_default_arguments(rng, tmp_path):
     inp = keras.Input((None, DIM))
     layer = LinearAttention(
-        num_heads=3, key_dim=5, value_dim=6, feature_map=feature_maps.get("relu", epsilon=1e-3),
-        chunk_size=7, dropout=0.1, use_bias=False, output_shape=9, epsilon=1e-5,
-        kernel_initializer="he_normal", kernel_regularizer="l2", seed=3,
+        num_heads=3,
+        key_dim=5,
+        value_dim=6,
+        feature_map=feature_maps.get("relu", epsilon=1e-3),
+        chunk_size=7,
+        dropout=0.1,
+        use_bias=False,
+        output_shape=9,
+        epsilon=1e-5,
+        kernel_initializer="he_normal",
+        kernel_regularizer="l2",
+        seed=3,
     )
     model = keras.Model(inp, layer(inp, inp, use_causal_mask=True))
     path = os.path.join(tmp_path, "m.keras")

@@ -15,8 +15,8 @@ from keras_linattn import ops as lops
 from keras_linattn.layers import LinearAttention, LinearTransformerDecoder, LinearTransformerEncoder
 from keras_linattn.layers.linear_attention import OUTPUT_NORM_EPSILON
 from keras_linattn.models import LinearCausalLM
-from keras_linattn.recurrences import AdditiveRecurrence, DeltaRecurrence, WindowRecurrence
 from keras_linattn.ops.core import _mask_keys
+from keras_linattn.recurrences import AdditiveRecurrence, DeltaRecurrence, WindowRecurrence
 from tests._backend import flat, gradients, xfail_jax_symbolic_length, xla
 from tests.tolerance import assert_close
 
@@ -132,14 +132,14 @@ def test_step_pieces_and_left_padding_equal_one_pass(rng, name):
     x, mask = _inputs(rng)
     full, state = layer(x, x, key_mask=mask, use_causal_mask=True, return_state=True)
     assert len(state) == len(layer.state_spec())
-    for entry, part in zip(layer.state_spec(), state):
+    for entry, part in zip(layer.state_spec(), state, strict=True):
         assert tuple(part.shape) == (2,) + entry.shape and part.dtype == "float32", entry.name
     n = T + layer.feature_dim + KEY_DIM + (layer.conv_size or 0) + HEADS * layer.value_dim
     # Two pieces chained through the state.
     a, st = layer(x[:, :5], x[:, :5], key_mask=mask[:, :5], use_causal_mask=True, return_state=True)
     b, st2 = layer(x[:, 5:], x[:, 5:], key_mask=mask[:, 5:], use_causal_mask=True, return_state=True, initial_state=st)
     assert_close(np.concatenate([a, b], 1), full, n=n, paths=2, what="pieces")
-    for entry, p, q in zip(layer.state_spec(), st2, state):
+    for entry, p, q in zip(layer.state_spec(), st2, state, strict=True):
         assert_close(p, q, n=T, paths=2, what=f"state {entry.name}")
     # Token by token (row 0 has no padding).
     s = layer.get_initial_state(1)
@@ -158,9 +158,9 @@ def test_step_pieces_and_left_padding_equal_one_pass(rng, name):
 FAST_XLA = {"based", "scalar_conv", "channel_conv_unnormalized", "gated_delta_conv_identity"}
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=() if name in FAST_XLA else pytest.mark.slow) for name in CONFIGS
-])
+@pytest.mark.parametrize(
+    "name", [pytest.param(name, marks=() if name in FAST_XLA else pytest.mark.slow) for name in CONFIGS]
+)
 def test_xla_matches_eager_and_fit_runs(rng, name):
     layer = _layer(name)
     x, mask = _inputs(rng)
@@ -169,8 +169,12 @@ def test_xla_matches_eager_and_fit_runs(rng, name):
     n = T + layer.feature_dim + KEY_DIM + (layer.conv_size or 0) + HEADS * layer.value_dim
     assert_close(compiled, eager, n=n, paths=2, what="XLA vs eager")
     inp = keras.Input((T, DIM))
-    model = keras.Model(inp, LinearAttention(HEADS, KEY_DIM, chunk_size=CHUNK, **{
-        k: v for k, v in CONFIGS[name].items() if k != "key_dim"})(inp, inp, use_causal_mask=True))
+    model = keras.Model(
+        inp,
+        LinearAttention(HEADS, KEY_DIM, chunk_size=CHUNK, **{k: v for k, v in CONFIGS[name].items() if k != "key_dim"})(
+            inp, inp, use_causal_mask=True
+        ),
+    )
     model.compile(optimizer="adam", loss="mse", jit_compile=True)
     y = rng.normal(size=x.shape).astype("float32")
     history = model.fit(x, y, epochs=3, batch_size=2, verbose=0)
@@ -185,7 +189,7 @@ def test_mixed_bfloat16_is_close_to_float32_with_a_float32_state(rng, name):
     expected = ref(x, x, key_mask=mask, use_causal_mask=True)
     keras.config.set_dtype_policy("mixed_bfloat16")
     layer = _layer(name)
-    for w_ref, w in zip(ref.weights, layer.weights):
+    for w_ref, w in zip(ref.weights, layer.weights, strict=True):
         w.assign(w_ref)
     out, state = layer(x, x, key_mask=mask, use_causal_mask=True, return_state=True)
     assert all(part.dtype == "float32" for part in state)
@@ -217,7 +221,14 @@ def test_state_spec_describes_every_mechanism():
     assert names == ["S", "z", "conv_q", "conv_k", "conv_v", "window_k", "window_v", "window_valid"]
     c = layer.feature_dim
     assert [e.shape for e in layer.state_spec()] == [
-        (HEADS, c, 4), (HEADS, c), (2, HEADS, 4), (2, HEADS, 4), (2, HEADS, 4), (5, HEADS, 4), (5, HEADS, 4), (5,)
+        (HEADS, c, 4),
+        (HEADS, c),
+        (2, HEADS, 4),
+        (2, HEADS, 4),
+        (2, HEADS, 4),
+        (5, HEADS, 4),
+        (5, HEADS, 4),
+        (5,),
     ]
     assert [e.name for e in _layer("scalar").state_spec()] == ["S", "z"]
     assert [e.name for e in _layer("delta").state_spec()] == ["S"]

@@ -54,14 +54,22 @@ def exported(request, tmp_path_factory):
 def test_parity_within_the_target(exported):
     name, lm, version_dir, paths = exported
     report = export.verify(
-        lm, saved_model_dir=version_dir, onnx_path=paths["model"], onnx_step_path=paths["step"],
-        saved_model_tolerance=PARITY, onnx_tolerance=PARITY, raise_on_failure=False,
+        lm,
+        saved_model_dir=version_dir,
+        onnx_path=paths["model"],
+        onnx_step_path=paths["step"],
+        saved_model_tolerance=PARITY,
+        onnx_tolerance=PARITY,
+        raise_on_failure=False,
     )
     assert report.ok, report.table()
     checked = {(r.backend, r.signature.split(":")[0]) for r in report.rows}
     assert checked >= {
-        ("saved_model", "serving_default"), ("saved_model", "step"), ("saved_model", "generate"),
-        ("onnx", "serving_default"), ("onnx", "step"),
+        ("saved_model", "serving_default"),
+        ("saved_model", "step"),
+        ("saved_model", "generate"),
+        ("onnx", "serving_default"),
+        ("onnx", "step"),
     }, checked
     assert max(r.max_rel for r in report.rows if not r.exact) <= PARITY
 
@@ -82,8 +90,9 @@ def test_keras_saved_model_and_onnx_give_identical_tokens(exported):
             sm_ids = runner.run("generate", feeds)["output_ids"]
         else:
             temperature, top_k, top_p = sampler.sampling_params()
-            feeds.update(temperature=np.float32(temperature), top_k=np.int32(top_k), top_p=np.float32(top_p),
-                         seed=np.int64(11))
+            feeds.update(
+                temperature=np.float32(temperature), top_k=np.int32(top_k), top_p=np.float32(top_p), seed=np.int64(11)
+            )
             sm_ids = runner.run("generate_sampled", feeds)["output_ids"]
         onnx_ids = generator.generate(prompt, max_length=16, sampler=sampler, seed=11, padding_mask=mask)
         np.testing.assert_array_equal(sm_ids, keras_ids, err_msg=f"{name}: SavedModel vs Keras")

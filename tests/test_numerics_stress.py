@@ -98,7 +98,9 @@ NOT_CLOSE_TO_FLOAT32 = {
 # exponents ~1e6 apart, so for some queries every key within float32's range of the head's
 # largest one is far outside their own.
 UNDERFLOW = {
-    ("favor+", 1e1, True), ("favor+", 1e3, True), ("favor+", 1e3, False),
+    ("favor+", 1e1, True),
+    ("favor+", 1e3, True),
+    ("favor+", 1e3, False),
     *((m, 1e3, True) for m in ("aoglu", "ffn", "glu", "hedgehog", "oglu")),
 }
 
@@ -323,8 +325,10 @@ def test_long_sequence_mixed_precision_is_close_to_float32(name, length):
 
 def _table():
     keras.config.set_dtype_policy("float32")
-    print(f"seed {TEST_SEED}; error against float32 (bound, or 'excl.' for NOT_CLOSE_TO_FLOAT32) "
-          "and against the replay on the mixed layer's projections")
+    print(
+        f"seed {TEST_SEED}; error against float32 (bound, or 'excl.' for NOT_CLOSE_TO_FLOAT32) "
+        "and against the replay on the mixed layer's projections"
+    )
     print("| map | scale | causal | mixed_bfloat16 | mixed_float16 | bf16 / fp16 vs replay | finite (f32/bf16/f16) |")
     print("|---|---|---|---|---|---|---|")
     for name in MAPS:

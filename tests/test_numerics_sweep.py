@@ -65,7 +65,7 @@ def _inputs(scale, seed=0):
     k = (rng.standard_normal((B, T, H, D)) * scale).astype("float32")
     v = rng.standard_normal((B, T, H, D)).astype("float32")
     mask = np.ones((B, T), bool)
-    mask[1, T - PAD:] = False
+    mask[1, T - PAD :] = False
     return q, k, v, mask
 
 
@@ -220,7 +220,7 @@ def test_guard_gradient_exact_and_padded_rows_zero():
     ref, g64 = grads(lambda q, k, x: kernel_attention_reference(q, k, x, causal=True, key_mask=mask), "float64")
     assert np.array_equal(out[1], np.zeros_like(out[1]))
     assert_close(out[0], ref[0], n=11, what="output")
-    for a, b, name in zip(g32, g64, ("q", "k", "v")):
+    for a, b, name in zip(g32, g64, ("q", "k", "v"), strict=True):
         assert np.isfinite(a).all(), name
         assert_close(a[0], b[0], n=11, what=f"d/d{name}")
 

@@ -62,5 +62,5 @@ def test_threads_on_a_fresh_generator_create_one_session(lm_onnx, monkeypatch):
         t.join()
     assert not errors, errors
     assert created == [generator.generate_path], f"{len(created)} sessions created"
-    for got, want in zip(results, expected):
+    for got, want in zip(results, expected, strict=True):
         np.testing.assert_array_equal(got, want)  # Keras' greedy tokens

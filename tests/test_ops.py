@@ -25,7 +25,7 @@ def _padding(rng, s):
     mask = np.ones((B, s), dtype=bool)
     # Row 0: a few padded keys scattered; row 1: right padding.
     mask[0, rng.choice(s, size=s // 4, replace=False)] = False
-    mask[1, max(1, s - s // 3):] = False
+    mask[1, max(1, s - s // 3) :] = False
     mask[:, 0] = True  # causal rows always see at least one key
     return mask
 
@@ -98,11 +98,11 @@ def test_causal_never_sees_the_future(rng, chunk_size):
     for cut in (0, 15, 16, 40, 69):
         q2, k2, v2 = q.copy(), k.copy(), v.copy()
         noise = _inputs(np.random.default_rng(cut), t)
-        q2[:, cut + 1:], k2[:, cut + 1:], v2[:, cut + 1:] = (x[:, cut + 1:] * 7.0 for x in noise)
+        q2[:, cut + 1 :], k2[:, cut + 1 :], v2[:, cut + 1 :] = (x[:, cut + 1 :] * 7.0 for x in noise)
         out = np.asarray(lops.linear_attention(q2, k2, v2, causal=True, chunk_size=chunk_size))
         np.testing.assert_array_equal(out[:, : cut + 1], base[:, : cut + 1])
         if cut + 1 < t:
-            assert not np.array_equal(out[:, cut + 1:], base[:, cut + 1:])
+            assert not np.array_equal(out[:, cut + 1 :], base[:, cut + 1 :])
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -116,7 +116,10 @@ def test_all_padded_rows_are_zero_not_nan(rng, causal):
     # Gradients stay finite too.
     grads = _grads(
         lambda a, b, c: lops.linear_attention(a, b, c, causal=causal, key_mask=mask, chunk_size=8),
-        q, k, v, np.ones((B, 20, H, M), "float32"),
+        q,
+        k,
+        v,
+        np.ones((B, 20, H, M), "float32"),
     )
     assert np.isfinite(grads).all()
 
@@ -142,8 +145,13 @@ def test_resume_from_state_equals_one_pass(rng, causal):
         state = None
         for lo, hi in ((0, 10), (10, 11), (11, 45)):
             out, state = lops.linear_attention(
-                q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], causal=True, chunk_size=8,
-                initial_state=state, return_state=True,
+                q[:, lo:hi],
+                k[:, lo:hi],
+                v[:, lo:hi],
+                causal=True,
+                chunk_size=8,
+                initial_state=state,
+                return_state=True,
             )
             pieces.append(np.asarray(out))
         # Two float32 computations (pieces, one pass): paths=2.

@@ -121,9 +121,7 @@ def test_float_masks_mean_nonzero_is_real_in_the_layers(make):
     x = np.random.default_rng(6).normal(size=(2, 6, 8)).astype("float32")
     as_float, as_bool = _float_and_bool_masks()
     layer = make()
-    np.testing.assert_array_equal(
-        np.asarray(layer(x, x, key_mask=as_float)), np.asarray(layer(x, x, key_mask=as_bool))
-    )
+    np.testing.assert_array_equal(np.asarray(layer(x, x, key_mask=as_float)), np.asarray(layer(x, x, key_mask=as_bool)))
 
 
 def test_causal_lm_reads_a_float_padding_mask_as_nonzero_is_real():

@@ -173,9 +173,7 @@ def test_non_causal_is_invariant_to_key_permutation(p, perm_seed):
     q, k, v, mask = _tensors(p)
     perm = np.random.default_rng(perm_seed).permutation(p["s"])
     out = linear_attention(q, k, v, key_mask=mask)
-    permuted = linear_attention(
-        q, k[:, perm], v[:, perm], key_mask=None if mask is None else mask[:, perm]
-    )
+    permuted = linear_attention(q, k[:, perm], v[:, perm], key_mask=None if mask is None else mask[:, perm])
     # Only the summation order changes: two float32 sums over S keys + C features.
     assert_close(permuted, out, n=p["s"] + p["c"], paths=2)
 

@@ -93,7 +93,10 @@ def test_gated_matches_oracle_outputs_and_gradients(rng, t, chunk_size, width, n
     # Backward adds the sums over the T queries and the M values; the decay's
     # gradient sums over the C features and M values of every later token.
     assert_close(
-        _grads(fast, (q, k, v, g), w), _grads(oracle, (q, k, v, g), w), n=2 * t + 2 * C + M, conditioning=cond,
+        _grads(fast, (q, k, v, g), w),
+        _grads(oracle, (q, k, v, g), w),
+        n=2 * t + 2 * C + M,
+        conditioning=cond,
         what="gradients",
     )
 
@@ -107,7 +110,7 @@ def test_gated_final_state_and_step_match_the_oracle(rng, width):
     out, state = lops.gated_linear_attention(q, k, v, g, key_mask=mask, chunk_size=8, return_state=True)
     ref, ref_state = lops.gated_linear_attention_reference(q, k, v, g, key_mask=mask)
     cond = _decay_conditioning(g, 8, mask)
-    for part, expected in zip(state, ref_state):
+    for part, expected in zip(state, ref_state, strict=True):
         assert_close(part, expected, n=t, conditioning=cond, what="final state")  # a decayed sum over T keys
     step_state = (np.zeros((B, H, C, M), "float32"), np.zeros((B, H, C), "float32"))
     outs = []
@@ -115,7 +118,7 @@ def test_gated_final_state_and_step_match_the_oracle(rng, width):
         o, step_state = lops.gated_linear_attention_step(q[:, i], k[:, i], v[:, i], g[:, i], step_state, mask[:, i])
         outs.append(np.asarray(o))
     assert_close(np.stack(outs, 1), ref, n=t + C, what="step outputs")
-    for part, expected in zip(step_state, ref_state):
+    for part, expected in zip(step_state, ref_state, strict=True):
         assert_close(part, expected, n=t, what="step state")
 
 
@@ -163,7 +166,7 @@ def test_a_padded_step_neither_writes_nor_decays_the_state(rng, width):
     out, st = lops.gated_linear_attention(q, k, v, g, key_mask=mask, chunk_size=8, return_state=True)
     out_u, st_u = lops.gated_linear_attention(q[:, 6:], k[:, 6:], v[:, 6:], g[:, 6:], chunk_size=8, return_state=True)
     assert_close(np.asarray(out)[:, 6:], out_u, n=t + C, paths=2, what="left-padded outputs")
-    for a, b in zip(st, st_u):
+    for a, b in zip(st, st_u, strict=True):
         assert_close(a, b, n=t, paths=2, what="left-padded state")
 
 
@@ -174,8 +177,9 @@ def test_no_decay_without_normalizer_is_the_numerator(rng):
     for causal in (True, False):
         out = lops.linear_attention(q, k, v, causal=causal, key_mask=mask, chunk_size=8, normalize=False)
         if causal:
-            ref = lops.gated_linear_attention_reference(q, k, v, np.zeros((B, t, H, 1), "float32"), key_mask=mask,
-                                                        normalize=False)[0]
+            ref = lops.gated_linear_attention_reference(
+                q, k, v, np.zeros((B, t, H, 1), "float32"), key_mask=mask, normalize=False
+            )[0]
         else:
             km = mask[:, :, None, None]
             s = np.einsum("bshc,bshm->bhcm", np.where(km, k, 0).astype("float64"), np.where(km, v, 0))
@@ -313,17 +317,32 @@ def test_window_pieces_and_steps_equal_one_pass(rng):
     assert_close(out, ref, n=t + C + D, what="one pass")
     cut = 8
     a, st = lops.window_attention(
-        q[:, :cut], qf[:, :cut], k_all[:, : window + cut], kf_all[:, : window + cut], v_all[:, : window + cut],
-        window, ok[:, : window + cut], return_state=True,
+        q[:, :cut],
+        qf[:, :cut],
+        k_all[:, : window + cut],
+        kf_all[:, : window + cut],
+        v_all[:, : window + cut],
+        window,
+        ok[:, : window + cut],
+        return_state=True,
     )
     b = lops.window_attention(
-        q[:, cut:], qf[:, cut:], k_all[:, cut:], kf_all[:, cut:], v_all[:, cut:], window, ok[:, cut:],
+        q[:, cut:],
+        qf[:, cut:],
+        k_all[:, cut:],
+        kf_all[:, cut:],
+        v_all[:, cut:],
+        window,
+        ok[:, cut:],
         initial_state=st,
     )
     assert_close(np.concatenate([a, b], 1), ref, n=t + C + D, what="two pieces")
     s = (np.zeros((B, H, C, M), "float32"), np.zeros((B, H, C), "float32"))
-    buffer = (np.zeros((B, window, H, D), "float32"), np.zeros((B, window, H, M), "float32"),
-              np.zeros((B, window), "float32"))
+    buffer = (
+        np.zeros((B, window, H, D), "float32"),
+        np.zeros((B, window, H, M), "float32"),
+        np.zeros((B, window), "float32"),
+    )
     features = np.zeros((B, window, H, C), "float32")  # phi of the buffered keys, kept beside for the test
     outs = []
     for i in range(t):
@@ -333,7 +352,7 @@ def test_window_pieces_and_steps_equal_one_pass(rng):
         features = np.concatenate([features[:, 1:], kf[:, i : i + 1]], 1)
         outs.append(np.asarray(o))
     assert_close(np.stack(outs, 1), ref, n=t + C + D, what="steps")
-    for part, expected in zip(s, state):
+    for part, expected in zip(s, state, strict=True):
         assert_close(part, expected, n=t, paths=2, what="linear state")
 
 
@@ -456,8 +475,9 @@ def test_delta_padded_step_leaves_the_state_unchanged(rng):
     q, k, v, beta = _delta_inputs(rng, 1)
     k[0] = np.nan
     s = rng.normal(size=(B, H, C, M)).astype("float32")
-    _, new = lops.delta_rule_step(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], s, np.full((B, H), -2.0, "float32"),
-                                  np.array([False, True]))
+    _, new = lops.delta_rule_step(
+        q[:, 0], k[:, 0], v[:, 0], beta[:, 0], s, np.full((B, H), -2.0, "float32"), np.array([False, True])
+    )
     np.testing.assert_array_equal(np.asarray(new)[0], s[0])
     assert not np.allclose(np.asarray(new)[1], s[1])
 
@@ -566,8 +586,11 @@ def test_window_divides_small_and_negative_denominators_exactly(rng, keys):
     ref = lops.window_attention_reference(q, qf, k, kf, v, window, mask)
     assert_close(ref, expected, n=t + C + D, what="reference")
     s = (np.zeros((B, H, C, M), "float32"), np.zeros((B, H, C), "float32"))
-    buffer = (np.zeros((B, window, H, D), "float32"), np.zeros((B, window, H, M), "float32"),
-              np.zeros((B, window), "float32"))
+    buffer = (
+        np.zeros((B, window, H, D), "float32"),
+        np.zeros((B, window, H, M), "float32"),
+        np.zeros((B, window), "float32"),
+    )
     features = np.zeros((B, window, H, C), "float32")
     outs = []
     for i in range(t):

@@ -44,7 +44,7 @@ def _assert_same_weights(got, expected, n, what=""):
     reference would make the comparison vacuous)."""
     assert len(got) == len(expected), what
     compared = 0
-    for i, (a, b) in enumerate(zip(got, expected)):
+    for i, (a, b) in enumerate(zip(got, expected, strict=True)):
         assert a.shape == b.shape, (what, i)
         assert np.isfinite(b).all(), f"{what}: reference weight {i} is not finite"
         if np.issubdtype(b.dtype, np.integer):
@@ -64,8 +64,14 @@ def _every_map_model(dropout=0.0, maps=None):
     branches = []  # side by side, not stacked: stacked residual branches overflow exp-based maps
     for i, name in enumerate(maps or feature_maps.available()):
         kwargs = {"num_features": 6, "seed": i} if name in ("favor+", "favor_trig") else {}
-        att = LinearAttention(2, 3, feature_map=feature_maps.get(name, **kwargs), chunk_size=4, dropout=dropout,
-                              name=f"att_{name.replace('+', 'plus')}")
+        att = LinearAttention(
+            2,
+            3,
+            feature_map=feature_maps.get(name, **kwargs),
+            chunk_size=4,
+            dropout=dropout,
+            name=f"att_{name.replace('+', 'plus')}",
+        )
         branches.append(att(inputs, inputs, use_causal_mask=True))
     h = keras.layers.Add()([inputs, *branches]) if len(branches) > 1 else inputs + branches[0]
     model = keras.Model(inputs, keras.layers.Dense(6)(h))
@@ -257,8 +263,13 @@ def test_backup_arguments_and_unbuilt_model(tmp_path):
 # ---------------------------------------------------------------- SIGKILL
 def _popen(args):
     return subprocess.Popen(
-        [sys.executable, *args], cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, bufsize=1,
+        [sys.executable, *args],
+        cwd=REPO_ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        bufsize=1,
     )
 
 
@@ -278,8 +289,9 @@ def _kill_after_line(proc, matches, delay):
 
 
 def _run_to_end(args):
-    proc = subprocess.run([sys.executable, *args], cwd=REPO_ROOT, env=_env(), capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -585,7 +597,7 @@ def test_listops_rerun_skips_finished_runs_and_matches(tmp_path, capsys):
     second = train.main(LISTOPS_ARGS + data + backup + ["--seeds", "0,1"])
     assert "[elu seed=1] finished in an earlier run" in capsys.readouterr().out
     assert second[1] == first[0]  # reused from backup/results/
-    for got, expected in zip(second, reference):
+    for got, expected in zip(second, reference, strict=True):
         assert got["train_loss"] == expected["train_loss"] and got["val_accuracy"] == expected["val_accuracy"]
 
 

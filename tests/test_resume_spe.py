@@ -110,7 +110,7 @@ def test_epoch_backup_resumes_equal_with_steps_per_execution(tmp_path, rng):
     # The old recipe resumes 2 batches early: the comparison tells the two apart.
     wrong = _model()
     _fit(wrong, stream, BackupAndRestore(copy), skip=backup.initial_epoch * STEPS)
-    assert max(np.abs(a - b).max() for a, b in zip(_weights(wrong), expected)) > 1e-3
+    assert max(np.abs(a - b).max() for a, b in zip(_weights(wrong), expected, strict=True)) > 1e-3
 
 
 def test_mid_epoch_backup_resumes_equal_with_steps_per_execution(tmp_path, rng):

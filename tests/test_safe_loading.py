@@ -94,7 +94,7 @@ def _all_layers_conditioning(model, x):
     """Worst normalizer conditioning of the model's LinearAttention layers on
     the inputs that reach them (1 for positive maps)."""
     worst = 1.0
-    for i, name in enumerate(feature_maps.available()):
+    for i in range(len(feature_maps.available())):
         att = model.get_layer(f"att_{i}")
         h = keras.Model(model.input, att.input[0])(x)  # what reaches the layer
         worst = max(worst, layer_conditioning(att, h, h, causal=bool(i % 2)))
@@ -151,16 +151,24 @@ def test_every_layer_and_feature_map_loads_in_safe_mode(saved):
     assert np.isfinite(y).all() and np.abs(y).max() > 0.1  # a comparison that can fail
     # Two float32 runs of the same weights (paths=2).
     assert_close(
-        np.asarray(loaded(x)), y, n=_n_all_layers(loaded, x.shape[1]),
-        conditioning=_all_layers_conditioning(loaded, x), paths=2,
+        np.asarray(loaded(x)),
+        y,
+        n=_n_all_layers(loaded, x.shape[1]),
+        conditioning=_all_layers_conditioning(loaded, x),
+        paths=2,
     )
 
 
 def test_causal_lm_loads_in_safe_mode(tmp_path):
     keras.utils.set_random_seed(1)
     lm = LinearCausalLM(
-        vocabulary_size=20, num_layers=2, hidden_dim=8, num_heads=2, intermediate_dim=16,
-        feature_map=_map("favor+"), max_sequence_length=12,
+        vocabulary_size=20,
+        num_layers=2,
+        hidden_dim=8,
+        num_heads=2,
+        intermediate_dim=16,
+        feature_map=_map("favor+"),
+        max_sequence_length=12,
     )
     ids = np.random.default_rng(1).integers(0, 20, (2, 7)).astype("int32")
     logits = np.asarray(lm(ids))

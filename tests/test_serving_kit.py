@@ -74,8 +74,15 @@ def test_batching_config_uses_known_fields():
     import re
 
     # Fields of tensorflow_serving.BatchingParameters (its proto is not in the pip package).
-    known = {"max_batch_size", "batch_timeout_micros", "max_enqueued_batches", "num_batch_threads",
-             "pad_variable_length_inputs", "allowed_batch_sizes", "thread_pool_name"}
+    known = {
+        "max_batch_size",
+        "batch_timeout_micros",
+        "max_enqueued_batches",
+        "num_batch_threads",
+        "pad_variable_length_inputs",
+        "allowed_batch_sizes",
+        "thread_pool_name",
+    }
     with open(os.path.join(KIT, "batching.config")) as f:
         lines = [line.strip() for line in f if line.strip() and not line.strip().startswith("#")]
     fields = {}

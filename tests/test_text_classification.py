@@ -36,10 +36,8 @@ def test_load_imdb_with_mock_data(tokenizer):
     if tokenizer == "bytes":
         assert vocab_size == data.BYTE_VOCABULARY_SIZE
         # Every training row is the byte encoding of one of the mock reviews.
-        expected = {
-            tuple(data.encode_bytes(text, 16).numpy().tolist()): int(label) for text, label in raw_train
-        }
-        for row, label in zip(x.numpy().tolist(), y.numpy().tolist()):
+        expected = {tuple(data.encode_bytes(text, 16).numpy().tolist()): int(label) for text, label in raw_train}
+        for row, label in zip(x.numpy().tolist(), y.numpy().tolist(), strict=True):
             assert tuple(row) in expected and expected[tuple(row)] == label
     else:
         # Padding (id 0) only at the end of a row: words map to ids >= 1 (1 = OOV).
@@ -84,17 +82,28 @@ def test_train_script_learns_synthetic_sentiment(capsys):
     with tfds.testing.mock_data(as_dataset_fn=_synthetic_as_dataset):
         model, summary = train.main(
             [
-                "--steps", "100",
-                "--eval-every", "50",
-                "--batch-size", "8",
-                "--sequence-length", "24",
-                "--num-layers", "1",
-                "--hidden-dim", "16",
-                "--num-heads", "2",
-                "--intermediate-dim", "16",
-                "--feature-map", "oglu",
-                "--verbose", "0",
-                "--seed", str(TEST_SEED),
+                "--steps",
+                "100",
+                "--eval-every",
+                "50",
+                "--batch-size",
+                "8",
+                "--sequence-length",
+                "24",
+                "--num-layers",
+                "1",
+                "--hidden-dim",
+                "16",
+                "--num-heads",
+                "2",
+                "--intermediate-dim",
+                "16",
+                "--feature-map",
+                "oglu",
+                "--verbose",
+                "0",
+                "--seed",
+                str(TEST_SEED),
             ]
         )
     assert model.jit_compile is True
@@ -114,4 +123,3 @@ def test_missing_dataset_is_a_clear_error(tmp_path):
 
     with pytest.raises(SystemExit, match="imdb_reviews could not be loaded"):
         train.main(["--data-dir", str(tmp_path), "--steps", "1"])
-

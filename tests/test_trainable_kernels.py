@@ -113,7 +113,10 @@ def _gradient_terms_scale(fm, xq, xk, feature_grads):
                     features = fm(x[i : i + 1, j : j + 1], is_query=is_query)  # one position
                     term = tf.reduce_sum(features * cotangent[i : i + 1, j : j + 1])
                 g = tape.gradient(term, fm.trainable_weights)  # None for the other branch's weights
-                g = [np.zeros(wt.shape) if gw is None else np.asarray(gw) for wt, gw in zip(fm.trainable_weights, g)]
+                g = [
+                    np.zeros(wt.shape) if gw is None else np.asarray(gw)
+                    for wt, gw in zip(fm.trainable_weights, g, strict=True)
+                ]
                 total = total + np.abs(np.concatenate([np.ravel(gw) for gw in g]))
     return float(np.max(total))
 
@@ -123,7 +126,7 @@ def _float64_copy(fm, name, kwargs, input_shape):
     fm64 = feature_maps.get(name, dtype="float64", **kwargs)
     fm64.build(input_shape)
     assert [w.path.split("/")[-1] for w in fm64.weights] == [w.path.split("/")[-1] for w in fm.weights]
-    for w64, w in zip(fm64.weights, fm.weights):
+    for w64, w in zip(fm64.weights, fm.weights, strict=True):
         w64.assign(np.asarray(w, np.float64))
     return fm64
 
@@ -167,7 +170,7 @@ def test_linear_attention_matches_oracle_outputs_and_map_gradients(rng, name, kw
     # its terms) to the weight's: each weight's absolute error is inherited
     # from the whole backward pass, and the first units of a deep stack get
     # gradients ~100x smaller than the last ones.
-    for var, gf, gr in zip(fm.trainable_weights, g_fast, g_ref):
+    for var, gf, gr in zip(fm.trainable_weights, g_fast, g_ref, strict=True):
         scale = np.abs(np.asarray(gr)).max()
         assert scale > 0, var.path
         assert_close(gf, gr, n=n_grad, conditioning=terms / scale, what=var.path)
@@ -204,7 +207,7 @@ def test_share_qk_selects_one_or_two_kernels(rng, name):
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(split(x, is_query=False))
     grads = tape.gradient(loss, split.trainable_weights)
-    for var, g in zip(split.trainable_weights, grads):
+    for var, g in zip(split.trainable_weights, grads, strict=True):
         assert (g is not None) == var.path.split("/")[-1].startswith("key_"), var.path
 
 
@@ -250,7 +253,7 @@ def test_fit_with_xla(rng, name):
     y = x.mean(axis=(1, 2))[:, None]
     hist = model.fit(x, y, batch_size=8, epochs=2, verbose=0)
     assert np.isfinite(hist.history["loss"]).all()
-    for b, w in zip(before, fm.trainable_weights):
+    for b, w in zip(before, fm.trainable_weights, strict=True):
         assert np.abs(np.asarray(w) - b).max() > 0, w.path
 
 
@@ -267,10 +270,25 @@ NON_DEFAULT = {
     "glu": dict(
         depth=3, feature_dim=5, hidden_activation="gelu", share_qk=False, kernel_initializer="he_normal", seed=2
     ),
-    "oglu": dict(depth=2, feature_dim=10, hidden_activation="relu", share_qk=False, orthogonal_penalty=0.5,
-                 gate_initializer="lecun_normal", seed=4),
-    "aoglu": dict(depth=2, feature_dim=12, hidden_activation="gelu", share_qk=False, rank=5, orthogonal_penalty=0.2,
-                  gate_initializer="he_uniform", seed=9),
+    "oglu": dict(
+        depth=2,
+        feature_dim=10,
+        hidden_activation="relu",
+        share_qk=False,
+        orthogonal_penalty=0.5,
+        gate_initializer="lecun_normal",
+        seed=4,
+    ),
+    "aoglu": dict(
+        depth=2,
+        feature_dim=12,
+        hidden_activation="gelu",
+        share_qk=False,
+        rank=5,
+        orthogonal_penalty=0.2,
+        gate_initializer="he_uniform",
+        seed=9,
+    ),
 }
 
 
@@ -298,7 +316,7 @@ def test_keras_save_load_with_non_default_arguments(rng, tmp_path, name):
     assert len(loaded.losses) == len(model.losses) == (0 if name == "glu" else 2 * 2)
     penalized = [] if name == "glu" else [w for w in fm.weights if "kernel" in w.path or "filter" in w.path]
     assert len(penalized) == len(model.losses)
-    for got, want_loss, w in zip(loaded.losses, model.losses, penalized):
+    for got, want_loss, w in zip(loaded.losses, model.losses, penalized, strict=True):
         # the same penalty computed twice (loaded vs original), in float32
         assert_close(got, want_loss, n=_penalty_reduction_length(w), paths=2, what=w.path)
     again = feature_maps.deserialize(feature_maps.serialize(fm))
@@ -350,7 +368,7 @@ def test_seeds_reproduce_and_unseeded_maps_differ():
         fm.build((None, None, 2, 4))
         return [np.asarray(w) for w in fm.weights]
 
-    for a, b in zip(weights(seed=3), weights(seed=3)):
+    for a, b in zip(weights(seed=3), weights(seed=3), strict=True):
         np.testing.assert_array_equal(a, b)
     # Not rounding bounds: different draws differ by O(1).
     assert np.abs(weights(seed=3)[0] - weights(seed=4)[0]).max() > 0.1
@@ -469,7 +487,7 @@ def test_rebuild_keeps_weights_and_checks_the_shape():
     before = [np.asarray(w) for w in fm.weights]
     fm.build((None, None, 2, 4))  # as when a deserialized map is built again by its layer
     assert len(fm.weights) == len(before)
-    for a, w in zip(before, fm.weights):
+    for a, w in zip(before, fm.weights, strict=True):
         np.testing.assert_array_equal(a, np.asarray(w))
     with pytest.raises(ValueError, match="input_shape"):
         fm.build((None, None, 3, 4))

@@ -83,9 +83,10 @@ def _overfit_and_check(model, x, y, n, conditioning=lambda: 1.0, steps=30):
 FAST_XLA_MAPS = {"elu"}
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=() if name in FAST_XLA_MAPS else pytest.mark.slow) for name in feature_maps.available()
-])
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(name, marks=() if name in FAST_XLA_MAPS else pytest.mark.slow) for name in feature_maps.available()],
+)
 def test_fit_jit_compile_each_feature_map(name):
     keras.utils.set_random_seed(0)
     x, y = _toy_regression()
@@ -235,8 +236,9 @@ def _mixed_model(feature_map):
 
 
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
-@pytest.mark.parametrize("name", ["elu", pytest.param("favor+", marks=pytest.mark.slow),
-                                  pytest.param("oglu", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "name", ["elu", pytest.param("favor+", marks=pytest.mark.slow), pytest.param("oglu", marks=pytest.mark.slow)]
+)
 def test_mixed_precision_200_steps_stable(policy, name):
     keras.config.set_dtype_policy(policy)
     keras.utils.set_random_seed(0)
@@ -348,15 +350,19 @@ def test_mirrored_strategy_two_logical_cpus_matches_one_device():
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = json.loads(lines[-1][len("RESULT "):])
+    out = json.loads(lines[-1][len("RESULT ") :])
     assert out["replicas"] == 2
     for name in ("elu", "oglu"):
         r = out[name]
         # Two float32 computations of the loss (paths=2), conditioned by the
         # loss's sensitivity to its predictions.
         assert_close(
-            r["loss_mirrored"], r["loss_single"], n=_N_LOSS, conditioning=max(1.0, r["loss_conditioning"]),
-            paths=2, what=f"{name} loss",
+            r["loss_mirrored"],
+            r["loss_single"],
+            n=_N_LOSS,
+            conditioning=max(1.0, r["loss_conditioning"]),
+            paths=2,
+            what=f"{name} loss",
         )
         # The all-reduced gradients equal one device's: the updated weights
         # agree within the error model (relative to the weights' scale)...
@@ -460,7 +466,7 @@ def test_multi_worker_mirrored_strategy_two_local_workers():
             stdout, stderr = proc.communicate(timeout=600)
             lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
             assert proc.returncode == 0 and lines, stdout[-3000:] + stderr[-3000:]
-            results.append(json.loads(lines[-1][len("RESULT "):]))
+            results.append(json.loads(lines[-1][len("RESULT ") :]))
     finally:
         for proc in procs:
             if proc.poll() is None:

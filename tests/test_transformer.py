@@ -10,7 +10,7 @@ import tensorflow as tf
 from keras_linattn import feature_maps
 from keras_linattn import ops as lops
 from keras_linattn.layers import LinearTransformerDecoder, LinearTransformerEncoder
-from tests._helpers import step_test_feature_map, layer_conditioning, run_steps
+from tests._helpers import layer_conditioning, run_steps, step_test_feature_map
 from tests.conftest import TEST_SEED
 from tests.tolerance import assert_close, assert_rows_close
 
@@ -91,7 +91,7 @@ def test_block_matches_oracle_outputs_and_gradients(rng, cls, causal):
     # (its absolute error is inherited from the whole backward pass).
     n_grad = n + x.shape[0] * T
     whole = max(float(np.abs(np.asarray(b)).max()) for b in g_ref)
-    for w, a, b in zip(block.trainable_weights, g, g_ref):
+    for w, a, b in zip(block.trainable_weights, g, g_ref, strict=True):
         scale = float(np.abs(np.asarray(b)).max())
         assert scale > 0, w.path
         assert_close(a, b, n=n_grad, conditioning=whole / scale, what=w.path)

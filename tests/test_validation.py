@@ -255,7 +255,7 @@ def test_positive_ints_refused_the_same_way(value):
         assert _message(make) == want
     want = _refused(v.check_positive_int, "num_features", value)
     for name in ("favor+", "favor_trig"):
-        assert _message(lambda: feature_maps.get(name, num_features=value)) == want
+        assert _message(lambda name=name: feature_maps.get(name, num_features=value)) == want
 
 
 def test_numpy_integers_accepted_where_ints_are():
@@ -271,14 +271,14 @@ def test_numpy_integers_accepted_where_ints_are():
 def test_share_qk_refused_the_same_way_by_every_trainable_map(value):
     want = _refused(v.check_bool, "share_qk", value)
     for name in ("hedgehog", "ffn", "glu", "oglu", "aoglu"):
-        assert _message(lambda: feature_maps.get(name, share_qk=value)) == want
+        assert _message(lambda name=name: feature_maps.get(name, share_qk=value)) == want
 
 
 @pytest.mark.parametrize("value", [0, -1, True, 1.5])
 def test_feature_dim_refused_the_same_way_by_every_trainable_map(value):
     want = _refused(v.check_optional_positive_int, "feature_dim", value)
     for name in ("hedgehog", "ffn", "glu", "oglu", "aoglu"):
-        assert _message(lambda: feature_maps.get(name, feature_dim=value)) == want
+        assert _message(lambda name=name: feature_maps.get(name, feature_dim=value)) == want
 
 
 def test_samplers_refuse_bools_and_non_positive_values():

@@ -31,8 +31,15 @@ LIMIT = 16  # max_sequence_length of the LM under test
 
 def limited_lm():
     keras.utils.set_random_seed(0)
-    lm = LinearCausalLM(vocabulary_size=24, num_layers=1, hidden_dim=8, num_heads=2, intermediate_dim=16, chunk_size=4,
-                        max_sequence_length=LIMIT)
+    lm = LinearCausalLM(
+        vocabulary_size=24,
+        num_layers=1,
+        hidden_dim=8,
+        num_heads=2,
+        intermediate_dim=16,
+        chunk_size=4,
+        max_sequence_length=LIMIT,
+    )
     lm(np.zeros((1, 2), "int32"))
     return lm
 
@@ -120,8 +127,9 @@ def test_a_damaged_weight_anywhere_fails(limited_export, tmp_path, kind):
     if kind == "model":
         assert "serving_default:logits" in failed  # and the full-length run reaches the row
     # the weights catch it whatever the inputs reach
-    report = export.verify(lm, onnx_path=copies["model"], shapes=[(1, 3)], max_sequence_length=3,
-                           decode_steps=1, raise_on_failure=False)
+    report = export.verify(
+        lm, onnx_path=copies["model"], shapes=[(1, 3)], max_sequence_length=3, decode_steps=1, raise_on_failure=False
+    )
     assert not report.rows[[r.signature for r in report.rows].index(f"{graph}:weights")].ok
 
 
@@ -135,16 +143,22 @@ def test_tolerance_is_the_error_model_of_the_tests(limited_export):
             n = verify_module._reduction_length(lm, r.shape[1])
             assert r.tolerance == pytest.approx(_tolerance.bound("float32", n=n, paths=2))
     # a fixed tolerance still overrides it
-    report = export.verify(lm, saved_model_dir=version_dir, shapes=[(1, 4)], decode_steps=1,
-                           saved_model_tolerance=1e-3)
+    report = export.verify(lm, saved_model_dir=version_dir, shapes=[(1, 4)], decode_steps=1, saved_model_tolerance=1e-3)
     assert {r.tolerance for r in report.rows if r.signature.endswith("logits")} == {1e-3}
 
 
 def trained_scale_favor_trig_lm():
     """favor_trig with every kernel x6 (trained-scale): a signed kernel whose normalizer cancels."""
     keras.utils.set_random_seed(0)
-    lm = LinearCausalLM(vocabulary_size=40, num_layers=2, hidden_dim=16, num_heads=2, intermediate_dim=32,
-                        chunk_size=4, feature_map=fmaps.get("favor_trig", seed=0))
+    lm = LinearCausalLM(
+        vocabulary_size=40,
+        num_layers=2,
+        hidden_dim=16,
+        num_heads=2,
+        intermediate_dim=32,
+        chunk_size=4,
+        feature_map=fmaps.get("favor_trig", seed=0),
+    )
     lm(np.zeros((1, 3), "int32"))
     for v in lm.trainable_weights:
         if len(v.shape) >= 2:
@@ -161,11 +175,19 @@ def test_correct_trained_scale_favor_trig_export_passes(tmp_path_factory):
     assert max(r.tolerance for r in report.rows if not r.exact and np.isfinite(r.tolerance)) > 1e-5
     # and another model's outputs still fail against this export
     keras.utils.set_random_seed(1)
-    other = LinearCausalLM(vocabulary_size=40, num_layers=2, hidden_dim=16, num_heads=2, intermediate_dim=32,
-                           chunk_size=4, feature_map=fmaps.get("favor_trig", seed=1))
+    other = LinearCausalLM(
+        vocabulary_size=40,
+        num_layers=2,
+        hidden_dim=16,
+        num_heads=2,
+        intermediate_dim=32,
+        chunk_size=4,
+        feature_map=fmaps.get("favor_trig", seed=1),
+    )
     other(np.zeros((1, 3), "int32"))
-    report = export.verify(other, saved_model_dir=version_dir, shapes=[(2, 9)], decode_steps=2,
-                           check_weights=False, raise_on_failure=False)
+    report = export.verify(
+        other, saved_model_dir=version_dir, shapes=[(2, 9)], decode_steps=2, check_weights=False, raise_on_failure=False
+    )
     assert not report.ok
 
 

@@ -38,12 +38,15 @@ def _loss_and_grads(layer, x, w, causal):
     return y, tape.gradient(loss, [x] + layer.trainable_variables)
 
 
-@pytest.mark.parametrize("causal, kwargs", [
-    (False, {}),
-    (True, {}),
-    (True, dict(conv_size=3)),
-    (True, dict(conv_size=4, update="delta", normalize=False, feature_map=None)),
-])
+@pytest.mark.parametrize(
+    "causal, kwargs",
+    [
+        (False, {}),
+        (True, {}),
+        (True, dict(conv_size=3)),
+        (True, dict(conv_size=4, update="delta", normalize=False, feature_map=None)),
+    ],
+)
 def test_layer_under_xla_matches_eager_outputs_and_gradients(rng, causal, kwargs):
     import tensorflow as tf
 

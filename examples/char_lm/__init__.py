@@ -1,4 +1,4 @@
 """Character-level causal language model with `keras_linattn.models.LinearCausalLM`.
 
-    python -m examples.char_lm.train --help
+python -m examples.char_lm.train --help
 """

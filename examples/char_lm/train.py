@@ -114,9 +114,7 @@ def main(argv=None):
     print(common.xla_message(args.jit_compile))
 
     model = build_model(args, vocab.size)
-    common.compile_for_training(
-        model, common.warmup_cosine_schedule(args.steps, args.learning_rate), args.jit_compile
-    )
+    common.compile_for_training(model, common.warmup_cosine_schedule(args.steps, args.learning_rate), args.jit_compile)
     history, timer, train_seconds = common.fit_timed(
         model,
         train_ds,
@@ -128,8 +126,10 @@ def main(argv=None):
         callbacks=[RedrawRandomFeatures(args.redraw_every)] if args.redraw_every else [],
     )
 
-    sampler = samplers.get(args.sampler) if args.sampler == "greedy" else samplers.get(
-        args.sampler, temperature=args.temperature
+    sampler = (
+        samplers.get(args.sampler)
+        if args.sampler == "greedy"
+        else samplers.get(args.sampler, temperature=args.temperature)
     )
     prompt = np.tile(vocab.encode(args.prompt)[None], (args.num_samples, 1))  # [B, P]
     start = time.perf_counter()
@@ -156,13 +156,30 @@ def main(argv=None):
     print("\nsummary")
     print(
         common.format_table(
-            ["steps", "params", "train loss", "val loss", "val bits/char", "val acc", "ms/step", "train s",
-             "generate s"],
-            [[
-                args.steps, summary["params"], f"{summary['train_loss']:.3f}", f"{val_loss:.3f}",
-                f"{summary['val_bits_per_char']:.3f}", f"{summary['val_accuracy']:.3f}",
-                f"{summary['median_step_ms']:.1f}", f"{train_seconds:.1f}", f"{gen_seconds:.1f}",
-            ]],
+            [
+                "steps",
+                "params",
+                "train loss",
+                "val loss",
+                "val bits/char",
+                "val acc",
+                "ms/step",
+                "train s",
+                "generate s",
+            ],
+            [
+                [
+                    args.steps,
+                    summary["params"],
+                    f"{summary['train_loss']:.3f}",
+                    f"{val_loss:.3f}",
+                    f"{summary['val_bits_per_char']:.3f}",
+                    f"{summary['val_accuracy']:.3f}",
+                    f"{summary['median_step_ms']:.1f}",
+                    f"{train_seconds:.1f}",
+                    f"{gen_seconds:.1f}",
+                ]
+            ],
         )
     )
     if args.save:

@@ -108,7 +108,7 @@ def copy_weights(source, target):
         if isinstance(layer, keras.layers.MultiHeadAttention):
             for part in ("query_dense", "key_dense", "value_dense", "output_dense"):
                 src, dst = getattr(layer, part), getattr(twin, part)
-                for w_src, w_dst in zip(src.weights, dst.weights):
+                for w_src, w_dst in zip(src.weights, dst.weights, strict=True):
                     if tuple(w_src.shape) != tuple(w_dst.shape):
                         raise ValueError(
                             f"{layer.name}.{part}: shape mismatch {tuple(w_src.shape)} vs {tuple(w_dst.shape)}"
@@ -157,9 +157,7 @@ def main(argv=None):
     jit = not args.no_jit
     keras.utils.set_random_seed(args.seed)
     if args.feature_map not in feature_maps.available():
-        parser.error(
-            f"--feature-map {args.feature_map!r} is not registered; available: {feature_maps.available()}"
-        )
+        parser.error(f"--feature-map {args.feature_map!r} is not registered; available: {feature_maps.available()}")
 
     rng = np.random.default_rng(args.seed)
     x_train, y_train = make_recall_data(args.train_size, args.seq_len, args.vocab, rng)

@@ -126,8 +126,7 @@ def generate(num_examples, seed, min_length, max_length, max_depth=10, max_args=
     if min_length > 1 and max_length < 4:
         # The shortest expression with an operator is "[OP a b ]" (4 tokens).
         raise ValueError(
-            "No expression has a length in [2, 3]. "
-            f"Received: min_length={min_length}, max_length={max_length}"
+            f"No expression has a length in [2, 3]. Received: min_length={min_length}, max_length={max_length}"
         )
     if min_length > 1 and max_depth < 2:
         raise ValueError(

@@ -1,22 +1,21 @@
 """TFDS builder of Long Range Arena ListOps, generated locally (no download).
 
-    import tensorflow_datasets as tfds
-    from examples.listops.listops_dataset import ListOps, ListOpsConfig
+import tensorflow_datasets as tfds
+from examples.listops.listops_dataset import ListOps, ListOpsConfig
 
-    builder = ListOps(config="lra", data_dir="~/tensorflow_datasets")  # LRA: lengths 500-2000
-    builder.download_and_prepare()
-    train = builder.as_dataset(split="train")
+builder = ListOps(config="lra", data_dir="~/tensorflow_datasets")  # LRA: lengths 500-2000
+builder.download_and_prepare()
+train = builder.as_dataset(split="train")
 
-    # Any other scale: a custom config.
-    config = ListOpsConfig(name="tiny", min_length=16, max_length=128, num_train=2000,
-                           num_validation=200, num_test=200, seed=0)
-    builder = ListOps(config=config, data_dir="/tmp/tfds")
+# Any other scale: a custom config.
+config = ListOpsConfig(name="tiny", min_length=16, max_length=128, num_train=2000,
+                       num_validation=200, num_test=200, seed=0)
+builder = ListOps(config=config, data_dir="/tmp/tfds")
 """
 
 import dataclasses
 
 import numpy as np
-
 import tensorflow_datasets as tfds
 
 from examples.listops import generator

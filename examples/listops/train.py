@@ -43,10 +43,12 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from examples import common  # noqa: E402
-from keras_linattn import _atomic  # noqa: E402
 from examples.listops.listops_dataset import ListOps, ListOpsConfig  # noqa: E402
 from examples.listops.tokenizer import PAD_ID, ListOpsTokenizer  # noqa: E402
-from keras_linattn import feature_maps  # noqa: E402
+from keras_linattn import (
+    _atomic,  # noqa: E402
+    feature_maps,  # noqa: E402
+)
 
 #: Variant name -> (registered feature-map name, constructor kwargs, name of the
 #: argument taking the number of stacked units ``--units``, or None).
@@ -152,9 +154,7 @@ def train_variant(args, label, feature_map, seeds, data, vocabulary_size):
     make_train_ds, val_ds, test_ds = data
     keras.utils.clear_session()
     model = _build(args, label, feature_map, vocabulary_size)
-    common.compile_for_training(
-        model, common.warmup_cosine_schedule(args.steps, args.learning_rate), args.jit_compile
-    )
+    common.compile_for_training(model, common.warmup_cosine_schedule(args.steps, args.learning_rate), args.jit_compile)
     model.optimizer.build(model.trainable_variables)
     initial_optimizer_state = [v.numpy() for v in model.optimizer.variables]
     results = []
@@ -170,7 +170,7 @@ def train_variant(args, label, feature_map, seeds, data, vocabulary_size):
         keras.utils.set_random_seed(seed)
         fresh = _build(args, label, feature_map, vocabulary_size)
         model.set_weights(fresh.get_weights())
-        for var, value in zip(model.optimizer.variables, initial_optimizer_state):
+        for var, value in zip(model.optimizer.variables, initial_optimizer_state, strict=True):
             var.assign(value)
         backup = common.make_backup(
             os.path.join(args.backup_dir, run_name) if args.backup_dir else None, args.backup_every
@@ -275,8 +275,10 @@ def main(argv=None):
     total = time.perf_counter() - start
     table = summarize(results, args.eval_every)
     print()
-    print(f"ListOps, {len(seeds)} seeds x {args.steps} steps, batch {args.batch_size}, lengths "
-          f"{args.min_length}-{args.max_length} (padded {args.seq_len}); total {total / 60:.1f} min")
+    print(
+        f"ListOps, {len(seeds)} seeds x {args.steps} steps, batch {args.batch_size}, lengths "
+        f"{args.min_length}-{args.max_length} (padded {args.seq_len}); total {total / 60:.1f} min"
+    )
     print(table)
     if args.output:
         with open(args.output, "w") as f:

@@ -125,9 +125,13 @@ def main(argv=None):
 
     with strategy.scope():
         model = LinearCausalLM(
-            vocabulary_size=vocab.size, num_layers=args.num_layers, hidden_dim=args.hidden_dim,
-            num_heads=args.num_heads, intermediate_dim=args.intermediate_dim,
-            feature_map=_feature_map(args.feature_map, args.seed), chunk_size=args.chunk_size,
+            vocabulary_size=vocab.size,
+            num_layers=args.num_layers,
+            hidden_dim=args.hidden_dim,
+            num_heads=args.num_heads,
+            intermediate_dim=args.intermediate_dim,
+            feature_map=_feature_map(args.feature_map, args.seed),
+            chunk_size=args.chunk_size,
             dropout=args.dropout,
         )
         model(np.zeros((1, args.sequence_length), "int32"))  # creates the weights
@@ -168,7 +172,7 @@ def main(argv=None):
                 if model.losses:  # e.g. the orthogonal penalty of oglu / ffn
                     loss += tf.nn.scale_regularization_loss(tf.add_n(model.losses))
             grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
             return loss
 
         return strategy.reduce("SUM", strategy.run(replica_step, args=batch), axis=None)

@@ -43,8 +43,11 @@ def query_gap_probabilities(num_slots, power_a=0.01):
 
 def check_config(sequence_length, num_kv_pairs, vocabulary_size):
     """Raises ValueError unless (T, P, V) make a valid MQAR task (see `generate`)."""
-    for name, value in (("sequence_length", sequence_length), ("num_kv_pairs", num_kv_pairs),
-                        ("vocabulary_size", vocabulary_size)):
+    for name, value in (
+        ("sequence_length", sequence_length),
+        ("num_kv_pairs", num_kv_pairs),
+        ("vocabulary_size", vocabulary_size),
+    ):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
     if sequence_length % 2:
@@ -62,8 +65,7 @@ def check_config(sequence_length, num_kv_pairs, vocabulary_size):
         )
 
 
-def generate(num_examples, sequence_length, num_kv_pairs, vocabulary_size, seed, power_a=0.01,
-             random_non_queries=True):
+def generate(num_examples, sequence_length, num_kv_pairs, vocabulary_size, seed, power_a=0.01, random_non_queries=True):
     """MQAR examples (see the module docstring).
 
     Args:

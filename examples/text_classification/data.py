@@ -62,9 +62,7 @@ def load_imdb(
 
         vocab_size = BYTE_VOCABULARY_SIZE
     else:
-        vectorizer = keras.layers.TextVectorization(
-            max_tokens=vocabulary_size, output_sequence_length=sequence_length
-        )
+        vectorizer = keras.layers.TextVectorization(max_tokens=vocabulary_size, output_sequence_length=sequence_length)
         vectorizer.adapt(train.map(lambda text, label: text).batch(256))
         vocab_size = vectorizer.vocabulary_size()
 

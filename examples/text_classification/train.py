@@ -40,9 +40,7 @@ def build_parser():
     parser.add_argument("--sequence-length", type=int, default=256)
     parser.add_argument("--max-train-examples", type=int, default=None)
     parser.add_argument("--max-test-examples", type=int, default=2000)
-    parser.add_argument(
-        "--feature-map", default="elu", help=f"'softmax' or a feature map: {feature_maps.available()}"
-    )
+    parser.add_argument("--feature-map", default="elu", help=f"'softmax' or a feature map: {feature_maps.available()}")
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--hidden-dim", type=int, default=64)
     parser.add_argument("--num-heads", type=int, default=4)
@@ -76,15 +74,17 @@ def main(argv=None):
             "Prepare it with --download on a machine with internet access."
         ) from e
     print(common.xla_message(args.jit_compile))
-    feature_map = (
-        common.SOFTMAX if args.feature_map == common.SOFTMAX else common.feature_map_factory(args.feature_map)
-    )
+    feature_map = common.SOFTMAX if args.feature_map == common.SOFTMAX else common.feature_map_factory(args.feature_map)
     model = common.build_classifier_from_args(
         args, vocab_size, args.sequence_length, 2, feature_map, name="imdb_classifier"
     )
     common.compile_for_training(model, args.learning_rate, args.jit_compile)
     history, timer, seconds = common.fit_timed(
-        model, train_ds, args.steps, min(args.eval_every, args.steps), args.verbose,
+        model,
+        train_ds,
+        args.steps,
+        min(args.eval_every, args.steps),
+        args.verbose,
         backup=common.make_backup(args.backup_dir, args.backup_every),
     )
     test_loss, test_acc = model.evaluate(test_ds, verbose=args.verbose)
@@ -102,11 +102,19 @@ def main(argv=None):
     print(
         common.format_table(
             ["feature map", "tokenizer", "T", "steps", "params", "train acc", "test loss", "test acc", "ms/step"],
-            [[
-                args.feature_map, args.tokenizer, args.sequence_length, args.steps, summary["params"],
-                f"{summary['train_accuracy']:.3f}", f"{test_loss:.3f}", f"{test_acc:.3f}",
-                f"{summary['median_step_ms']:.1f}",
-            ]],
+            [
+                [
+                    args.feature_map,
+                    args.tokenizer,
+                    args.sequence_length,
+                    args.steps,
+                    summary["params"],
+                    f"{summary['train_accuracy']:.3f}",
+                    f"{test_loss:.3f}",
+                    f"{test_acc:.3f}",
+                    f"{summary['median_step_ms']:.1f}",
+                ]
+            ],
         )
     )
     return model, summary

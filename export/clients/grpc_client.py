@@ -53,8 +53,10 @@ def predict(stub, request, timeout=60.0):
 def zero_state(description, batch_size):
     """The LM's initial decoding state from the export's keras_linattn.json."""
     if "initial_state" in description:
-        return [np.repeat(np.asarray(s, dtype=spec["dtype"]), batch_size, axis=0)
-                for s, spec in zip(description["initial_state"], description["state"])]
+        return [
+            np.repeat(np.asarray(s, dtype=spec["dtype"]), batch_size, axis=0)
+            for s, spec in zip(description["initial_state"], description["state"], strict=True)
+        ]
     return [np.zeros([batch_size] + spec["shape"][1:], dtype=spec["dtype"]) for spec in description["state"]]
 
 

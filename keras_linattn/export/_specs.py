@@ -53,17 +53,14 @@ def _clean_name(name):
 def is_causal_lm(model):
     """True for models with the recurrent LM API (`step`, `call_with_state`)."""
     return all(
-        callable(getattr(model, attr, None))
-        for attr in ("step", "call_with_state", "get_initial_state", "generate")
+        callable(getattr(model, attr, None)) for attr in ("step", "call_with_state", "get_initial_state", "generate")
     )
 
 
 def check_exportable(model):
     """Raises a clear ValueError for objects that cannot be exported."""
     if not isinstance(model, keras.Model):
-        raise ValueError(
-            f"Only a `keras.Model` can be exported. Received: model={type(model).__name__}"
-        )
+        raise ValueError(f"Only a `keras.Model` can be exported. Received: model={type(model).__name__}")
     if not model.built:
         raise ValueError(
             "The model is not built: call it on a batch of data (or build it) before "
@@ -92,12 +89,10 @@ class ModelSpecs:
             for i, spec in enumerate(specs):
                 if not isinstance(spec, tf.TensorSpec):
                     raise ValueError(
-                        "`input_signature` must be a list of `tf.TensorSpec`. "
-                        f"Received: input_signature[{i}]={spec!r}"
+                        f"`input_signature` must be a list of `tf.TensorSpec`. Received: input_signature[{i}]={spec!r}"
                     )
             self.input_specs = [
-                tf.TensorSpec(s.shape, s.dtype, name=_clean_name(s.name or f"input_{i}"))
-                for i, s in enumerate(specs)
+                tf.TensorSpec(s.shape, s.dtype, name=_clean_name(s.name or f"input_{i}")) for i, s in enumerate(specs)
             ]
         elif self.causal_lm:
             self.input_specs = [tf.TensorSpec((None, None), tf.int32, name=TOKEN_IDS)]
@@ -160,7 +155,7 @@ class ModelSpecs:
         if names is None or len(names) != len(flat):
             names = ["output_0"] if len(flat) == 1 else [f"output_{i}" for i in range(len(flat))]
             self.output_names = names
-        return dict(zip(names, flat))
+        return dict(zip(names, flat, strict=True))
 
     @staticmethod
     def _vocabulary_size(model):
@@ -309,7 +304,7 @@ class ModelSpecs:
         if self.causal_lm:
             desc["state"] = [spec(s) for s in self.state_specs]
             if callable(getattr(self.model, "state_spec", None)):
-                for entry, s in zip(desc["state"], self.model.state_spec()):
+                for entry, s in zip(desc["state"], self.model.state_spec(), strict=True):
                     entry["role"] = s.name
             initial = self.initial_state(1)
             if any(np.any(s != 0) for s in initial):

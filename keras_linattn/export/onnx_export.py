@@ -71,9 +71,7 @@ def _erfc_handler(ctx, node, name, args):
     from tf2onnx import utils
 
     dtype = ctx.get_dtype(node.input[0])
-    one = ctx.make_const(
-        utils.make_name(f"{node.name}_one"), np.array(1, dtype=helper.tensor_dtype_to_np_dtype(dtype))
-    )
+    one = ctx.make_const(utils.make_name(f"{node.name}_one"), np.array(1, dtype=helper.tensor_dtype_to_np_dtype(dtype)))
     erf = ctx.make_node("Erf", inputs=[node.input[0]])
     _replace_with_sub(ctx, node, one.output[0], erf.output[0])
 

@@ -6,8 +6,7 @@ import threading
 import numpy as np
 
 from keras_linattn import _validation
-from keras_linattn.export import _specs
-from keras_linattn.export import onnx_export
+from keras_linattn.export import _specs, onnx_export
 from keras_linattn.export.onnx_predictor import OnnxPredictor
 
 __all__ = ["OnnxGenerator"]
@@ -139,8 +138,10 @@ class OnnxGenerator:
                     "Pass `sampler` or the shorthand `temperature`, not both. "
                     f"Received: sampler={sampler!r}, temperature={temperature!r}"
                 )
-            if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.floating)) or not (
-                0 <= temperature < float("inf")
+            if (
+                isinstance(temperature, bool)
+                or not isinstance(temperature, (int, float, np.floating))
+                or not (0 <= temperature < float("inf"))
             ):
                 raise ValueError(f"`temperature` must be a finite number >= 0. Received: temperature={temperature!r}")
             sampler = "greedy" if temperature == 0 else samplers_lib.get("random", temperature=float(temperature))
@@ -156,7 +157,10 @@ class OnnxGenerator:
                 )
         vocab = self.metadata.get("vocabulary_size")
         prompt, mask, max_length = generation.check_generate_arguments(
-            prompt_ids, max_length, padding_mask, vocab if vocab else np.iinfo(np.int32).max,
+            prompt_ids,
+            max_length,
+            padding_mask,
+            vocab if vocab else np.iinfo(np.int32).max,
             self.metadata.get("max_sequence_length"),
         )
         seed = _validation.check_seed("seed", seed)

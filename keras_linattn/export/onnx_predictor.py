@@ -150,10 +150,9 @@ class OnnxPredictor:
         if isinstance(inputs, (list, tuple)):
             if len(inputs) != len(self.input_names):
                 raise ValueError(
-                    f"Expected {len(self.input_names)} inputs {self.input_names}. "
-                    f"Received: {len(inputs)} inputs"
+                    f"Expected {len(self.input_names)} inputs {self.input_names}. Received: {len(inputs)} inputs"
                 )
-            return dict(zip(self.input_names, inputs))
+            return dict(zip(self.input_names, inputs, strict=True))
         if len(self.input_names) != 1:
             raise ValueError(
                 f"This graph takes several inputs {self.input_names}: pass a dict. "
@@ -168,8 +167,7 @@ class OnnxPredictor:
         unexpected = sorted(set(inputs) - set(self.input_names))
         if missing or unexpected:
             raise ValueError(
-                f"The graph takes inputs {self.input_names}. "
-                f"Received: missing={missing}, unexpected={unexpected}"
+                f"The graph takes inputs {self.input_names}. Received: missing={missing}, unexpected={unexpected}"
             )
         feeds = {}
         for name in self.input_names:
@@ -185,7 +183,7 @@ class OnnxPredictor:
                     f"Input {name!r} must have rank {len(shape)} (shape {expected}). "
                     f"Received: {name}.shape={value.shape}"
                 )
-            for axis, (got, want) in enumerate(zip(value.shape, shape)):
+            for axis, (got, want) in enumerate(zip(value.shape, shape, strict=True)):
                 if isinstance(want, int) and got != want:
                     raise ValueError(
                         f"Input {name!r} must have shape {expected}; axis {axis} must be {want}. "
@@ -209,7 +207,7 @@ class OnnxPredictor:
         feeds = self.check_inputs(inputs)
         if not self.use_io_binding:
             outputs = self.session.run(self.output_names, feeds)
-            return dict(zip(self.output_names, outputs))
+            return dict(zip(self.output_names, outputs, strict=True))
         outputs = self.run_bound(feeds)
         return {name: value.numpy() for name, value in outputs.items()}
 
@@ -231,7 +229,7 @@ class OnnxPredictor:
         for name in self.output_names:
             binding.bind_output(name, self.ort_device)
         self.session.run_with_iobinding(binding)
-        return dict(zip(self.output_names, binding.get_outputs()))
+        return dict(zip(self.output_names, binding.get_outputs(), strict=True))
 
     def __repr__(self):
         return f"OnnxPredictor(path={self.path!r}, provider={self.provider!r}, io_binding={self.use_io_binding})"

@@ -36,9 +36,7 @@ def _existing_versions(base_dir):
     if not os.path.isdir(base_dir):
         return []
     return sorted(
-        int(d)
-        for d in os.listdir(base_dir)
-        if d.isdigit() and d.isascii() and os.path.isdir(os.path.join(base_dir, d))
+        int(d) for d in os.listdir(base_dir) if d.isdigit() and d.isascii() and os.path.isdir(os.path.join(base_dir, d))
     )
 
 
@@ -257,4 +255,3 @@ def latest_version_dir(base_dir):
     if not versions:
         raise ValueError(f"No SavedModel version found. Received: base_dir={base_dir!r}")
     return os.path.join(base_dir, str(versions[-1]))
-

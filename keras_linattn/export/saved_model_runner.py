@@ -60,9 +60,7 @@ class SavedModelRunner:
                 "`export_dir` is not a loadable SavedModel version directory "
                 f"({_load_failure(export_dir, e)}). Received: export_dir={export_dir!r}, tags={self.tags}"
             ) from e
-        self.signature_defs = {
-            k: v for k, v in meta.signature_def.items() if not k.startswith("__")
-        }
+        self.signature_defs = {k: v for k, v in meta.signature_def.items() if not k.startswith("__")}
 
     @property
     def signature_names(self):
@@ -82,8 +80,7 @@ class SavedModelRunner:
     def _signature(self, signature_name):
         if signature_name not in self.signature_defs:
             raise ValueError(
-                f"Unknown signature. Received: signature_name={signature_name!r}. "
-                f"Available: {self.signature_names}"
+                f"Unknown signature. Received: signature_name={signature_name!r}. Available: {self.signature_names}"
             )
         return self.signature_defs[signature_name]
 

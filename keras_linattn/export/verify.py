@@ -27,9 +27,7 @@ class VerificationError(RuntimeError):
     def __init__(self, report):
         self.report = report
         failed = [r for r in report.rows if not r.ok]
-        super().__init__(
-            f"{len(failed)} of {len(report.rows)} checks exceed tolerance:\n" + report.table(failed)
-        )
+        super().__init__(f"{len(failed)} of {len(report.rows)} checks exceed tolerance:\n" + report.table(failed))
 
 
 class _Check:
@@ -63,7 +61,7 @@ def _format_table(rows, header):
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
     out = []
     for k, line in enumerate(lines):
-        out.append("  ".join(str(c).ljust(w) for c, w in zip(line, widths)).rstrip())
+        out.append("  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip())
         if k == 0:
             out.append("  ".join("-" * w for w in widths))
     return "\n".join(out)
@@ -145,7 +143,7 @@ def _fan_in(layer, variable):
         inputs, output = equation.split("->")
         kernel_axes = inputs.split(",")[1].strip()
         if len(kernel_axes) == len(shape):
-            return int(np.prod([d for axis, d in zip(kernel_axes, shape) if axis not in output] or [1]))
+            return int(np.prod([d for axis, d in zip(kernel_axes, shape, strict=True) if axis not in output] or [1]))
     if isinstance(layer, keras.layers.Dense):
         return int(np.prod(shape[:-1]))
     # Other weights (feature-map projections [H, m, D], ...): every dim but the largest, an upper bound.
@@ -186,14 +184,15 @@ def _attention_layers(model):
 def _recording_features(model):
     """Records ``(layer, phi(q), phi(k), causal, key_mask)`` of every linear-attention call inside."""
     records = []
+    pending_by_layer = {}
     layers = _attention_layers(model)
     for layer in layers:
         recurrence = layer.recurrence
         original = recurrence.features
 
-        # A recurrence maps the queries, then the keys of the same call: pair them.
-        def features(x, is_query, causal=True, training=None, key_mask=None, *, _original=original, _layer=layer,
-                     _pending={}):  # noqa: B006 (one dict per layer, on purpose)
+        # A recurrence maps the queries, then the keys of the same call: pair them (one dict per layer).
+        def features(x, is_query, causal=True, training=None, key_mask=None, *, _original=original, _layer=layer):
+            _pending = pending_by_layer.setdefault(id(_layer), {})
             out = _original(x, is_query, causal, training, key_mask)
             if is_query:
                 _pending["q"] = out
@@ -276,9 +275,17 @@ def _compare(backend, signature, shape, got, expected, bound):
             worst = (ratio, err, limit)
     if worst is None:
         least = float(np.min(bound.conditioning)) if bound.conditioning.size else float("nan")
-        return _Check(backend, signature, shape, abs_d, rel_d, float("inf"), ok=finite,
-                      detail=f"not compared: every row ill-conditioned for float32 (conditioning >= {least:.3g})"
-                      + ("" if finite else ", and not finite"))
+        return _Check(
+            backend,
+            signature,
+            shape,
+            abs_d,
+            rel_d,
+            float("inf"),
+            ok=finite,
+            detail=f"not compared: every row ill-conditioned for float32 (conditioning >= {least:.3g})"
+            + ("" if finite else ", and not finite"),
+        )
     ok = finite and worst[0] <= 1.0
     detail = f"{skipped} ill-conditioned rows not compared" if skipped else ""
     return _Check(backend, signature, shape, abs_d, worst[1], worst[2], ok=ok, detail=detail)
@@ -359,8 +366,10 @@ def _check_weights(report, backend, what, weights, tensors, say, allow_folded=Fa
             continue
         same_size = stored.get(value.size, [])
         closest = min(
-            (float(np.max(np.abs(np.sort(t.astype(np.float64), axis=None) - np.sort(value, axis=None))))
-             for t in same_size),
+            (
+                float(np.max(np.abs(np.sort(t.astype(np.float64), axis=None) - np.sort(value, axis=None))))
+                for t in same_size
+            ),
             default=None,
         )
         overlap = max(
@@ -374,7 +383,8 @@ def _check_weights(report, backend, what, weights, tensors, say, allow_folded=Fa
     if missing:
         path, closest, overlap = missing[0]
         detail = f"{path}: " + (
-            "no tensor of its size" if closest is None
+            "no tensor of its size"
+            if closest is None
             else f"values differ (max {closest:.3g}; {1 - overlap:.2%} of its values changed)"
         )
         if len(missing) > 1:
@@ -382,13 +392,16 @@ def _check_weights(report, backend, what, weights, tensors, say, allow_folded=Fa
     if folded:
         detail += ("; " if detail else "") + (
             f"{len(folded)} folded by the converter, checked through the outputs ({', '.join(folded[:3])}"
-            + (", ..." if len(folded) > 3 else "") + ")"
+            + (", ..." if len(folded) > 3 else "")
+            + ")"
         )
     row = report.add(
         _Check(backend, f"{what}:weights", (len(weights),), len(missing), len(missing), 0, exact=True, detail=detail)
     )
-    say(f"{backend:12s} {what} weights: {len(weights) - len(missing) - len(folded)}/{len(weights)} stored exactly"
-        + (f" ({detail})" if detail else ""))
+    say(
+        f"{backend:12s} {what} weights: {len(weights) - len(missing) - len(folded)}/{len(weights)} stored exactly"
+        + (f" ({detail})" if detail else "")
+    )
     return row
 
 
@@ -577,10 +590,11 @@ def verify(
             weights = _model_weights(model)
             if runner is not None:
                 _check_weights(report, "saved_model", "variables", weights, _saved_model_tensors(saved_model_dir), say)
-            for what, path in (("model", onnx_path), ("step", onnx_step_path), ("generate", onnx_generate_path)):
+            for _what, path in (("model", onnx_path), ("step", onnx_step_path), ("generate", onnx_generate_path)):
                 if path is not None:
-                    _check_weights(report, "onnx", os.path.basename(path), weights, _onnx_tensors(path), say,
-                                   allow_folded=True)
+                    _check_weights(
+                        report, "onnx", os.path.basename(path), weights, _onnx_tensors(path), say, allow_folded=True
+                    )
         for k, (batch, length) in enumerate(shapes):
             feeds = _specs.example_inputs(desc["inputs"], batch, length, specs.vocabulary_size, seed=seed + k)
             expected, conditioning = _keras_outputs(specs, feeds)
@@ -597,20 +611,43 @@ def verify(
                     row = report.add(
                         _compare(backend, signature, (batch, length), got[name], ref, _Bound(n, conditioning, fixed))
                     )
-                    say(f"{backend:12s} {row.signature} {batch}x{length}: rel {row.max_rel:.2e} "
-                        f"(bound {row.tolerance:.1e}) {'ok' if row.ok else 'FAIL'}")
+                    say(
+                        f"{backend:12s} {row.signature} {batch}x{length}: rel {row.max_rel:.2e} "
+                        f"(bound {row.tolerance:.1e}) {'ok' if row.ok else 'FAIL'}"
+                    )
         if specs.causal_lm:
             _verify_decoding(
-                specs, report, runner, onnx_step_path, onnx_generate_path, shapes, saved_model_tolerance,
-                onnx_tolerance, decode_steps, limit, seed, onnx_device, say,
+                specs,
+                report,
+                runner,
+                onnx_step_path,
+                onnx_generate_path,
+                shapes,
+                saved_model_tolerance,
+                onnx_tolerance,
+                decode_steps,
+                limit,
+                seed,
+                onnx_device,
+                say,
             )
     finally:
         if runner is not None:
             runner.close()
     compared = [r for r in report.rows if not r.exact]
     if compared and not any(math.isfinite(r.tolerance) for r in compared):
-        report.add(_Check("all", "outputs", (), float("nan"), float("nan"), float("inf"), ok=False,
-                          detail="no output row was well-conditioned enough to compare in float32"))
+        report.add(
+            _Check(
+                "all",
+                "outputs",
+                (),
+                float("nan"),
+                float("nan"),
+                float("inf"),
+                ok=False,
+                detail="no output row was well-conditioned enough to compare in float32",
+            )
+        )
     if raise_on_failure and not report.ok:
         raise VerificationError(report)
     return report
@@ -620,8 +657,16 @@ def _token_check(backend, signature, keras_ids, got_ids, keras_logits, bound, al
     """Tokens against Keras': exact, except (`allow_ties`) a first difference at a float32 tie."""
     keras_ids, got_ids = np.asarray(keras_ids), np.asarray(got_ids)
     if keras_ids.shape != got_ids.shape:
-        return _Check(backend, signature, keras_ids.shape, float("inf"), float("inf"), 0, exact=True,
-                      detail=f"shape {got_ids.shape}")
+        return _Check(
+            backend,
+            signature,
+            keras_ids.shape,
+            float("inf"),
+            float("inf"),
+            0,
+            exact=True,
+            detail=f"shape {got_ids.shape}",
+        )
     mismatches = int(np.sum(keras_ids != got_ids))
     ties = 0
     if mismatches and allow_ties:
@@ -639,13 +684,35 @@ def _token_check(backend, signature, keras_ids, got_ids, keras_logits, bound, al
                 break
             ties += 1
         if ties_only:
-            return _Check(backend, signature, keras_ids.shape, mismatches, mismatches, 0, exact=True, ok=True,
-                          detail=f"{ties} rows part at a float32 tie")
+            return _Check(
+                backend,
+                signature,
+                keras_ids.shape,
+                mismatches,
+                mismatches,
+                0,
+                exact=True,
+                ok=True,
+                detail=f"{ties} rows part at a float32 tie",
+            )
     return _Check(backend, signature, keras_ids.shape, mismatches, mismatches, 0, exact=True)
 
 
-def _verify_decoding(specs, report, runner, onnx_step_path, onnx_generate_path, shapes, sm_fixed, onnx_fixed, steps,
-                     limit, seed, onnx_device, say):
+def _verify_decoding(
+    specs,
+    report,
+    runner,
+    onnx_step_path,
+    onnx_generate_path,
+    shapes,
+    sm_fixed,
+    onnx_fixed,
+    steps,
+    limit,
+    seed,
+    onnx_device,
+    say,
+):
     from keras_linattn import samplers
 
     model = specs.model
@@ -660,11 +727,14 @@ def _verify_decoding(specs, report, runner, onnx_step_path, onnx_generate_path, 
 
     def step_row(backend, got, fixed):
         row = report.add(
-            _compare(backend, f"{_specs.STEP}:logits", (batch, steps), got, expected,
-                     _Bound(n, step_conditioning, fixed))
+            _compare(
+                backend, f"{_specs.STEP}:logits", (batch, steps), got, expected, _Bound(n, step_conditioning, fixed)
+            )
         )
-        say(f"{backend:12s} step {batch}x{steps}: rel {row.max_rel:.2e} (bound {row.tolerance:.1e}) "
-            f"{'ok' if row.ok else 'FAIL'}")
+        say(
+            f"{backend:12s} step {batch}x{steps}: rel {row.max_rel:.2e} (bound {row.tolerance:.1e}) "
+            f"{'ok' if row.ok else 'FAIL'}"
+        )
 
     prompt = tokens[:, : min(2, steps)]
     max_length = prompt.shape[1] + steps if limit is None else min(prompt.shape[1] + steps, limit)
@@ -697,19 +767,28 @@ def _verify_decoding(specs, report, runner, onnx_step_path, onnx_generate_path, 
             got.append(out[_specs.LOGITS])
             state = [out[_specs.new_state_name(i)] for i in range(len(state))]
         step_row("saved_model", np.stack(got, axis=1), sm_fixed)
-        feeds = {_specs.PROMPT_IDS: prompt, _specs.PADDING_MASK: np.ones_like(prompt),
-                 _specs.MAX_LENGTH: np.int32(max_length)}
+        feeds = {
+            _specs.PROMPT_IDS: prompt,
+            _specs.PADDING_MASK: np.ones_like(prompt),
+            _specs.MAX_LENGTH: np.int32(max_length),
+        }
         greedy = sampled = None
         if _specs.GENERATE in runner.signature_names:
             greedy = runner.run(_specs.GENERATE, feeds)[_specs.OUTPUT_IDS]
         if _specs.GENERATE_SAMPLED in runner.signature_names:
-            sampled_feeds = dict(feeds, **{
-                _specs.TEMPERATURE: np.float32(temperature), _specs.TOP_K: np.int32(top_k),
-                _specs.TOP_P: np.float32(top_p), _specs.SEED: np.int64(seed),
-            })
+            sampled_feeds = dict(
+                feeds,
+                **{
+                    _specs.TEMPERATURE: np.float32(temperature),
+                    _specs.TOP_K: np.int32(top_k),
+                    _specs.TOP_P: np.float32(top_p),
+                    _specs.SEED: np.int64(seed),
+                },
+            )
             sampled = runner.run(_specs.GENERATE_SAMPLED, sampled_feeds)[_specs.OUTPUT_IDS]
-        token_rows("saved_model", greedy, sampled,
-                   (f"{_specs.GENERATE}:output_ids", f"{_specs.GENERATE_SAMPLED}:output_ids"))
+        token_rows(
+            "saved_model", greedy, sampled, (f"{_specs.GENERATE}:output_ids", f"{_specs.GENERATE_SAMPLED}:output_ids")
+        )
     if onnx_step_path is not None:
         from keras_linattn.export.onnx_generator import OnnxGenerator
 

@@ -99,9 +99,7 @@ def write_warmup_requests(path, specs, model_name, batch_size=1, length=16, incl
     with tf.io.TFRecordWriter(path) as writer:
         for signature_name, inputs in _warmup_inputs(specs, batch_size, length, include_generate):
             log = prediction_log_pb2.PredictionLog(
-                predict_log=prediction_log_pb2.PredictLog(
-                    request=_predict_request(model_name, signature_name, inputs)
-                )
+                predict_log=prediction_log_pb2.PredictLog(request=_predict_request(model_name, signature_name, inputs))
             )
             writer.write(log.SerializeToString())
     return path

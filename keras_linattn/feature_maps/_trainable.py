@@ -192,9 +192,7 @@ class StackedFeatureMap(TrainableFeatureMap):
     def __init__(self, *, depth=1, hidden_activation="sigmoid", **kwargs):
         super().__init__(**kwargs)
         self.depth = check_int_in_range("depth", depth, 1, 3)
-        self.hidden_activation = check_one_of(
-            "hidden_activation", hidden_activation, tuple(sorted(HIDDEN_ACTIVATIONS))
-        )
+        self.hidden_activation = check_one_of("hidden_activation", hidden_activation, tuple(sorted(HIDDEN_ACTIVATIONS)))
 
     def get_config(self):
         return {

@@ -13,40 +13,40 @@ __all__ = ["AOGLUFeatureMap"]
 class AOGLUFeatureMap(OGLUFeatureMap):
     """AOGLU: OGLU whose gates are low-rank, ``W_g ~ A B``.
 
-    From Yorsh & Kovalenko 2022, "Linear Self-Attention Approximation via
-    Trainable Feedforward Kernel". As `OGLUFeatureMap` (orthogonal filters,
-    softplus-times-sigmoid last unit), but each gate ``W_g [in, n]`` is
-    replaced by the product of ``A [in, r]`` and ``B [r, n]`` (per head:
-    ``A [H, in, r]``, ``B [H, r, n]``), applied as ``(u A) B``. A unit of
-    width ``n`` then has ``n^2 + 2*n*r`` parameters per head instead of
-    OGLU's ``2*n^2``: ``1.5 * n^2`` at the default ``r = n/4`` (25% fewer).
-    The rank must satisfy ``1 <= r < n/2``, the range in which the
-    factorization saves parameters.
+        From Yorsh & Kovalenko 2022, "Linear Self-Attention Approximation via
+        Trainable Feedforward Kernel". As `OGLUFeatureMap` (orthogonal filters,
+        softplus-times-sigmoid last unit), but each gate ``W_g [in, n]`` is
+        replaced by the product of ``A [in, r]`` and ``B [r, n]`` (per head:
+        ``A [H, in, r]``, ``B [H, r, n]``), applied as ``(u A) B``. A unit of
+        width ``n`` then has ``n^2 + 2*n*r`` parameters per head instead of
+        OGLU's ``2*n^2``: ``1.5 * n^2`` at the default ``r = n/4`` (25% fewer).
+        The rank must satisfy ``1 <= r < n/2``, the range in which the
+        factorization saves parameters.
 
-    Args:
-        rank: rank ``r`` of the gates, ``1 <= r < n/2``. Default None:
-            ``max(1, n // 4)``. Checked when the width is known (here if
-            `feature_dim` is given, else when the layer is built).
-        orthogonal_penalty: factor of the orthogonal regularizer on the
-            filters, >= 0. Default 0.01.
-        gate_initializer: initializer of ``A`` and ``B``, applied head by
-            head. Default ``"glorot_uniform"``.
-{shared_args}
+        Args:
+            rank: rank ``r`` of the gates, ``1 <= r < n/2``. Default None:
+                ``max(1, n // 4)``. Checked when the width is known (here if
+                `feature_dim` is given, else when the layer is built).
+            orthogonal_penalty: factor of the orthogonal regularizer on the
+                filters, >= 0. Default 0.01.
+            gate_initializer: initializer of ``A`` and ``B``, applied head by
+                head. Default ``"glorot_uniform"``.
+    {shared_args}
 
-{call}
+    {call}
 
-    Example:
+        Example:
 
-    >>> import keras
-    >>> import numpy as np
-    >>> import keras_linattn
-    >>> keras.utils.set_random_seed(0)
-    >>> x = np.random.default_rng(0).normal(size=(2, 100, 64)).astype("float32")  # [B, T, width]
-    >>> fm = AOGLUFeatureMap(feature_dim=32, rank=8)
-    >>> layer = keras_linattn.layers.LinearAttention(4, 16, feature_map=fm)
-    >>> y = np.asarray(layer(x, x))
-    >>> y.shape, bool(np.isfinite(y).all())
-    ((2, 100, 64), True)
+        >>> import keras
+        >>> import numpy as np
+        >>> import keras_linattn
+        >>> keras.utils.set_random_seed(0)
+        >>> x = np.random.default_rng(0).normal(size=(2, 100, 64)).astype("float32")  # [B, T, width]
+        >>> fm = AOGLUFeatureMap(feature_dim=32, rank=8)
+        >>> layer = keras_linattn.layers.LinearAttention(4, 16, feature_map=fm)
+        >>> y = np.asarray(layer(x, x))
+        >>> y.shape, bool(np.isfinite(y).all())
+        ((2, 100, 64), True)
     """
 
     def __init__(self, *, rank=None, **kwargs):

@@ -37,8 +37,7 @@ class FeatureMap(CheckpointTracked, keras.layers.Layer):
     def feature_dim(self, input_dim):
         """The output feature dim ``C`` for input dim ``D``."""
         raise TypeError(
-            f"{type(self).__name__} does not define feature_dim(input_dim); "
-            "every FeatureMap subclass must."
+            f"{type(self).__name__} does not define feature_dim(input_dim); every FeatureMap subclass must."
         )
 
     def build(self, input_shape):

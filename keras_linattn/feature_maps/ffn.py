@@ -15,44 +15,44 @@ __all__ = ["FFNFeatureMap"]
 class FFNFeatureMap(_trainable.StackedFeatureMap):
     """Trainable feedforward kernel ``phi(x) = softplus(h_{k-1} W_k)``.
 
-    From Yorsh & Kovalenko 2022, "Linear Self-Attention Approximation via
-    Trainable Feedforward Kernel". A head-wise feedforward network of depth
-    ``k``: ``h_0 = x``, ``h_i = act(h_{i-1} W_i)`` for the hidden layers,
-    and a softplus output layer, so features are positive. Each head has its
-    own matrices (weights ``[H, D, C]`` then ``[H, C, C]``, float32, no
-    biases). Parameters: ``H * (D*C + (k-1)*C^2)``, twice that with
-    ``share_qk=False``. A query whose features would all underflow is scaled
-    up by a positive factor (`keras_linattn.feature_maps._stable`), which
-    cancels in the attention ratio.
+        From Yorsh & Kovalenko 2022, "Linear Self-Attention Approximation via
+        Trainable Feedforward Kernel". A head-wise feedforward network of depth
+        ``k``: ``h_0 = x``, ``h_i = act(h_{i-1} W_i)`` for the hidden layers,
+        and a softplus output layer, so features are positive. Each head has its
+        own matrices (weights ``[H, D, C]`` then ``[H, C, C]``, float32, no
+        biases). Parameters: ``H * (D*C + (k-1)*C^2)``, twice that with
+        ``share_qk=False``. A query whose features would all underflow is scaled
+        up by a positive factor (`keras_linattn.feature_maps._stable`), which
+        cancels in the attention ratio.
 
-    Args:
-        kernel_initializer: initializer of every ``W_i``, applied head by
-            head (each head a ``[in, out]`` matrix, a fresh initializer
-            instance per head and weight). Default ``"orthogonal"``: each
-            head's matrix has orthonormal rows (columns when in > out).
-        orthogonal_penalty: factor of
-            `keras_linattn.regularizers.OrthogonalRegularizer` on every
-            ``W_i`` (``factor * sum_h ||W_h W_h^T - I||_F^2``); 0 (default)
-            disables it.
-{shared_args}
+        Args:
+            kernel_initializer: initializer of every ``W_i``, applied head by
+                head (each head a ``[in, out]`` matrix, a fresh initializer
+                instance per head and weight). Default ``"orthogonal"``: each
+                head's matrix has orthonormal rows (columns when in > out).
+            orthogonal_penalty: factor of
+                `keras_linattn.regularizers.OrthogonalRegularizer` on every
+                ``W_i`` (``factor * sum_h ||W_h W_h^T - I||_F^2``); 0 (default)
+                disables it.
+    {shared_args}
 
-{call}
+    {call}
 
-    Example:
+        Example:
 
-    >>> import keras
-    >>> import numpy as np
-    >>> import keras_linattn
-    >>> keras.utils.set_random_seed(0)
-    >>> x = np.random.default_rng(0).normal(size=(2, 100, 64)).astype("float32")  # [B, T, width]
-    >>> fm = FFNFeatureMap(depth=2, feature_dim=32)
-    >>> layer = keras_linattn.layers.LinearAttention(4, 16, feature_map=fm)
-    >>> x_changed = x.copy()
-    >>> x_changed[:, 60:] += 1.0  # change the future of token 59
-    >>> y = np.asarray(layer(x, x, use_causal_mask=True))
-    >>> y_changed = np.asarray(layer(x_changed, x_changed, use_causal_mask=True))
-    >>> y.shape, bool(np.array_equal(y[:, :60], y_changed[:, :60]))  # causal: tokens 0..59 unchanged
-    ((2, 100, 64), True)
+        >>> import keras
+        >>> import numpy as np
+        >>> import keras_linattn
+        >>> keras.utils.set_random_seed(0)
+        >>> x = np.random.default_rng(0).normal(size=(2, 100, 64)).astype("float32")  # [B, T, width]
+        >>> fm = FFNFeatureMap(depth=2, feature_dim=32)
+        >>> layer = keras_linattn.layers.LinearAttention(4, 16, feature_map=fm)
+        >>> x_changed = x.copy()
+        >>> x_changed[:, 60:] += 1.0  # change the future of token 59
+        >>> y = np.asarray(layer(x, x, use_causal_mask=True))
+        >>> y_changed = np.asarray(layer(x_changed, x_changed, use_causal_mask=True))
+        >>> y.shape, bool(np.array_equal(y[:, :60], y_changed[:, :60]))  # causal: tokens 0..59 unchanged
+        ((2, 100, 64), True)
     """
 
     def __init__(self, *, kernel_initializer="orthogonal", orthogonal_penalty=0.0, **kwargs):

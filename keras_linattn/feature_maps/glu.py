@@ -100,41 +100,39 @@ class _GLUStack(_trainable.StackedFeatureMap):
 class GLUFeatureMap(_GLUStack):
     """GLU trainable kernel: a stack of gated linear units with a positive output.
 
-    From Yorsh & Kovalenko 2022, "Linear Self-Attention Approximation via
-    Trainable Feedforward Kernel". With ``u_0 = x``, unit ``i`` computes
-    ``u_i = act(u_{i-1} W_f^i) * sigmoid(u_{i-1} W_g^i)``, and the last unit
-    ``phi(x) = softplus(u W_f) * sigmoid(u W_g)``, which is positive. Each
-    head has its own filter and gate matrices (``[H, D, C]`` for the first
-    unit, ``[H, C, C]`` after; float32, no biases). Parameters:
-    ``H * (2*D*C + 2*(k-1)*C^2)`` for ``k`` units, twice that with
-    ``share_qk=False``.
+        From Yorsh & Kovalenko 2022, "Linear Self-Attention Approximation via
+        Trainable Feedforward Kernel". With ``u_0 = x``, unit ``i`` computes
+        ``u_i = act(u_{i-1} W_f^i) * sigmoid(u_{i-1} W_g^i)``, and the last unit
+        ``phi(x) = softplus(u W_f) * sigmoid(u W_g)``, which is positive. Each
+        head has its own filter and gate matrices (``[H, D, C]`` for the first
+        unit, ``[H, C, C]`` after; float32, no biases). Parameters:
+        ``H * (2*D*C + 2*(k-1)*C^2)`` for ``k`` units, twice that with
+        ``share_qk=False``.
 
-    Args:
-        kernel_initializer: initializer of filters and gates, applied head by
-            head with a fresh instance per head and weight. Default
-            ``"glorot_uniform"``.
-{shared_args}
+        Args:
+            kernel_initializer: initializer of filters and gates, applied head by
+                head with a fresh instance per head and weight. Default
+                ``"glorot_uniform"``.
+    {shared_args}
 
-{call}
+    {call}
 
-    Example:
+        Example:
 
-    >>> import keras
-    >>> import numpy as np
-    >>> import keras_linattn
-    >>> keras.utils.set_random_seed(0)
-    >>> x = np.random.default_rng(0).normal(size=(2, 100, 64)).astype("float32")  # [B, T, width]
-    >>> fm = GLUFeatureMap(depth=2, feature_dim=32)
-    >>> layer = keras_linattn.layers.LinearAttention(4, 16, feature_map=fm)
-    >>> y = np.asarray(layer(x, x))
-    >>> y.shape, bool(np.isfinite(y).all())
-    ((2, 100, 64), True)
+        >>> import keras
+        >>> import numpy as np
+        >>> import keras_linattn
+        >>> keras.utils.set_random_seed(0)
+        >>> x = np.random.default_rng(0).normal(size=(2, 100, 64)).astype("float32")  # [B, T, width]
+        >>> fm = GLUFeatureMap(depth=2, feature_dim=32)
+        >>> layer = keras_linattn.layers.LinearAttention(4, 16, feature_map=fm)
+        >>> y = np.asarray(layer(x, x))
+        >>> y.shape, bool(np.isfinite(y).all())
+        ((2, 100, 64), True)
     """
 
     def __init__(self, *, kernel_initializer="glorot_uniform", **kwargs):
-        super().__init__(
-            filter_initializer=kernel_initializer, gate_initializer=kernel_initializer, **kwargs
-        )
+        super().__init__(filter_initializer=kernel_initializer, gate_initializer=kernel_initializer, **kwargs)
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
 
     def get_config(self):

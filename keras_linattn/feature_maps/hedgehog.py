@@ -97,8 +97,7 @@ class HedgehogFeatureMap(_trainable.TrainableFeatureMap):
         super().__init__(feature_dim=feature_dim, share_qk=share_qk, seed=seed, **kwargs)
         if self._feature_dim is not None and self._feature_dim % 2:
             raise ValueError(
-                "`feature_dim` must be an even positive integer (C = 2F). "
-                f"Received: feature_dim={feature_dim!r}"
+                f"`feature_dim` must be an even positive integer (C = 2F). Received: feature_dim={feature_dim!r}"
             )
         self.use_bias = check_bool("use_bias", use_bias)
 
@@ -127,9 +126,7 @@ class HedgehogFeatureMap(_trainable.TrainableFeatureMap):
         logits = _trainable.headwise_matmul(inputs, weights["kernel"])  # [B, T, H, F]
         if self.use_bias:
             logits = logits + weights["bias"]  # [B, T, H, F]
-        return ops.concatenate(
-            [ops.softmax(logits, axis=-1), ops.softmax(-logits, axis=-1)], axis=-1
-        )  # [B, T, H, 2F]
+        return ops.concatenate([ops.softmax(logits, axis=-1), ops.softmax(-logits, axis=-1)], axis=-1)  # [B, T, H, 2F]
 
     def get_config(self):
         return {**super().get_config(), "use_bias": self.use_bias}

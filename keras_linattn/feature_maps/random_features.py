@@ -207,7 +207,7 @@ class RandomFeatureMap(FeatureMap):
         """Returns ``(x' [B, T, H, D], W x' [B, T, H, m])`` in the compute dtype."""
         self.check_heads(inputs)
         x = ops.cast(inputs, self.compute_dtype)
-        scale = self.scale if self.scale is not None else self._dim ** -0.25
+        scale = self.scale if self.scale is not None else self._dim**-0.25
         x = x * scale  # [B, T, H, D]
         w = ops.cast(self.projection, self.compute_dtype)  # [H, m, D]
         return x, ops.einsum("bthd,hmd->bthm", x, w)  # [B, T, H, m]

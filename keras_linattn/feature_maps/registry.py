@@ -49,10 +49,7 @@ def deserialize(config):
     class_name = config.get("class_name") if isinstance(config, dict) else None
     known = set(_REGISTRY.by_class_name())
     if class_name not in known:
-        raise ValueError(
-            "Unknown feature map in config. "
-            f"Received: class_name={class_name!r}. Known: {sorted(known)}"
-        )
+        raise ValueError(f"Unknown feature map in config. Received: class_name={class_name!r}. Known: {sorted(known)}")
     obj = keras.saving.deserialize_keras_object(config)
     if not isinstance(obj, FeatureMap):
         raise ValueError(f"Config does not describe a FeatureMap. Received: {config!r}")

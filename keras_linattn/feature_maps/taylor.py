@@ -34,7 +34,7 @@ class TaylorFeatureMap(FeatureMap):
 
     def call(self, inputs, is_query=True, causal=False):
         d = inputs.shape[-1]
-        scale = self.scale if self.scale is not None else d ** -0.25
+        scale = self.scale if self.scale is not None else d**-0.25
         x = inputs * scale  # [B, T, H, D]
         outer = x[..., :, None] * x[..., None, :]  # [B, T, H, D, D]
         outer = _flatten_last_two(outer, d)  # [B, T, H, D*D]

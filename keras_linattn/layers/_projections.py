@@ -42,9 +42,7 @@ def _check_output_shape(output_shape):
         return None
     if isinstance(output_shape, (list, tuple)):
         if len(output_shape) != 1:
-            raise ValueError(
-                f"`output_shape` must be an int or a 1-tuple. Received: output_shape={output_shape!r}"
-            )
+            raise ValueError(f"`output_shape` must be an int or a 1-tuple. Received: output_shape={output_shape!r}")
         output_shape = output_shape[0]
     _validation.check_positive_int("output_shape", output_shape)
     return output_shape
@@ -166,8 +164,7 @@ class ProjectedAttention(CheckpointTracked, keras.layers.Layer):
         for name, shape in (("query", query_shape), ("value", value_shape), ("key", key_shape)):
             if len(shape) != 3:
                 raise ValueError(
-                    f"`{name}` must have rank 3 [batch, length, dim]. "
-                    f"Received: {name}.shape={tuple(shape)}"
+                    f"`{name}` must have rank 3 [batch, length, dim]. Received: {name}.shape={tuple(shape)}"
                 )
         if value_shape[1] is not None and key_shape[1] is not None and value_shape[1] != key_shape[1]:
             raise ValueError(
@@ -250,7 +247,11 @@ class ProjectedAttention(CheckpointTracked, keras.layers.Layer):
     ):
         _validation.refuse_attention_scores(return_attention_scores)
         key, key_mask = self.resolve_keys(
-            value, key, value_mask, key_mask, attention_mask,
+            value,
+            key,
+            value_mask,
+            key_mask,
+            attention_mask,
             "`key_mask` ([B, S]) for padding (and `use_causal_mask=True` for causal attention, "
             "where the layer supports it)",
         )

@@ -105,8 +105,11 @@ class OutputNorm:
     def build(self, layer):
         if self.enabled:
             self.scale = layer.add_weight(
-                name="output_norm_scale", shape=(layer.num_heads, layer.value_dim), initializer="ones",
-                dtype="float32", autocast=False,
+                name="output_norm_scale",
+                shape=(layer.num_heads, layer.value_dim),
+                initializer="ones",
+                dtype="float32",
+                autocast=False,
             )
 
     def __call__(self, out, compute_dtype="float32"):

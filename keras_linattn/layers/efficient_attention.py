@@ -19,81 +19,81 @@ _PROJECTIONS = {"random": False, "learned": True}
 class EfficientAttention(_projections.ProjectedAttention):
     """Multi-head "efficient attention", optionally with Linformer projections.
 
-    Per head, with projected queries ``Q [T, D]``, keys ``K [S, D]`` and
-    values ``V [S, M]``:
+        Per head, with projected queries ``Q [T, D]``, keys ``K [S, D]`` and
+        values ``V [S, M]``:
 
-        out = softmax_features(Q) . (softmax_seq(E K)^T . (F V))
+            out = softmax_features(Q) . (softmax_seq(E K)^T . (F V))
 
-    where ``softmax_features`` normalizes each query over its ``D`` features
-    and ``softmax_seq`` normalizes each key feature over the (projected)
-    sequence. The product is evaluated right to left: ``(E K)^T (F V)`` is a
-    ``D x M`` context per head, so the cost is ``O(S * k * (D + M) + T * D * M)``
-    and no ``T x S`` (or ``T x k``) matrix is ever formed
-    (`keras_linattn.ops.efficient_attention`, in float32 under any policy).
+        where ``softmax_features`` normalizes each query over its ``D`` features
+        and ``softmax_seq`` normalizes each key feature over the (projected)
+        sequence. The product is evaluated right to left: ``(E K)^T (F V)`` is a
+        ``D x M`` context per head, so the cost is ``O(S * k * (D + M) + T * D * M)``
+        and no ``T x S`` (or ``T x k``) matrix is ever formed
+        (`keras_linattn.ops.efficient_attention`, in float32 under any policy).
 
-    - ``projection="random"`` ("Revisiting Linformer"): ``E = delta * R`` and
-      ``F = exp(-delta) * R`` with ``R`` a fixed ``k x n`` Gaussian matrix,
-      entries ``N(0, 1/k)``, drawn from `seed` and stored as non-trainable
-      weights (so a saved model reloads the same projection).
-    - ``projection="learned"``: ``E`` and ``F`` are trainable weights, with
-      the same initial values as ``"random"``.
-    - ``projection=None``: plain efficient attention (Shen et al. 2021),
-      ``softmax_features(Q) . (softmax_seq(K)^T V)``, for any length.
+        - ``projection="random"`` ("Revisiting Linformer"): ``E = delta * R`` and
+          ``F = exp(-delta) * R`` with ``R`` a fixed ``k x n`` Gaussian matrix,
+          entries ``N(0, 1/k)``, drawn from `seed` and stored as non-trainable
+          weights (so a saved model reloads the same projection).
+        - ``projection="learned"``: ``E`` and ``F`` are trainable weights, with
+          the same initial values as ``"random"``.
+        - ``projection=None``: plain efficient attention (Shen et al. 2021),
+          ``softmax_features(Q) . (softmax_seq(K)^T V)``, for any length.
 
-    ``E`` and ``F`` are shared by all heads. With a projection, `max_length`
-    is the longest key sequence ``n``; a shorter key sequence of length
-    ``S`` uses the first ``S`` columns of ``E`` and ``F`` (so a right-padded
-    batch with a `key_mask` gives exactly the outputs of the unpadded
-    sequences). Keys longer than `max_length` raise ``ValueError`` when the
-    length is known at trace time and fail in the projection einsum
-    otherwise.
+        ``E`` and ``F`` are shared by all heads. With a projection, `max_length`
+        is the longest key sequence ``n``; a shorter key sequence of length
+        ``S`` uses the first ``S`` columns of ``E`` and ``F`` (so a right-padded
+        batch with a `key_mask` gives exactly the outputs of the unpadded
+        sequences). Keys longer than `max_length` raise ``ValueError`` when the
+        length is known at trace time and fail in the projection einsum
+        otherwise.
 
-    This attention is non-causal: every query sees every key.
+        This attention is non-causal: every query sees every key.
 
-    Shapes: B batch, T query length, S key length, H heads, D key dim,
-    M value dim, K projection dim k.
+        Shapes: B batch, T query length, S key length, H heads, D key dim,
+        M value dim, K projection dim k.
 
-    Args:
-        num_heads: number of attention heads H.
-        key_dim: size of each query/key head D.
-        value_dim: size of each value head M; defaults to `key_dim`.
-        projection: ``"random"``, ``"learned"`` or ``None`` (default).
-        projection_dim: the projected length k (required with a projection).
-        max_length: the maximum key length n (required with a projection).
-        delta: the scale ``delta`` of ``E = delta R``, ``F = exp(-delta) R``.
-            Default 1.0.
-{projection_args}
-        seed: seed of the random projection ``R`` and of the dropout. With
-            ``None`` a fresh ``R`` is drawn (and saved with the weights).
-            Keyword-only.
+        Args:
+            num_heads: number of attention heads H.
+            key_dim: size of each query/key head D.
+            value_dim: size of each value head M; defaults to `key_dim`.
+            projection: ``"random"``, ``"learned"`` or ``None`` (default).
+            projection_dim: the projected length k (required with a projection).
+            max_length: the maximum key length n (required with a projection).
+            delta: the scale ``delta`` of ``E = delta R``, ``F = exp(-delta) R``.
+                Default 1.0.
+    {projection_args}
+            seed: seed of the random projection ``R`` and of the dropout. With
+                ``None`` a fresh ``R`` is drawn (and saved with the weights).
+                Keyword-only.
 
-    Call arguments:
-        query: ``[B, T, dim]``.
-        value: ``[B, S, dim]``.
-        key: optional ``[B, S, dim]``; defaults to `value`.
-        key_mask: optional ``[B, S]`` padding mask of the keys (1 = keep).
-            Without a projection, padded keys get ``-inf`` before the softmax
-            over the sequence; with a projection, padded keys and values are
-            zeroed before ``E`` and ``F`` (their columns drop out). Keras
-            masks on `value`/`key` are used automatically.
-        attention_mask: not supported (``ValueError``); use `key_mask`.
-        use_causal_mask: must be False: this layer is non-causal.
-        training: Python boolean, for dropout.
-        return_state, initial_state: not supported (``ValueError``): this
-            attention keeps no state.
+        Call arguments:
+            query: ``[B, T, dim]``.
+            value: ``[B, S, dim]``.
+            key: optional ``[B, S, dim]``; defaults to `value`.
+            key_mask: optional ``[B, S]`` padding mask of the keys (1 = keep).
+                Without a projection, padded keys get ``-inf`` before the softmax
+                over the sequence; with a projection, padded keys and values are
+                zeroed before ``E`` and ``F`` (their columns drop out). Keras
+                masks on `value`/`key` are used automatically.
+            attention_mask: not supported (``ValueError``); use `key_mask`.
+            use_causal_mask: must be False: this layer is non-causal.
+            training: Python boolean, for dropout.
+            return_state, initial_state: not supported (``ValueError``): this
+                attention keeps no state.
 
-    Returns:
-        ``[B, T, output_dim]``, with the query's Keras mask.
+        Returns:
+            ``[B, T, output_dim]``, with the query's Keras mask.
 
-    Example:
+        Example:
 
-    >>> import numpy as np
-    >>> layer = EfficientAttention(num_heads=4, key_dim=16, projection="random",
-    ...                            projection_dim=32, max_length=512, seed=0)
-    >>> x = np.random.default_rng(0).normal(size=(2, 300, 64)).astype("float32")  # [B, T, width]
-    >>> y = np.asarray(layer(x, x))
-    >>> y.shape, bool(np.isfinite(y).all())
-    ((2, 300, 64), True)
+        >>> import numpy as np
+        >>> layer = EfficientAttention(num_heads=4, key_dim=16, projection="random",
+        ...                            projection_dim=32, max_length=512, seed=0)
+        >>> x = np.random.default_rng(0).normal(size=(2, 300, 64)).astype("float32")  # [B, T, width]
+        >>> y = np.asarray(layer(x, x))
+        >>> y.shape, bool(np.isfinite(y).all())
+        ((2, 300, 64), True)
     """
 
     def __init__(
@@ -110,8 +110,7 @@ class EfficientAttention(_projections.ProjectedAttention):
         super().__init__(num_heads, key_dim, value_dim, **kwargs)
         if projection is not None and projection not in _PROJECTIONS:
             raise ValueError(
-                f"`projection` must be one of {sorted(_PROJECTIONS)} or None. "
-                f"Received: projection={projection!r}"
+                f"`projection` must be one of {sorted(_PROJECTIONS)} or None. Received: projection={projection!r}"
             )
         if projection is None:
             for name, val in (("projection_dim", projection_dim), ("max_length", max_length)):
@@ -167,8 +166,9 @@ class EfficientAttention(_projections.ProjectedAttention):
             )
 
     # ------------------------------------------------------------------- call
-    def _compute_attention(self, query, key, value, key_mask=None, use_causal_mask=False, training=None,
-                           initial_state=None):
+    def _compute_attention(
+        self, query, key, value, key_mask=None, use_causal_mask=False, training=None, initial_state=None
+    ):
         """`keras_linattn.ops.efficient_attention` with this layer's E and F; no state."""
         if use_causal_mask:
             raise ValueError(
@@ -200,4 +200,3 @@ class EfficientAttention(_projections.ProjectedAttention):
             "max_length": self.max_length,
             "delta": self.delta,
         }
-

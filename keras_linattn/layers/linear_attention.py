@@ -32,66 +32,66 @@ __all__ = ["LinearAttention"]
 class LinearAttention(_projections.ProjectedAttention):
     """Multi-head linear attention, a drop-in for `keras.layers.MultiHeadAttention`.
 
-    Queries and keys are projected per head and mapped through a feature map
-    ``phi``; attention is ``phi(q)^T S / phi(q)^T z`` with
-    ``S = sum_j phi(k_j) v_j^T`` and ``z = sum_j phi(k_j)``, which costs
-    ``O(N * C * M)`` instead of ``O(N^2)``. Causal attention uses the
-    chunkwise-parallel algorithm. Features and the state ``(S, z)`` are
-    accumulated in float32 under any dtype policy.
+        Queries and keys are projected per head and mapped through a feature map
+        ``phi``; attention is ``phi(q)^T S / phi(q)^T z`` with
+        ``S = sum_j phi(k_j) v_j^T`` and ``z = sum_j phi(k_j)``, which costs
+        ``O(N * C * M)`` instead of ``O(N^2)``. Causal attention uses the
+        chunkwise-parallel algorithm. Features and the state ``(S, z)`` are
+        accumulated in float32 under any dtype policy.
 
-    The layer is a pipeline: projections -> short convolution (`conv_size`)
-    -> feature map -> recurrence (`recurrence`, a
-    `keras_linattn.recurrences.Recurrence`: additive, decay, delta, window
-    or any registered one) -> output norm (when the recurrence's readout has
-    no normalizer) -> output projection.
+        The layer is a pipeline: projections -> short convolution (`conv_size`)
+        -> feature map -> recurrence (`recurrence`, a
+        `keras_linattn.recurrences.Recurrence`: additive, decay, delta, window
+        or any registered one) -> output norm (when the recurrence's readout has
+        no normalizer) -> output projection.
 
-    Shapes: B batch, T query length, S key length, H heads, D key dim,
-    C feature dim, M value dim.
+        Shapes: B batch, T query length, S key length, H heads, D key dim,
+        C feature dim, M value dim.
 
-    Args:
-        num_heads: number of attention heads H.
-        key_dim: size of each query/key head D.
-        value_dim: size of each value head M; defaults to `key_dim`.
-        feature_map: a registered name (`keras_linattn.feature_maps.available()`),
-            a serialized feature-map config, or a `FeatureMap` instance.
-            Default ``"elu"`` (elu + 1). None is the identity (with
-            ``update="delta"`` only, as in DeltaNet).
-        chunk_size: chunk length of the causal algorithm. Default 64.
-        epsilon: relative guard of the normalizer (see
-            `keras_linattn.ops.linear_attention`). Keyword-only.
-{mechanism_args}
-{projection_args}
-        seed: seed of the dropout. Keyword-only.
+        Args:
+            num_heads: number of attention heads H.
+            key_dim: size of each query/key head D.
+            value_dim: size of each value head M; defaults to `key_dim`.
+            feature_map: a registered name (`keras_linattn.feature_maps.available()`),
+                a serialized feature-map config, or a `FeatureMap` instance.
+                Default ``"elu"`` (elu + 1). None is the identity (with
+                ``update="delta"`` only, as in DeltaNet).
+            chunk_size: chunk length of the causal algorithm. Default 64.
+            epsilon: relative guard of the normalizer (see
+                `keras_linattn.ops.linear_attention`). Keyword-only.
+    {mechanism_args}
+    {projection_args}
+            seed: seed of the dropout. Keyword-only.
 
-    Call arguments:
-        query: ``[B, T, dim]``.
-        value: ``[B, S, dim]``.
-        key: optional ``[B, S, dim]``; defaults to `value`.
-        key_mask: optional ``[B, S]`` padding mask of the keys (1 = keep).
-            Keras masks (e.g. from ``Embedding(mask_zero=True)``) on `value`
-            or `key` are used automatically.
-        attention_mask: not supported: a full ``[B, T, S]`` mask has no
-            linear-attention equivalent. Passing one raises ``ValueError``;
-            use `key_mask` for padding and `use_causal_mask` for causality.
-        use_causal_mask: causal self-attention (requires ``S == T``).
-        training: Python boolean, for dropout and training-only behaviour of
-            feature maps.
-        return_state: also return the final state, a tuple with one entry
-            per `state_spec` item (``(S [B, H, C, M], z [B, H, C])`` for
-            plain linear attention).
-        initial_state: optional state to continue from (e.g. from the
-            previous piece of a long sequence with ``return_state=True``).
+        Call arguments:
+            query: ``[B, T, dim]``.
+            value: ``[B, S, dim]``.
+            key: optional ``[B, S, dim]``; defaults to `value`.
+            key_mask: optional ``[B, S]`` padding mask of the keys (1 = keep).
+                Keras masks (e.g. from ``Embedding(mask_zero=True)``) on `value`
+                or `key` are used automatically.
+            attention_mask: not supported: a full ``[B, T, S]`` mask has no
+                linear-attention equivalent. Passing one raises ``ValueError``;
+                use `key_mask` for padding and `use_causal_mask` for causality.
+            use_causal_mask: causal self-attention (requires ``S == T``).
+            training: Python boolean, for dropout and training-only behaviour of
+                feature maps.
+            return_state: also return the final state, a tuple with one entry
+                per `state_spec` item (``(S [B, H, C, M], z [B, H, C])`` for
+                plain linear attention).
+            initial_state: optional state to continue from (e.g. from the
+                previous piece of a long sequence with ``return_state=True``).
 
-    Returns:
-        ``[B, T, output_dim]`` with the query's Keras mask, and the state if
-        `return_state`.
+        Returns:
+            ``[B, T, output_dim]`` with the query's Keras mask, and the state if
+            `return_state`.
 
-    Example:
+        Example:
 
-    >>> layer = LinearAttention(num_heads=4, key_dim=16, feature_map="elu")
-    >>> x = keras.random.normal((2, 100, 64))
-    >>> tuple(layer(x, x, use_causal_mask=True).shape)
-    (2, 100, 64)
+        >>> layer = LinearAttention(num_heads=4, key_dim=16, feature_map="elu")
+        >>> x = keras.random.normal((2, 100, 64))
+        >>> tuple(layer(x, x, use_causal_mask=True).shape)
+        (2, 100, 64)
     """
 
     def __init__(
@@ -142,8 +142,9 @@ class LinearAttention(_projections.ProjectedAttention):
         self.output_norm.build(self)
 
     # ------------------------------------------------------------------- call
-    def _compute_attention(self, query, key, value, key_mask=None, use_causal_mask=False, training=None,
-                           initial_state=None):
+    def _compute_attention(
+        self, query, key, value, key_mask=None, use_causal_mask=False, training=None, initial_state=None
+    ):
         """Short convolution, recurrence (with the feature map), output norm; returns ``(out, state)``.
 
         ``state`` is a tuple with one entry per `state_spec` item.
@@ -185,7 +186,7 @@ class LinearAttention(_projections.ProjectedAttention):
         return self.recurrence.state_spec() + self.short_conv.state_spec() + self.recurrence.buffer_spec()
 
     def _split_state(self, state):
-        return {entry.name: ops.cast(x, "float32") for entry, x in zip(self.state_spec(), state)}
+        return {entry.name: ops.cast(x, "float32") for entry, x in zip(self.state_spec(), state, strict=True)}
 
     def get_initial_state(self, batch_size):
         """Empty state (`state_spec`): a tuple of float32 zeros, e.g. ``(S [B, H, C, M], z [B, H, C])``."""
@@ -210,15 +211,11 @@ class LinearAttention(_projections.ProjectedAttention):
             key_t = value_t
         for name, x in (("query_t", query_t), ("value_t", value_t), ("key_t", key_t)):
             if len(x.shape) != 2:
-                raise ValueError(
-                    f"`{name}` must have rank 2 [batch, dim]. Received: {name}.shape={tuple(x.shape)}"
-                )
+                raise ValueError(f"`{name}` must have rank 2 [batch, dim]. Received: {name}.shape={tuple(x.shape)}")
         batch = query_t.shape[0]
         _state.check_state(self.state_spec(), state, batch_size=batch, name="state")
         if not self.built:
-            self.build(
-                (None, None, query_t.shape[-1]), (None, None, value_t.shape[-1]), (None, None, key_t.shape[-1])
-            )
+            self.build((None, None, query_t.shape[-1]), (None, None, value_t.shape[-1]), (None, None, key_t.shape[-1]))
         parts = self._split_state(state)
         q, k, v = self.project(query_t[:, None], value_t[:, None], key_t[:, None])  # [B, 1, H, D|D|M]
         gate_keys = k

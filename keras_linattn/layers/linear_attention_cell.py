@@ -104,7 +104,7 @@ class LinearAttentionCell(CheckpointTracked, keras.layers.Layer):
         """The attention's state (`LinearAttention.state_spec`) -> flat ``[B, size]`` tensors for the RNN."""
         return [
             ops.reshape(ops.cast(x, "float32"), (-1, size))  # [B, size]
-            for x, size in zip(state, self.state_size)
+            for x, size in zip(state, self.state_size, strict=True)
         ]
 
     def unpack_state(self, states):
@@ -116,15 +116,14 @@ class LinearAttentionCell(CheckpointTracked, keras.layers.Layer):
                 f"`states` must be a list of {len(spec)} flat tensors of shapes {shapes} "
                 f"({', '.join(e.name for e in spec)}). Received: states={states!r}"
             )
-        for i, (x, size) in enumerate(zip(states, self.state_size)):
+        for i, (x, size) in enumerate(zip(states, self.state_size, strict=True)):
             if len(x.shape) != 2 or (x.shape[-1] is not None and x.shape[-1] != size):
                 raise ValueError(
-                    f"`states[{i}]` must have shape [B, {size}]. "
-                    f"Received: states[{i}].shape={tuple(x.shape)}"
+                    f"`states[{i}]` must have shape [B, {size}]. Received: states[{i}].shape={tuple(x.shape)}"
                 )
         return tuple(
             ops.reshape(ops.cast(x, entry.dtype), (-1,) + tuple(entry.shape))
-            for x, entry in zip(states, spec)
+            for x, entry in zip(states, spec, strict=True)
         )
 
     def get_initial_state(self, batch_size=None):

@@ -27,7 +27,8 @@ __all__ = []
 
 # The constructor arguments of both blocks, documented once (see
 # `keras_linattn._docstrings.fill`).
-_BLOCK_ARGS_DOC = """\
+_BLOCK_ARGS_DOC = (
+    """\
         num_heads: number of attention heads H.
         intermediate_dim: hidden size of the feed-forward network.
         key_dim: size of each query/key head D; defaults to ``dim // num_heads``.
@@ -46,9 +47,12 @@ _BLOCK_ARGS_DOC = """\
         use_bias: whether the dense layers have biases.
         kernel_initializer, bias_initializer: initializers of the dense layers.
         seed: seed of the dropout layers.
-""" + MECHANISM_ARGS_DOC + """
+"""
+    + MECHANISM_ARGS_DOC
+    + """
             The block's attention gets them; the encoder refuses causal
             recurrences."""
+)
 
 _document = fill(block_args=_BLOCK_ARGS_DOC)
 
@@ -133,9 +137,9 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
             value_dim=self.value_dim,
             # A copy: the block's `feature_map` attribute stays an unbuilt
             # template and the attention layer owns the weights.
-            feature_map=None if self.feature_map is None else feature_maps_lib.deserialize(
-                _serialize_map(self.feature_map)
-            ),
+            feature_map=None
+            if self.feature_map is None
+            else feature_maps_lib.deserialize(_serialize_map(self.feature_map)),
             chunk_size=self.chunk_size,
             dropout=self.dropout,
             use_bias=self.use_bias,
@@ -244,15 +248,13 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
         """
         if len(inputs_t.shape) != 2:
             raise ValueError(
-                "`inputs_t` must have rank 2 [batch, dim]. "
-                f"Received: inputs_t.shape={tuple(inputs_t.shape)}"
+                f"`inputs_t` must have rank 2 [batch, dim]. Received: inputs_t.shape={tuple(inputs_t.shape)}"
             )
         if not self.built:
             self.build((None, None, inputs_t.shape[-1]))
         if inputs_t.shape[-1] is not None and inputs_t.shape[-1] != self.hidden_dim:
             raise ValueError(
-                f"`inputs_t` must have last dim {self.hidden_dim}. "
-                f"Received: inputs_t.shape={tuple(inputs_t.shape)}"
+                f"`inputs_t` must have last dim {self.hidden_dim}. Received: inputs_t.shape={tuple(inputs_t.shape)}"
             )
         h = self._attention_norm(inputs_t)  # [B, dim]
         attended, new_state = self._self_attention.step(h, h, state, training=training)  # [B, dim]

@@ -84,68 +84,68 @@ class _FunctionCache:
 class LinearCausalLM(CheckpointTracked, keras.Model):
     """Decoder-only language model of causal linear-attention blocks.
 
-    token embedding (+ optional learned positions) -> `num_layers` x
-    `LinearTransformerDecoder` -> final LayerNorm -> logits (the transposed
-    token embedding when `tie_embeddings`). Training runs the chunkwise-
-    parallel causal path; generation prefills the prompt with that path and
-    then decodes token by token with the blocks' recurrent `step`, whose
-    state has a fixed size: decoding time and memory per token do not grow
-    with the context.
+        token embedding (+ optional learned positions) -> `num_layers` x
+        `LinearTransformerDecoder` -> final LayerNorm -> logits (the transposed
+        token embedding when `tie_embeddings`). Training runs the chunkwise-
+        parallel causal path; generation prefills the prompt with that path and
+        then decodes token by token with the blocks' recurrent `step`, whose
+        state has a fixed size: decoding time and memory per token do not grow
+        with the context.
 
-    The state is a flat list: each block's attention state in order
-    (`LinearAttention.state_spec`; ``S [B, H, C, M]`` and ``z [B, H, C]``
-    float32 for plain linear attention), then ``position [B]`` (int32), the
-    number of real tokens consumed per row.
-    `state_spec` describes it (names, shapes, dtypes); everything that
-    decodes -- `generate`, the exported signatures, the ONNX generator --
-    follows that one description and `keras_linattn.models.generation`.
+        The state is a flat list: each block's attention state in order
+        (`LinearAttention.state_spec`; ``S [B, H, C, M]`` and ``z [B, H, C]``
+        float32 for plain linear attention), then ``position [B]`` (int32), the
+        number of real tokens consumed per row.
+        `state_spec` describes it (names, shapes, dtypes); everything that
+        decodes -- `generate`, the exported signatures, the ONNX generator --
+        follows that one description and `keras_linattn.models.generation`.
 
-    Positions: with ``max_sequence_length=None`` (default) there is no
-    positional embedding. Causal linear attention is order-aware through its
-    prefix sums (token t sees exactly the t + 1 tokens before and at it), so
-    the model runs at any length, and left-padded prompts give exactly the
-    logits of unpadded ones. With an integer `max_sequence_length`, learned
-    absolute position embeddings are added (position = number of real tokens
-    before the token, carried in the state), and sequences may not be longer.
+        Positions: with ``max_sequence_length=None`` (default) there is no
+        positional embedding. Causal linear attention is order-aware through its
+        prefix sums (token t sees exactly the t + 1 tokens before and at it), so
+        the model runs at any length, and left-padded prompts give exactly the
+        logits of unpadded ones. With an integer `max_sequence_length`, learned
+        absolute position embeddings are added (position = number of real tokens
+        before the token, carried in the state), and sequences may not be longer.
 
-    Args:
-        vocabulary_size: number of token ids V.
-        num_layers: number of decoder blocks.
-        hidden_dim: model width.
-        num_heads: attention heads per block.
-        intermediate_dim: feed-forward width.
-        feature_map: feature-map name, config or `FeatureMap` (template; each
-            block owns a copy). Default ``"elu"``. A seeded map (``seed=s``)
-            gives block 0 seed s and block i a seed derived from (s, i): each
-            block draws its own projection or weights, reproducibly.
-        key_dim: per-head query/key size; defaults to ``hidden_dim // num_heads``.
-        chunk_size: chunk length of the causal algorithm. Default 64.
-        dropout: dropout rate inside the blocks.
-        max_sequence_length: None, or the length of the learned position table
-            (see Positions above).
-        tie_embeddings: use the transposed token embedding as output projection.
-        activation: feed-forward activation. Default "gelu".
-        layer_norm_epsilon: epsilon of every layer norm.
-{mechanism_args}
-            Every block's attention gets them (their decode state joins
-            `state_spec`; decoding stays constant-cost per token).
-        **kwargs: `keras.Model` arguments (`name`, `dtype`).
+        Args:
+            vocabulary_size: number of token ids V.
+            num_layers: number of decoder blocks.
+            hidden_dim: model width.
+            num_heads: attention heads per block.
+            intermediate_dim: feed-forward width.
+            feature_map: feature-map name, config or `FeatureMap` (template; each
+                block owns a copy). Default ``"elu"``. A seeded map (``seed=s``)
+                gives block 0 seed s and block i a seed derived from (s, i): each
+                block draws its own projection or weights, reproducibly.
+            key_dim: per-head query/key size; defaults to ``hidden_dim // num_heads``.
+            chunk_size: chunk length of the causal algorithm. Default 64.
+            dropout: dropout rate inside the blocks.
+            max_sequence_length: None, or the length of the learned position table
+                (see Positions above).
+            tie_embeddings: use the transposed token embedding as output projection.
+            activation: feed-forward activation. Default "gelu".
+            layer_norm_epsilon: epsilon of every layer norm.
+    {mechanism_args}
+                Every block's attention gets them (their decode state joins
+                `state_spec`; decoding stays constant-cost per token).
+            **kwargs: `keras.Model` arguments (`name`, `dtype`).
 
-    Call arguments:
-        token_ids: ``[B, T]`` int token ids.
-        padding_mask: optional ``[B, T]`` (1 = real token). Padded tokens do
-            not enter the attention state (use left padding for prompts).
-        training: Python boolean (dropout).
+        Call arguments:
+            token_ids: ``[B, T]`` int token ids.
+            padding_mask: optional ``[B, T]`` (1 = real token). Padded tokens do
+                not enter the attention state (use left padding for prompts).
+            training: Python boolean (dropout).
 
-    Returns:
-        ``[B, T, V]`` float32 logits.
+        Returns:
+            ``[B, T, V]`` float32 logits.
 
-    Example:
+        Example:
 
-    >>> lm = LinearCausalLM(vocabulary_size=256, num_layers=2, hidden_dim=64,
-    ...                     num_heads=4, intermediate_dim=128)
-    >>> logits = lm(np.zeros((2, 16), "int32"))                  # [2, 16, 256]
-    >>> out = lm.generate(np.ones((2, 4), "int32"), max_length=20)  # [2, 20]
+        >>> lm = LinearCausalLM(vocabulary_size=256, num_layers=2, hidden_dim=64,
+        ...                     num_heads=4, intermediate_dim=128)
+        >>> logits = lm(np.zeros((2, 16), "int32"))                  # [2, 16, 256]
+        >>> out = lm.generate(np.ones((2, 4), "int32"), max_length=20)  # [2, 20]
     """
 
     def __init__(
@@ -260,9 +260,7 @@ class LinearCausalLM(CheckpointTracked, keras.Model):
         token_ids = ops.convert_to_tensor(token_ids)
         if len(token_ids.shape) != rank:
             shape = "[batch, length]" if rank == 2 else "[batch]"
-            raise ValueError(
-                f"`{name}` must have shape {shape}. Received: {name}.shape={tuple(token_ids.shape)}"
-            )
+            raise ValueError(f"`{name}` must have shape {shape}. Received: {name}.shape={tuple(token_ids.shape)}")
         if "int" not in str(token_ids.dtype):
             raise ValueError(f"`{name}` must be integer token ids. Received: {name}.dtype={token_ids.dtype}")
         if _is_concrete(token_ids) and int(ops.size(token_ids)) > 0:
@@ -271,15 +269,11 @@ class LinearCausalLM(CheckpointTracked, keras.Model):
             # can't be without a per-step assertion.
             low, high = int(ops.min(token_ids)), int(ops.max(token_ids))
             if low < 0 or high >= self.vocabulary_size:
-                raise ValueError(
-                    f"`{name}` must be in [0, {self.vocabulary_size}). Received: min={low}, max={high}"
-                )
+                raise ValueError(f"`{name}` must be in [0, {self.vocabulary_size}). Received: min={low}, max={high}")
         elif not _is_concrete(token_ids):
             # Traced (fit, predict, SavedModel): a run-time assertion before the lookup.
             ok = ops.logical_and(ops.all(token_ids >= 0), ops.all(token_ids < self.vocabulary_size))
-            token_ids = _validation.graph_assert(
-                token_ids, ok, f"`{name}` must be in [0, {self.vocabulary_size})"
-            )
+            token_ids = _validation.graph_assert(token_ids, ok, f"`{name}` must be in [0, {self.vocabulary_size})")
         if rank == 2 and token_ids.shape[1] is not None and self.max_sequence_length is not None:
             if token_ids.shape[1] > self.max_sequence_length:
                 raise ValueError(
@@ -349,7 +343,7 @@ class LinearCausalLM(CheckpointTracked, keras.Model):
             return None
         padding_mask = ops.convert_to_tensor(padding_mask)
         static_match = all(
-            a is None or b is None or a == b for a, b in zip(padding_mask.shape, token_ids.shape)
+            a is None or b is None or a == b for a, b in zip(padding_mask.shape, token_ids.shape, strict=True)
         )
         if len(padding_mask.shape) != 2 or not static_match:
             raise ValueError(
@@ -399,14 +393,16 @@ class LinearCausalLM(CheckpointTracked, keras.Model):
         start = ops.zeros((batch,), "int32") if state is None else ops.cast(state[-1], "int32")
         last_index = start[:, None] + ops.arange(ops.shape(token_ids)[1], dtype="int32")[None, :]  # [B, T]
         token_ids, bad = self._past_limit(
-            token_ids, last_index, "token_ids",
+            token_ids,
+            last_index,
+            "token_ids",
             lambda: f"state position={_max_or_none(start)}, token_ids.shape={tuple(token_ids.shape)}",
         )
         positions, end = self._positions(token_ids, padding_mask, start)
         x = self._embed(token_ids, positions)  # [B, T, dim]
         new_state = []
         block_states = [None] * len(self.decoder_blocks) if state is None else self._block_states(state)
-        for block, layer_state in zip(self.decoder_blocks, block_states):
+        for block, layer_state in zip(self.decoder_blocks, block_states, strict=True):
             if return_state:
                 x, layer_state = block(
                     x,
@@ -461,7 +457,7 @@ class LinearCausalLM(CheckpointTracked, keras.Model):
         )
         x = self._embed(token_t, position)  # [B, dim]
         new_state = []
-        for block, layer_state in zip(self.decoder_blocks, self._block_states(state)):
+        for block, layer_state in zip(self.decoder_blocks, self._block_states(state), strict=True):
             x, layer_state = block.step(x, layer_state, training=training)  # [B, dim]
             new_state += list(layer_state)
         new_state.append(position + 1)

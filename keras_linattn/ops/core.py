@@ -26,8 +26,8 @@ import numbers
 import keras
 from keras import ops
 
-from keras_linattn._xla import under_xla
 from keras_linattn._validation import check_bool, check_epsilon, check_non_negative_int, check_positive_int, check_rank
+from keras_linattn._xla import under_xla
 
 __all__ = ["DEFAULT_EPSILON", "KernelUnderflowError", "linear_attention", "linear_attention_step"]
 
@@ -105,7 +105,7 @@ def _check_state(state, num_heads, feature_dim, value_dim, batch_size=None, name
     for part, x, expected in (("S", s, expected_s), ("z", z, expected_z)):
         shape = tuple(x.shape)
         ok = len(shape) == len(expected) and all(
-            e is None or d is None or d == e for d, e in zip(shape, expected)
+            e is None or d is None or d == e for d, e in zip(shape, expected, strict=True)
         )
         if not ok:
             raise ValueError(
@@ -348,9 +348,7 @@ def linear_attention(
     """
     _validate_inputs(q_features, k_features, v, key_mask, causal)
     if initial_state is not None:
-        _check_state(
-            initial_state, q_features.shape[2], q_features.shape[3], v.shape[3], name="initial_state"
-        )
+        _check_state(initial_state, q_features.shape[2], q_features.shape[3], v.shape[3], name="initial_state")
     chunk_size = check_positive_int("chunk_size", chunk_size)
     check_epsilon("eps", eps, allow_zero=True)
     check_bool("normalize", normalize)

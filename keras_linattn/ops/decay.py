@@ -35,12 +35,12 @@ from keras import ops
 from keras_linattn._validation import check_bool, check_epsilon, check_positive_int, check_rank
 from keras_linattn.ops.core import (
     DEFAULT_EPSILON,
-    _heads_first,
+    _check_state,
     _guarded_denominator,
+    _heads_first,
     _mask_keys,
     _matmul,
     _normalize,
-    _check_state,
     _validate_inputs,
 )
 
@@ -66,7 +66,7 @@ def _check_log_decay(log_decay, q_features, name="log_decay", rank=4):
         )
     leading = tuple(log_decay.shape[:-1])
     expected = tuple(q_features.shape[:-1])
-    if any(a is not None and b is not None and a != b for a, b in zip(leading, expected)):
+    if any(a is not None and b is not None and a != b for a, b in zip(leading, expected, strict=True)):
         raise ValueError(
             f"`{name}` must have the leading dims of the query features {expected}. "
             f"Received: {name}.shape={tuple(log_decay.shape)}"

@@ -55,7 +55,7 @@ def _check_gate(name, x, q, required):
         return
     check_rank(name, x, len(q.shape) - 1)
     expected = tuple(q.shape[:-1])
-    if any(a is not None and b is not None and a != b for a, b in zip(tuple(x.shape), expected)):
+    if any(a is not None and b is not None and a != b for a, b in zip(tuple(x.shape), expected, strict=True)):
         raise ValueError(
             f"`{name}` must have shape {expected} (one value per head and token). "
             f"Received: {name}.shape={tuple(x.shape)}"
@@ -64,7 +64,9 @@ def _check_gate(name, x, q, required):
 
 def _check_state(state, h, c, m, name="initial_state"):
     shape = tuple(getattr(state, "shape", ()))
-    if len(shape) != 4 or any(a is not None and b is not None and a != b for a, b in zip(shape[1:], (h, c, m))):
+    if len(shape) != 4 or any(
+        a is not None and b is not None and a != b for a, b in zip(shape[1:], (h, c, m), strict=True)
+    ):
         raise ValueError(f"`{name}` must be S of shape [B, {h}, {c}, {m}]. Received: {name}.shape={shape}")
 
 
@@ -129,14 +131,20 @@ def _scan_chunks(step, carry, xs):
 
     # A static bound where the number of chunks is known: XLA needs one to differentiate the loop.
     bound = xs[0].shape[0] if xs[0].shape[0] is not None else n
-    _, carry, out = tf.while_loop(
-        lambda i, c, acc: i < n, body, (tf.constant(0), carry, out), maximum_iterations=bound
-    )
+    _, carry, out = tf.while_loop(lambda i, c, acc: i < n, body, (tf.constant(0), carry, out), maximum_iterations=bound)
     return carry, out.stack()
 
 
 def delta_rule_attention(
-    q, k, v, beta, log_decay=None, key_mask=None, chunk_size=64, initial_state=None, return_state=False,
+    q,
+    k,
+    v,
+    beta,
+    log_decay=None,
+    key_mask=None,
+    chunk_size=64,
+    initial_state=None,
+    return_state=False,
     solver="inverse",
 ):
     """Causal delta-rule attention (DeltaNet; Gated DeltaNet with `log_decay`), chunked.
@@ -261,9 +269,7 @@ def delta_rule_step(q_t, k_t, v_t, beta_t, state, log_decay_t=None, key_mask_t=N
     return ops.cast(out, out_dtype), s
 
 
-def delta_rule_reference(
-    q, k, v, beta, log_decay=None, key_mask=None, initial_state=None, compute_dtype="float64"
-):
+def delta_rule_reference(q, k, v, beta, log_decay=None, key_mask=None, initial_state=None, compute_dtype="float64"):
     """The oracle: ``S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T`` one token at a time.
 
     Same contract as `delta_rule_attention`; returns ``(out, S)`` with ``out``

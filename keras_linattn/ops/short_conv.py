@@ -32,7 +32,7 @@ def _check(x, kernel, buffer):
             f"Received: kernel.shape={tuple(kernel.shape)}"
         )
     channels = tuple(x.shape[2:])
-    if any(a is not None and b is not None and a != b for a, b in zip(channels, kernel.shape[1:])):
+    if any(a is not None and b is not None and a != b for a, b in zip(channels, kernel.shape[1:], strict=True)):
         raise ValueError(
             f"`kernel` must have shape [K, {', '.join(map(str, channels))}] matching the inputs. "
             f"Received: kernel.shape={tuple(kernel.shape)}, inputs.shape={tuple(x.shape)}"
@@ -40,7 +40,9 @@ def _check(x, kernel, buffer):
     if buffer is not None:
         expected = (x.shape[0], size - 1) + channels
         got = tuple(buffer.shape)
-        if len(got) != len(expected) or any(a is not None and b is not None and a != b for a, b in zip(got, expected)):
+        if len(got) != len(expected) or any(
+            a is not None and b is not None and a != b for a, b in zip(got, expected, strict=True)
+        ):
             raise ValueError(
                 f"`buffer` must have shape [B, K-1={size - 1}, {', '.join(map(str, channels))}]. "
                 f"Received: buffer.shape={got}"

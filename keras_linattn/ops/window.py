@@ -32,12 +32,12 @@ from keras_linattn._validation import check_epsilon, check_positive_int, check_r
 from keras_linattn.ops.core import (
     DEFAULT_EPSILON,
     _causal_chunked,
+    _check_state,
     _guarded_denominator,
     _heads_first,
     _mask_keys,
     _matmul,
     _normalize,
-    _check_state,
     _validate_inputs,
 )
 
@@ -131,9 +131,7 @@ def window_attention(
     s0 = z0 = None
     if initial_state is not None:
         s0, z0 = (ops.cast(x, "float32") for x in initial_state)
-    num, den, den_abs, state = _causal_chunked(
-        qf, kf, _heads_first(vv[:, :length]), chunk_size, s0, z0, with_abs=True
-    )
+    num, den, den_abs, state = _causal_chunked(qf, kf, _heads_first(vv[:, :length]), chunk_size, s0, z0, with_abs=True)
 
     # Softmax part: blocks of W queries against the 2W keys that can fall in their windows.
     pad = (window - length % window) % window

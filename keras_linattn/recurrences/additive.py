@@ -46,9 +46,16 @@ class AdditiveRecurrence(Recurrence):
         qf = self.features(q, True, causal, training)  # [B, T, H, C]
         kf = self.features(k, False, causal, training, key_mask)  # [B, S, H, C]
         out, (s, z) = la_ops.linear_attention(
-            qf, kf, v, causal=causal, key_mask=key_mask, chunk_size=self.layer.chunk_size,
-            initial_state=None if state is None else (state["S"], state["z"]), return_state=True,
-            eps=self.layer.epsilon, normalize=self.normalize,
+            qf,
+            kf,
+            v,
+            causal=causal,
+            key_mask=key_mask,
+            chunk_size=self.layer.chunk_size,
+            initial_state=None if state is None else (state["S"], state["z"]),
+            return_state=True,
+            eps=self.layer.epsilon,
+            normalize=self.normalize,
         )  # [B, T, H, M]
         return out, {"S": s, "z": z}
 
@@ -65,6 +72,12 @@ class AdditiveRecurrence(Recurrence):
         kf = self.features(k, False, True, training)
         no_decay = ops.zeros(tuple(qf.shape[:3]) + (1,))
         return decay_ops.gated_linear_attention_reference(
-            qf, kf, v, no_decay, key_mask=key_mask, normalize=self.normalize, eps=self.layer.epsilon,
+            qf,
+            kf,
+            v,
+            no_decay,
+            key_mask=key_mask,
+            normalize=self.normalize,
+            eps=self.layer.epsilon,
             compute_dtype="float64",
         )[0]

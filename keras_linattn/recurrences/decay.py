@@ -134,9 +134,16 @@ class DecayRecurrence(Recurrence):
         qf = self.features(q, True, causal, training)  # [B, T, H, C]
         kf = self.features(k, False, causal, training, key_mask)  # [B, S, H, C]
         out, (s, z) = decay_ops.gated_linear_attention(
-            qf, kf, v, self.log_decay(gate_keys), key_mask=key_mask, chunk_size=self.layer.chunk_size,
-            initial_state=None if state is None else (state["S"], state["z"]), return_state=True,
-            normalize=self.normalize, eps=self.layer.epsilon,
+            qf,
+            kf,
+            v,
+            self.log_decay(gate_keys),
+            key_mask=key_mask,
+            chunk_size=self.layer.chunk_size,
+            initial_state=None if state is None else (state["S"], state["z"]),
+            return_state=True,
+            normalize=self.normalize,
+            eps=self.layer.epsilon,
         )  # [B, T, H, M]
         return out, {"S": s, "z": z}
 
@@ -144,8 +151,13 @@ class DecayRecurrence(Recurrence):
         qf = self.features(q[:, None], True, True, training)  # [B, 1, H, C]
         kf = self.features(k[:, None], False, True, training)  # [B, 1, H, C]
         out, (s, z) = decay_ops.gated_linear_attention_step(
-            qf[:, 0], kf[:, 0], v, self.log_decay(gate_keys)[:, 0], (state["S"], state["z"]),
-            normalize=self.normalize, eps=self.layer.epsilon,
+            qf[:, 0],
+            kf[:, 0],
+            v,
+            self.log_decay(gate_keys)[:, 0],
+            (state["S"], state["z"]),
+            normalize=self.normalize,
+            eps=self.layer.epsilon,
         )  # [B, H, M]
         return out, {"S": s, "z": z}
 
@@ -153,8 +165,14 @@ class DecayRecurrence(Recurrence):
         qf = self.features(q, True, True, training)
         kf = self.features(k, False, True, training)
         return decay_ops.gated_linear_attention_reference(
-            qf, kf, v, self.log_decay(gate_keys), key_mask=key_mask, normalize=self.normalize,
-            eps=self.layer.epsilon, compute_dtype="float64",
+            qf,
+            kf,
+            v,
+            self.log_decay(gate_keys),
+            key_mask=key_mask,
+            normalize=self.normalize,
+            eps=self.layer.epsilon,
+            compute_dtype="float64",
         )[0]
 
     def conditioning(self, gate_keys):

@@ -77,8 +77,15 @@ class DeltaRecurrence(Recurrence):
         qf = self.features(q, True, causal, training)  # [B, T, H, C]
         kf = self.features(k, False, causal, training, key_mask)  # [B, S, H, C]
         out, s = delta_ops.delta_rule_attention(
-            qf, kf, v, self.beta(gate_keys), self.log_decay(gate_keys), key_mask=key_mask,
-            chunk_size=self.layer.chunk_size, initial_state=None if state is None else state["S"], return_state=True,
+            qf,
+            kf,
+            v,
+            self.beta(gate_keys),
+            self.log_decay(gate_keys),
+            key_mask=key_mask,
+            chunk_size=self.layer.chunk_size,
+            initial_state=None if state is None else state["S"],
+            return_state=True,
         )  # [B, T, H, M]
         return out, {"S": s}
 

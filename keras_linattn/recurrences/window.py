@@ -63,8 +63,17 @@ class WindowRecurrence(Recurrence):
         qf = self.features(q, True, True, training)  # [B, T, H, C]
         kf_all = self.features(k_all, False, True, training)  # [B, W + S, H, C]
         out, (s, z) = window_ops.window_attention(
-            q, qf, k_all, kf_all, v_all, w, ok_all > 0, initial_state=s0, return_state=True,
-            chunk_size=self.layer.chunk_size, eps=self.layer.epsilon,
+            q,
+            qf,
+            k_all,
+            kf_all,
+            v_all,
+            w,
+            ok_all > 0,
+            initial_state=s0,
+            return_state=True,
+            chunk_size=self.layer.chunk_size,
+            eps=self.layer.epsilon,
         )  # [B, T, H, M]
         return out, {
             "S": s,
@@ -80,8 +89,14 @@ class WindowRecurrence(Recurrence):
         qf = self.features(q[:, None], True, True, training)  # [B, 1, H, C]
         kf_old = self.features(ops.cast(buf_k[:, :1], q.dtype), False, True, training)  # [B, 1, H, C]
         out, (s, z), (wk, wv, wok) = window_ops.window_attention_step(
-            q, qf[:, 0], k, v, kf_old[:, 0], (buf_k, state["window_v"], state["window_valid"]),
-            (state["S"], state["z"]), eps=self.layer.epsilon,
+            q,
+            qf[:, 0],
+            k,
+            v,
+            kf_old[:, 0],
+            (buf_k, state["window_v"], state["window_valid"]),
+            (state["S"], state["z"]),
+            eps=self.layer.epsilon,
         )  # [B, H, M]
         return out, {"S": s, "z": z, "window_k": wk, "window_v": wv, "window_valid": wok}
 

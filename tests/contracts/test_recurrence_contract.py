@@ -88,7 +88,6 @@ def _oracle(layer, x, mask):
     return layer.output_dense(att)
 
 
-
 def test_the_registry_holds_the_built_ins_and_the_test_only_recurrence():
     assert {"additive", "decay", "delta", "window", "scratch_fixed_decay"} <= set(recurrences.available())
     assert "scratch_fixed_decay" in {case[0] for case in CASES}
@@ -115,13 +114,13 @@ def test_step_pieces_and_padding_equal_one_pass(rng, case):
     full, state = layer(x, x, key_mask=mask, use_causal_mask=True, return_state=True)
     spec = layer.state_spec()
     assert len(state) == len(spec)
-    for entry, part in zip(spec, state):
+    for entry, part in zip(spec, state, strict=True):
         assert tuple(part.shape) == (2,) + tuple(entry.shape) and part.dtype == "float32", entry.name
     n = _n(layer)
     a, st = layer(x[:, :5], x[:, :5], key_mask=mask[:, :5], use_causal_mask=True, return_state=True)
     b, st2 = layer(x[:, 5:], x[:, 5:], key_mask=mask[:, 5:], use_causal_mask=True, return_state=True, initial_state=st)
     assert_close(np.concatenate([a, b], 1), full, n=n, paths=2, what="pieces")
-    for entry, p, q in zip(spec, st2, state):
+    for entry, p, q in zip(spec, st2, state, strict=True):
         assert_close(p, q, n=T, paths=2, what=f"state {entry.name}")
     s = layer.get_initial_state(1)
     outs = []
@@ -149,7 +148,7 @@ def test_mixed_bfloat16_is_close_to_float32_with_a_float32_state(rng, case):
     expected = ref(x, x, key_mask=mask, use_causal_mask=True)
     keras.config.set_dtype_policy("mixed_bfloat16")
     layer = _layer(case)
-    for w_ref, w in zip(ref.weights, layer.weights):
+    for w_ref, w in zip(ref.weights, layer.weights, strict=True):
         w.assign(w_ref)
     out, state = layer(x, x, key_mask=mask, use_causal_mask=True, return_state=True)
     assert all(part.dtype == "float32" for part in state)
@@ -180,10 +179,7 @@ PARITY = 1e-4  # the export target: parity within 1e-4 of Keras
 
 
 def _export_params():
-    return [
-        pytest.param(case, id=case[-1], marks=() if case[0] in FAST_EXPORT else pytest.mark.slow)
-        for case in CASES
-    ]
+    return [pytest.param(case, id=case[-1], marks=() if case[0] in FAST_EXPORT else pytest.mark.slow) for case in CASES]
 
 
 @pytest.mark.parametrize("case", _export_params())
@@ -193,7 +189,13 @@ def test_saved_model_and_onnx_parity_and_identical_tokens(tmp_path, case):
 
     keras.utils.set_random_seed(1234)
     lm = LinearCausalLM(
-        VOCAB, 1, DIM, HEADS, 32, chunk_size=CHUNK, recurrence=recurrences.serialize(_recurrence(case)),
+        VOCAB,
+        1,
+        DIM,
+        HEADS,
+        32,
+        chunk_size=CHUNK,
+        recurrence=recurrences.serialize(_recurrence(case)),
         conv_size=case[2],
     )
     rng = np.random.default_rng(7)
@@ -202,8 +204,13 @@ def test_saved_model_and_onnx_parity_and_identical_tokens(tmp_path, case):
     version_dir = export.export_saved_model(lm, str(tmp_path / "sm"))
     paths = export.export_onnx(lm, str(tmp_path / "lm.onnx"))
     report = export.verify(
-        lm, saved_model_dir=version_dir, onnx_path=paths["model"], onnx_step_path=paths["step"],
-        saved_model_tolerance=PARITY, onnx_tolerance=PARITY, raise_on_failure=False,
+        lm,
+        saved_model_dir=version_dir,
+        onnx_path=paths["model"],
+        onnx_step_path=paths["step"],
+        saved_model_tolerance=PARITY,
+        onnx_tolerance=PARITY,
+        raise_on_failure=False,
     )
     assert report.ok, report.table()
     prompt = rng.integers(1, VOCAB, size=(2, 5)).astype("int32")
