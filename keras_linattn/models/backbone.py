@@ -62,7 +62,7 @@ def unpack_inputs(inputs, padding_mask=None):
 
 
 def _nan_where(bad, x):
-    """`x` (``[B, T, d]`` or ``[B, d]``) with NaN at the tokens marked in `bad` (``[B, T]`` or ``[B]``; None: unchanged)."""
+    """`x` (``[B, T, d]`` or ``[B, d]``), NaN at the tokens marked in `bad` (``[B, T]``/``[B]``; None: unchanged)."""
     if bad is None:
         return x
     # A scalar NaN: tf2onnx lowers a where between two full tensors to x * c + y * (1 - c),

@@ -173,6 +173,7 @@ class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
         self.preprocessor = preprocessor
         self._generation = _FunctionCache()
         super().__init__(compile=compile, **kwargs)
+        self.built = True  # every weight is the backbone's, built with it
         self._check_aliases()
 
     # The backbone's settings and layers, read through the task (round-2 attributes).
@@ -330,7 +331,7 @@ class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
         sampler = config.pop("sampler", None)
         config = keras.saving.deserialize_keras_object(config)
         self.compile(**config, sampler=_get_sampler(sampler) if sampler is not None else "greedy")
-        if self.built and getattr(self, "optimizer", None) is not None:
+        if getattr(self, "optimizer", None) is not None:
             self.optimizer.build(self.trainable_variables)
 
     # --------------------------------------------------------- generation

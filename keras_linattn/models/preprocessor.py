@@ -104,7 +104,11 @@ class LinearCausalLMPreprocessor(keras_hub.models.CausalLMPreprocessor):
             self.build(None)
         tokens = self.tokenizer(x)
         rows = tokens.to_list() if hasattr(tokens, "to_list") else [list(np.asarray(r)) for r in tokens]
-        start = [self.tokenizer.start_token_id] if self.add_start_token and self.tokenizer.start_token_id is not None else []
+        start = (
+            [self.tokenizer.start_token_id]
+            if self.add_start_token and self.tokenizer.start_token_id is not None
+            else []
+        )
         rows = [start + [int(t) for t in row] for row in rows]
         if sequence_length is not None:
             rows = [row[-sequence_length:] for row in rows]
