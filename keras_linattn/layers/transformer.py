@@ -13,6 +13,7 @@ from keras_linattn._tracking import CheckpointTracked
 from keras_linattn._validation import (
     check_bool,
     check_epsilon,
+    check_one_of,
     check_optional_positive_int,
     check_positive_int,
     check_rate,
@@ -23,6 +24,31 @@ from keras_linattn.recurrences.config import MECHANISM_ARGS_DOC, AttentionConfig
 
 # The blocks' public classes live in transformer_encoder.py and transformer_decoder.py.
 __all__ = []
+
+
+def gelu_approximate(x):
+    """GELU in its tanh form (GPT-2's): ``keras.activations.gelu(x, approximate=True)``."""
+    return keras.activations.gelu(x, approximate=True)
+
+
+def get_activation(activation):
+    """`keras.activations.get`, plus the name ``"gelu_approximate"``."""
+    if activation == "gelu_approximate":
+        return gelu_approximate
+    return keras.activations.get(activation)
+
+
+def serialize_activation(activation):
+    if activation is gelu_approximate:
+        return "gelu_approximate"
+    return keras.activations.serialize(activation)
+
+
+def make_norm(kind, epsilon, dtype, name):
+    """A LayerNormalization or an RMSNormalization (``x / sqrt(mean(x^2) + eps) * scale``)."""
+    if kind == "rms_norm":
+        return keras.layers.RMSNormalization(epsilon=epsilon, dtype=dtype, name=name)
+    return keras.layers.LayerNormalization(epsilon=epsilon, dtype=dtype, name=name)
 
 
 # The constructor arguments of both blocks, documented once (see
@@ -42,9 +68,16 @@ _BLOCK_ARGS_DOC = (
             not chunk.)
         dropout: dropout rate of the attention output and of the residual
             branches.
-        activation: activation of the feed-forward network. Default "gelu".
-        layer_norm_epsilon: epsilon of the two layer norms.
-        use_bias: whether the dense layers have biases.
+        activation: activation of the feed-forward network. Default "gelu"
+            (exact); ``"gelu_approximate"`` is the tanh form GPT-2 uses.
+        layer_norm_epsilon: epsilon of the two norms.
+        use_bias: whether the dense layers (feed-forward and attention
+            projections) have biases.
+        normalization: ``"layer_norm"`` (default) or ``"rms_norm"``
+            (``x / rms(x) * scale``, as in Llama).
+        feedforward: ``"dense"`` (default: ``Dense(activation(Dense(x)))``)
+            or ``"gated"`` (``Dense(activation(gate(x)) * up(x))``, SwiGLU
+            with ``activation="silu"``, as in Llama).
         kernel_initializer, bias_initializer: initializers of the dense layers.
         seed: seed of the dropout layers.
 """
@@ -80,6 +113,8 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
         kernel_initializer="glorot_uniform",
         bias_initializer="zeros",
         seed=None,
+        normalization="layer_norm",
+        feedforward="dense",
         **kwargs,
     ):
         attention_config = AttentionConfig.pop(kwargs, feature_map=feature_map, causal=self._causal)
@@ -94,7 +129,9 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
         object.__setattr__(self, "feature_map", _get_map(feature_map))
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
         self.dropout = check_rate("dropout", dropout)
-        self.activation = keras.activations.get(activation)
+        self.activation = get_activation(activation)
+        self.normalization = check_one_of("normalization", normalization, ("layer_norm", "rms_norm"))
+        self.feedforward = check_one_of("feedforward", feedforward, ("dense", "gated"))
         self.layer_norm_epsilon = check_epsilon("layer_norm_epsilon", layer_norm_epsilon)
         self.use_bias = check_bool("use_bias", use_bias)
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
@@ -127,8 +164,8 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
                 )
             key_dim = dim // self.num_heads
         self.hidden_dim = dim
-        self._attention_norm = keras.layers.LayerNormalization(
-            epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name="self_attention_layer_norm"
+        self._attention_norm = make_norm(
+            self.normalization, self.layer_norm_epsilon, self.dtype_policy, "self_attention_layer_norm"
         )
         self._attention_norm.build(inputs_shape)
         self._self_attention = LinearAttention(
@@ -152,13 +189,25 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
         )
         self._self_attention.build(inputs_shape, inputs_shape)
         self._attention_dropout = keras.layers.Dropout(self.dropout, seed=self.seed, dtype=self.dtype_policy)
-        self._ffn_norm = keras.layers.LayerNormalization(
-            epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name="feedforward_layer_norm"
+        self._ffn_norm = make_norm(
+            self.normalization, self.layer_norm_epsilon, self.dtype_policy, "feedforward_layer_norm"
         )
         self._ffn_norm.build(inputs_shape)
+        gated = self.feedforward == "gated"
+        if gated:
+            self._ffn_gate = keras.layers.Dense(
+                self.intermediate_dim,
+                activation=self.activation,
+                use_bias=self.use_bias,
+                kernel_initializer=self._init(self.kernel_initializer),
+                bias_initializer=self._init(self.bias_initializer),
+                dtype=self.dtype_policy,
+                name="feedforward_gate_dense",
+            )
+            self._ffn_gate.build(inputs_shape)
         self._ffn_intermediate = keras.layers.Dense(
             self.intermediate_dim,
-            activation=self.activation,
+            activation=None if gated else self.activation,
             use_bias=self.use_bias,
             kernel_initializer=self._init(self.kernel_initializer),
             bias_initializer=self._init(self.bias_initializer),
@@ -185,7 +234,10 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
 
     def _feedforward(self, x, training):
         h = self._ffn_norm(x)  # [..., dim]
-        h = self._ffn_intermediate(h)  # [..., intermediate_dim]
+        if self.feedforward == "gated":
+            h = self._ffn_gate(h) * self._ffn_intermediate(h)  # [..., intermediate_dim]
+        else:
+            h = self._ffn_intermediate(h)  # [..., intermediate_dim]
         h = self._ffn_output(h)  # [..., dim]
         return x + self._ffn_dropout(h, training=training)
 
@@ -273,12 +325,14 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
                 "feature_map": _serialize_map(self.feature_map),
                 "chunk_size": self.chunk_size,
                 "dropout": self.dropout,
-                "activation": keras.activations.serialize(self.activation),
+                "activation": serialize_activation(self.activation),
                 "layer_norm_epsilon": self.layer_norm_epsilon,
                 "use_bias": self.use_bias,
                 "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
                 "bias_initializer": keras.initializers.serialize(self.bias_initializer),
                 "seed": self.seed,
+                "normalization": self.normalization,
+                "feedforward": self.feedforward,
                 **self.attention_config.get_config(),
             }
         )

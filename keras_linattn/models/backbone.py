@@ -9,6 +9,7 @@ from keras_linattn import _validation
 from keras_linattn._docstrings import fill
 from keras_linattn._tracking import CheckpointTracked
 from keras_linattn.layers.linear_attention import _get_map, _serialize_map
+from keras_linattn.layers.transformer import make_norm
 from keras_linattn.layers.transformer_decoder import LinearTransformerDecoder
 from keras_linattn.models import generation
 from keras_linattn.recurrences.config import MECHANISM_ARGS_DOC, AttentionConfig
@@ -98,77 +99,11 @@ def _block_feature_map(feature_map, index):
     return _serialize_map(type(feature_map).from_config(config))
 
 
-@keras.saving.register_keras_serializable(package="keras_linattn")
-@fill(mechanism_args=MECHANISM_ARGS_DOC)
-class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
-    """Embeddings, `num_layers` causal linear-attention blocks and a final norm: the trunk of `LinearCausalLM`.
+class _DecoderStack(CheckpointTracked, keras.layers.Layer):
+    """The layers and the decode state of `LinearBackbone` (see its docstring), as one Keras layer.
 
-        token embedding (+ optional learned positions) -> `num_layers` x
-        `LinearTransformerDecoder` -> final LayerNorm -> hidden states. A
-        keras-hub `Backbone`: `save_to_preset` / `from_preset` work on local
-        directories, and a task (`LinearCausalLM`, or any head of yours) is
-        built on top of it. Training runs the chunkwise-parallel causal path;
-        `call_with_state` and `step` continue from a decode state of fixed size.
-
-        The state is a flat list: each block's attention state in order
-        (`LinearAttention.state_spec`; ``S [B, H, C, M]`` and ``z [B, H, C]``
-        float32 for plain linear attention), then ``position [B]`` (int32), the
-        number of real tokens consumed per row.
-        `state_spec` describes it (names, shapes, dtypes); everything that
-        decodes -- `LinearCausalLM.generate`, the exported signatures, the ONNX
-        generator -- follows that one description and
-        `keras_linattn.models.generation`.
-
-        Positions: with ``max_sequence_length=None`` (default) there is no
-        positional embedding. Causal linear attention is order-aware through its
-        prefix sums (token t sees exactly the t + 1 tokens before and at it), so
-        the model runs at any length, and left-padded prompts give exactly the
-        outputs of unpadded ones. With an integer `max_sequence_length`, learned
-        absolute position embeddings are added (position = number of real tokens
-        before the token, carried in the state), and sequences may not be longer.
-
-        Args:
-            vocabulary_size: number of token ids V.
-            num_layers: number of decoder blocks.
-            hidden_dim: model width.
-            num_heads: attention heads per block.
-            intermediate_dim: feed-forward width.
-            feature_map: feature-map name, config or `FeatureMap` (template; each
-                block owns a copy). Default ``"elu"``. A seeded map (``seed=s``)
-                gives block 0 seed s and block i a seed derived from (s, i): each
-                block draws its own projection or weights, reproducibly.
-            key_dim: per-head query/key size; defaults to ``hidden_dim // num_heads``.
-            chunk_size: chunk length of the causal algorithm. Default 64.
-            dropout: dropout rate inside the blocks.
-            max_sequence_length: None, or the length of the learned position table
-                (see Positions above).
-            tie_embeddings: the task's output projection is the transposed token
-                embedding (`token_embedding(x, reverse=True)`); False gives the
-                embedding its own output matrix.
-            activation: feed-forward activation. Default "gelu".
-            layer_norm_epsilon: epsilon of every layer norm.
-    {mechanism_args}
-                Every block's attention gets them (their decode state joins
-                `state_spec`; decoding stays constant-cost per token).
-            **kwargs: `keras.Model` arguments (`name`, `dtype`).
-
-        Call arguments:
-            inputs: ``[B, T]`` int token ids, or keras-hub's dict
-                ``{"token_ids": [B, T], "padding_mask": [B, T]}``.
-            padding_mask: optional ``[B, T]`` (1 = real token), when `inputs`
-                is a tensor. Padded tokens do not enter the attention state.
-            training: Python boolean (dropout).
-
-        Returns:
-            ``[B, T, hidden_dim]`` hidden states (after the final norm).
-
-        Example:
-
-        >>> backbone = LinearBackbone(vocabulary_size=256, num_layers=2, hidden_dim=64,
-        ...                           num_heads=4, intermediate_dim=128)
-        >>> backbone({"token_ids": np.ones((2, 16), "int32"),
-        ...           "padding_mask": np.ones((2, 16), "int32")}).shape
-        TensorShape([2, 16, 64])
+    `LinearBackbone` is a functional keras-hub model over this layer; the
+    embeddings, blocks, final norm and every state method live here.
     """
 
     def __init__(
@@ -186,6 +121,9 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
         tie_embeddings=True,
         activation="gelu",
         layer_norm_epsilon=1e-5,
+        normalization="layer_norm",
+        feedforward="dense",
+        use_bias=True,
         **kwargs,
     ):
         attention_config = AttentionConfig.pop(kwargs, feature_map=feature_map)
@@ -224,6 +162,9 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
         self.tie_embeddings = tie_embeddings
         self.activation = activation
         self.layer_norm_epsilon = layer_norm_epsilon
+        self.normalization = normalization
+        self.feedforward = feedforward
+        self.use_bias = use_bias
 
         self.token_embedding = keras.layers.ReversibleEmbedding(
             vocabulary_size,
@@ -252,18 +193,19 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
                 dropout=dropout,
                 activation=activation,
                 layer_norm_epsilon=layer_norm_epsilon,
+                normalization=normalization,
+                feedforward=feedforward,
+                use_bias=use_bias,
                 **self.attention_config.get_config(),
                 dtype=self.dtype_policy,
                 name=f"decoder_block_{i}",
             )
             for i in range(num_layers)
         ]
-        self.final_norm = keras.layers.LayerNormalization(
-            epsilon=layer_norm_epsilon, dtype=self.dtype_policy, name="final_layer_norm"
-        )
+        self.final_norm = make_norm(normalization, layer_norm_epsilon, self.dtype_policy, "final_layer_norm")
         self.build(None)
 
-    def build(self, input_shape=None):
+    def build(self, input_shape=None, padding_mask_shape=None):
         # Built in __init__ (the input shape never changes the weights); a
         # second build, e.g. `model.build((None, None))`, is a no-op.
         if self.built:
@@ -504,7 +446,136 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
                 "tie_embeddings": self.tie_embeddings,
                 "activation": self.activation,
                 "layer_norm_epsilon": self.layer_norm_epsilon,
+                "normalization": self.normalization,
+                "feedforward": self.feedforward,
+                "use_bias": self.use_bias,
                 **self.attention_config.get_config(),
             }
         )
+        return config
+
+
+@keras.saving.register_keras_serializable(package="keras_linattn")
+@fill(mechanism_args=MECHANISM_ARGS_DOC)
+class LinearBackbone(keras_hub.models.Backbone):
+    """Embeddings, `num_layers` causal linear-attention blocks and a final norm: the trunk of `LinearCausalLM`.
+
+        token embedding (+ optional learned positions) -> `num_layers` x
+        `LinearTransformerDecoder` -> final LayerNorm -> hidden states. A
+        keras-hub `Backbone`: `save_to_preset` / `from_preset` work on local
+        directories, and a task (`LinearCausalLM`, or any head of yours) is
+        built on top of it. Training runs the chunkwise-parallel causal path;
+        `call_with_state` and `step` continue from a decode state of fixed size.
+
+        The state is a flat list: each block's attention state in order
+        (`LinearAttention.state_spec`; ``S [B, H, C, M]`` and ``z [B, H, C]``
+        float32 for plain linear attention), then ``position [B]`` (int32), the
+        number of real tokens consumed per row.
+        `state_spec` describes it (names, shapes, dtypes); everything that
+        decodes -- `LinearCausalLM.generate`, the exported signatures, the ONNX
+        generator -- follows that one description and
+        `keras_linattn.models.generation`.
+
+        Positions: with ``max_sequence_length=None`` (default) there is no
+        positional embedding. Causal linear attention is order-aware through its
+        prefix sums (token t sees exactly the t + 1 tokens before and at it), so
+        the model runs at any length, and left-padded prompts give exactly the
+        outputs of unpadded ones. With an integer `max_sequence_length`, learned
+        absolute position embeddings are added (position = number of real tokens
+        before the token, carried in the state), and sequences may not be longer.
+
+        Args:
+            vocabulary_size: number of token ids V.
+            num_layers: number of decoder blocks.
+            hidden_dim: model width.
+            num_heads: attention heads per block.
+            intermediate_dim: feed-forward width.
+            feature_map: feature-map name, config or `FeatureMap` (template; each
+                block owns a copy). Default ``"elu"``. A seeded map (``seed=s``)
+                gives block 0 seed s and block i a seed derived from (s, i): each
+                block draws its own projection or weights, reproducibly.
+            key_dim: per-head query/key size; defaults to ``hidden_dim // num_heads``.
+            chunk_size: chunk length of the causal algorithm. Default 64.
+            dropout: dropout rate inside the blocks.
+            max_sequence_length: None, or the length of the learned position table
+                (see Positions above).
+            tie_embeddings: the task's output projection is the transposed token
+                embedding (`token_embedding(x, reverse=True)`); False gives the
+                embedding its own output matrix.
+            activation: feed-forward activation. Default "gelu";
+                ``"gelu_approximate"`` is GPT-2's tanh form.
+            layer_norm_epsilon: epsilon of every norm.
+            normalization: ``"layer_norm"`` (default) or ``"rms_norm"`` (Llama).
+            feedforward: ``"dense"`` (default) or ``"gated"`` (SwiGLU with
+                ``activation="silu"``, Llama).
+            use_bias: biases in the dense layers and attention projections.
+    {mechanism_args}
+                Every block's attention gets them (their decode state joins
+                `state_spec`; decoding stays constant-cost per token).
+            **kwargs: `keras.Model` arguments (`name`, `dtype`).
+
+        Call arguments:
+            inputs: ``[B, T]`` int token ids, or keras-hub's dict
+                ``{"token_ids": [B, T], "padding_mask": [B, T]}``.
+            padding_mask: optional ``[B, T]`` (1 = real token), when `inputs`
+                is a tensor. Padded tokens do not enter the attention state.
+            training: Python boolean (dropout).
+
+        Returns:
+            ``[B, T, hidden_dim]`` hidden states (after the final norm).
+
+        Example:
+
+        >>> backbone = LinearBackbone(vocabulary_size=256, num_layers=2, hidden_dim=64,
+        ...                           num_heads=4, intermediate_dim=128)
+        >>> backbone({"token_ids": np.ones((2, 16), "int32"),
+        ...           "padding_mask": np.ones((2, 16), "int32")}).shape
+        TensorShape([2, 16, 64])
+    """
+
+    def __init__(self, vocabulary_size, num_layers, hidden_dim, num_heads, intermediate_dim, **kwargs):
+        model_kwargs = {key: kwargs.pop(key) for key in ("name", "trainable") if key in kwargs}
+        dtype = kwargs.pop("dtype", None)
+        stack = _DecoderStack(
+            vocabulary_size,
+            num_layers,
+            hidden_dim,
+            num_heads,
+            intermediate_dim,
+            dtype=dtype,
+            name="decoder_stack",
+            **kwargs,
+        )
+        token_ids = keras.Input(shape=(None,), dtype="int32", name="token_ids")
+        padding_mask = keras.Input(shape=(None,), dtype="int32", name="padding_mask")
+        hidden = stack(token_ids, padding_mask=padding_mask)
+        super().__init__(
+            inputs={"token_ids": token_ids, "padding_mask": padding_mask}, outputs=hidden, dtype=dtype, **model_kwargs
+        )
+        self.stack = stack
+        self.token_embedding = stack.token_embedding
+        # `call` takes token ids alone too (then `padding_mask=` is optional).
+        self.input_spec = None
+
+    def call(self, inputs, padding_mask=None, training=None):
+        token_ids, padding_mask = unpack_inputs(inputs, padding_mask)
+        return self.stack(token_ids, padding_mask=padding_mask, training=training)
+
+    # The settings, layers and state methods are the stack's.
+    for _name in (
+        "vocabulary_size", "num_layers", "hidden_dim", "num_heads", "intermediate_dim", "key_dim", "chunk_size",
+        "dropout", "max_sequence_length", "tie_embeddings", "activation", "layer_norm_epsilon", "normalization",
+        "feedforward", "use_bias", "attention_config", "position_embedding", "decoder_blocks", "final_norm",
+        "feature_map", "state_spec", "get_initial_state", "call_with_state", "step", "_forward", "_block_states",
+        "_check_state", "_embed", "_positions",
+    ):  # fmt: skip
+        locals()[_name] = property(lambda self, _n=_name: getattr(self.stack, _n))
+    del _name
+
+    def get_config(self):
+        config = super().get_config()
+        stack_config = self.stack.get_config()
+        for key in ("name", "trainable", "dtype"):
+            stack_config.pop(key, None)
+        config.update(stack_config)
         return config

@@ -16,12 +16,6 @@ from keras_linattn.recurrences.config import MECHANISM_ARGS_DOC
 
 __all__ = ["LinearCausalLM"]
 
-# The backbone's layers, reached from the task under the attribute names a
-# round-2 `LinearCausalLM` held them by (see `LinearCausalLM.__dir__`).
-_BACKBONE_ALIASES = ("token_embedding", "position_embedding", "decoder_blocks", "final_norm", "feature_map")
-# The backbone arguments a round-2 `LinearCausalLM(...)` call or config passes flat.
-_FLAT_ONLY = ("backbone", "preprocessor")
-
 
 class _FunctionCache:
     """Holds compiled functions out of Keras' attribute tracking."""
@@ -171,62 +165,27 @@ class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
             )
         self.backbone = backbone
         self.preprocessor = preprocessor
+        inputs = backbone.input
+        hidden = backbone(inputs)
+        logits = backbone.token_embedding(hidden, reverse=True)
+        # float32 logits under any dtype policy (mixed precision).
+        logits = keras.layers.Activation("linear", dtype="float32", name="logits")(logits)
+        super().__init__(inputs=inputs, outputs=logits, compile=compile, **kwargs)
+        self.input_spec = None  # `call` takes token ids alone too (then `padding_mask=` is optional)
         self._generation = _FunctionCache()
-        super().__init__(compile=compile, **kwargs)
-        self.built = True  # every weight is the backbone's, built with it
-        self._check_aliases()
 
     # The backbone's settings and layers, read through the task (round-2 attributes).
-    vocabulary_size = property(lambda self: self.backbone.vocabulary_size)
-    num_layers = property(lambda self: self.backbone.num_layers)
-    hidden_dim = property(lambda self: self.backbone.hidden_dim)
-    num_heads = property(lambda self: self.backbone.num_heads)
-    intermediate_dim = property(lambda self: self.backbone.intermediate_dim)
-    key_dim = property(lambda self: self.backbone.key_dim)
-    chunk_size = property(lambda self: self.backbone.chunk_size)
-    dropout = property(lambda self: self.backbone.dropout)
-    max_sequence_length = property(lambda self: self.backbone.max_sequence_length)
-    tie_embeddings = property(lambda self: self.backbone.tie_embeddings)
-    activation = property(lambda self: self.backbone.activation)
-    layer_norm_epsilon = property(lambda self: self.backbone.layer_norm_epsilon)
-    attention_config = property(lambda self: self.backbone.attention_config)
-    token_embedding = property(lambda self: self.backbone.token_embedding)
-    position_embedding = property(lambda self: self.backbone.position_embedding)
-    decoder_blocks = property(lambda self: self.backbone.decoder_blocks)
-    final_norm = property(lambda self: self.backbone.final_norm)
-    feature_map = property(lambda self: self.backbone.feature_map)
-
-    # ----------------------------------------------------- weight layout
-    def __dir__(self):
-        # Keras' `.keras` / `.weights.h5` writer walks `dir(model)` and files
-        # each layer under the first attribute that reaches it. The task
-        # reaches the backbone's layers through the aliases above, under the
-        # paths a round-2 `LinearCausalLM` used (``decoder_blocks/...``,
-        # ``final_norm/...``, ``layers/<embedding>``), so round-2 files load
-        # unchanged and new files keep that layout; the backbone itself (no
-        # variables of its own) is left out of the walk. `_check_aliases`
-        # makes sure no backbone weight is outside the aliases.
-        return [name for name in super().__dir__() if name not in ("backbone", "_backbone")]
+    for _name in (
+        "vocabulary_size", "num_layers", "hidden_dim", "num_heads", "intermediate_dim", "key_dim", "chunk_size",
+        "dropout", "max_sequence_length", "tie_embeddings", "activation", "layer_norm_epsilon", "attention_config",
+        "position_embedding", "decoder_blocks", "final_norm", "feature_map",
+    ):  # fmt: skip
+        locals()[_name] = property(lambda self, _n=_name: getattr(self.backbone, _n))
+    del _name
 
     @property
-    def layers(self):
-        """The backbone's layers (embeddings, blocks, final norm), then the task's own."""
-        own = [layer for layer in super().layers if layer is not self.backbone]
-        return list(self.backbone.layers) + own
-
-    def _check_aliases(self):
-        reached = set()
-        for name in _BACKBONE_ALIASES:
-            value = getattr(self, name)
-            for layer in value if isinstance(value, (list, tuple)) else [value]:
-                if layer is not None:
-                    reached.update(id(w) for w in layer.weights)
-        missing = [w.path for w in self.backbone.weights if id(w) not in reached]
-        if missing:
-            raise ValueError(
-                "LinearCausalLM saves the backbone's weights through its layers "
-                f"{_BACKBONE_ALIASES}; these weights are outside them and would not be saved: {missing}"
-            )
+    def token_embedding(self):
+        return self.backbone.token_embedding
 
     # ----------------------------------------------------------- parallel
     def _head(self, hidden):
@@ -234,8 +193,7 @@ class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
 
     def call(self, inputs, padding_mask=None, training=None):
         token_ids, padding_mask = unpack_inputs(inputs, padding_mask)
-        hidden, _ = self.backbone._forward(token_ids, padding_mask, None, training, return_state=False)
-        return self._head(hidden)
+        return self._head(self.backbone.stack(token_ids, padding_mask=padding_mask, training=training))
 
     def _forward(self, token_ids, padding_mask, state, training, return_state):
         """``(logits [B, T, V], state)``: the backbone's `_forward`, then the head."""
@@ -533,7 +491,6 @@ class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
 
     # ------------------------------------------------------------- config
     def get_config(self):
-        self._check_aliases()
         return {
             "backbone": keras.layers.serialize(self.backbone),
             "preprocessor": keras.layers.serialize(self.preprocessor) if self.preprocessor is not None else None,
@@ -544,9 +501,36 @@ class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
     def from_config(cls, config):
         config = dict(config)
         if "backbone" not in config:
-            # A round-2 config: the backbone's arguments, flat. A round-2 model
-            # was compiled only by its user; Keras restores that compile, if
-            # any, from the file.
+            # A round-2 file: the backbone's arguments, flat, and round 2's
+            # weight layout. A round-2 model was compiled only by its user;
+            # Keras restores that compile, if any, from the file.
             config.pop("trainable", None)
-            return cls(**config, compile=False)
+            return _Round2LinearCausalLM(**config, compile=False)
         return super().from_config(config)
+
+
+@keras.saving.register_keras_serializable(package="keras_linattn")
+class _Round2LinearCausalLM(LinearCausalLM):
+    """A `LinearCausalLM` loaded from a round-2 `.keras` file, which it saves back in that layout.
+
+    Round 2's LM was one subclassed model: Keras filed its weights under
+    ``decoder_blocks/...``, ``final_norm/...`` and ``layers/<embedding>``.
+    Keras' weight writer and reader walk ``model.layers`` first and then
+    ``dir(model)``, so this class lists the embeddings as its layers, reaches
+    the blocks and the final norm through `LinearCausalLM`'s attributes of
+    the same names, and leaves the backbone (no variables of its own) out of
+    the walk: the old files load, and save again, unchanged. Its config stays
+    round 2's flat one. Everything else is `LinearCausalLM`.
+    """
+
+    def __dir__(self):
+        return [name for name in super().__dir__() if name not in ("backbone", "_backbone")]
+
+    @property
+    def layers(self):
+        return [layer for layer in (self.token_embedding, self.position_embedding) if layer is not None]
+
+    def get_config(self):
+        config = {"name": self.name, "trainable": self.trainable}
+        config.update({k: v for k, v in self.backbone.get_config().items() if k not in ("name", "trainable")})
+        return config

@@ -181,7 +181,7 @@ def test_preprocessor_pads_on_the_left_and_weights_real_targets_only():
     np.testing.assert_array_equal(mask[0].astype(int), [0, 0, 0, 0, 0, 1, 1, 1])
     np.testing.assert_array_equal(y[0], [0, 0, 0, 0, 0, a, b, 0])
     np.testing.assert_array_equal(w[0].astype(int), [0, 0, 0, 0, 0, 1, 1, 1])
-    assert w[1].all()
+    np.testing.assert_array_equal(w[1].astype(int), [0, 1, 1, 1, 1, 1, 1, 1])  # start + 6 + end = 8 of 9
     packed = pre.generate_preprocess(["ab", "abcdef"])
     assert packed["token_ids"].shape == (2, 7)  # start + the longest prompt
     np.testing.assert_array_equal(packed["padding_mask"][0], [0, 0, 0, 0, 1, 1, 1])
