@@ -8,7 +8,7 @@ variables (feature maps, window gammas) of models it holds, through
 - The models are tracked attributes of the trainer, so ``save_weights`` /
   ``load_weights`` (and therefore ``BackupAndRestore``) cover their weights
   and the optimizer's state.
-- ``trainable_weights`` is exactly the chosen variables: the optimizer is
+- ``trainable_weights`` and ``trainable_variables`` are exactly the chosen variables: the optimizer is
   built on them and nothing else is updated. No ``trainable`` flag of the
   models is touched.
 - Each entry of the objective's logs is averaged over the epoch by a
@@ -59,6 +59,10 @@ class ObjectiveTrainer(keras.Model):
 
     @property
     def trainable_weights(self):
+        return list(self._run.variables)
+
+    @property
+    def trainable_variables(self):
         return list(self._run.variables)
 
     @property
