@@ -182,3 +182,63 @@ def test_bad_arguments():
         transfer_variables(teacher.get_layer("att1"))
     with pytest.raises(ValueError, match="no batch"):
         keras_linattn.attention_transfer(student, teacher, x[:0], steps=1)
+
+
+class _Block(keras.layers.Layer):
+    """A decoder block holding its attention in an attribute (like keras-hub's decoders)."""
+
+    def __init__(self, attention, **kwargs):
+        super().__init__(**kwargs)
+        self._self_attention_layer = attention
+        self.norm = keras.layers.LayerNormalization()
+
+    def call(self, x):
+        h = self.norm(x)
+        return x + self._self_attention_layer(h, h, use_causal_mask=True)
+
+
+class _Decoder(keras.Model):
+    def __init__(self, attentions, **kwargs):
+        super().__init__(**kwargs)
+        self.embed = keras.layers.Dense(DIM, kernel_initializer=keras.initializers.GlorotUniform(seed=11))
+        self.blocks = [_Block(attention, name=f"block{i}") for i, attention in enumerate(attentions)]
+
+    def call(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
+def test_subclassed_decoders_are_paired_and_teacher_forced():
+    teacher = _Decoder([mha("t1", 12), mha("t2", 13)], name="teacher")
+    student = _Decoder(
+        [LinearAttention(2, 8, feature_map="hedgehog", window_size=WINDOW, name=n) for n in "ab"], name="student"
+    )
+    x = data(16, seed=3)
+    teacher(x), student(x)
+    for source, target in zip(
+        teacher.weights, [v for v in student.weights if "feature_map" not in v.path], strict=True
+    ):
+        target.assign(source)
+    pairs = attention_pairs(teacher, student)
+    assert [(t.name, s.name) for t, s in pairs] == [("t1", "a"), ("t2", "b")]
+
+    def mse():
+        # Each block's attention on the teacher's normalized input, from the teacher's own layers.
+        h = teacher.embed(x)
+        errors = []
+        for t_block, s_block in zip(teacher.blocks, student.blocks, strict=True):
+            n = t_block.norm(h)
+            target = t_block._self_attention_layer(n, n, use_causal_mask=True)
+            out = s_block._self_attention_layer(n, n, use_causal_mask=True)
+            errors.append(float(np.mean((np.asarray(out, np.float64) - np.asarray(target)) ** 2)))
+            h = t_block(h)
+        return errors
+
+    before, teacher_before = mse(), [np.asarray(v).copy() for v in teacher.weights]
+    keras_linattn.attention_transfer(student, teacher, x, steps=8, epochs=2, batch_size=8, verbose=0)
+    after = mse()
+    # Learning criterion (seeded): 16 Adam steps remove over 25% of each layer's output MSE.
+    assert all(a < 0.75 * b for a, b in zip(after, before, strict=True)), (before, after)
+    assert all(np.array_equal(a, np.asarray(v)) for a, v in zip(teacher_before, teacher.weights, strict=True))
