@@ -369,6 +369,8 @@ def distill_attention(
 
     chosen = _select_layers(model, layers)
     names = _layer_names(chosen)
+    if next(iter(dataset), None) is None:
+        raise ValueError("`data` yielded no batch.")
     before = _evaluate(model, chosen, eval_dataset, eval_steps, causal)  # also builds the model
     feature_maps = []
     for layer in chosen:

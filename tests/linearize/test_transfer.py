@@ -102,6 +102,15 @@ def test_transfer_lowers_each_layer_mse_and_changes_only_the_feature_maps():
     assert len(history.model.optimizer.variables) == 2 * len(trained) + 2
 
 
+class _Epochs(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seen.append(epoch)
+
+
 class _StopAfter(keras.callbacks.Callback):
     def __init__(self, epoch):
         super().__init__()
@@ -131,7 +140,10 @@ def test_backup_and_restore_resumes_to_the_uninterrupted_weights(tmp_path):
     backup = str(tmp_path / "backup")
     interrupted = values(run([keras.callbacks.BackupAndRestore(backup), _StopAfter(1)]))
     assert any(not np.array_equal(a, b) for a, b in zip(interrupted, uninterrupted, strict=True))  # stopped early
-    resumed = values(run([keras.callbacks.BackupAndRestore(backup)]))
+    epochs = _Epochs()
+    resumed = values(run([keras.callbacks.BackupAndRestore(backup), epochs]))
+    # Resumed after the saved second epoch: only the third runs, from the saved weights and optimizer state.
+    assert epochs.seen == [2]
     # Same float32 operations in the same order from the restored weights and
     # optimizer state: identical.
     for index, (a, b) in enumerate(zip(resumed, uninterrupted, strict=True)):
