@@ -25,11 +25,6 @@ def _model():
 
 def test_distill_attention_passes_callbacks_to_fit_and_resumes(tmp_path):
     x = np.random.default_rng(0).normal(size=(8, 8, 12)).astype("float32")
-    counter = _Epochs()
-    model = _model()
-    history = distill.distill_attention(model, x, epochs=2, batch_size=4, callbacks=[counter], verbose=0)
-    assert counter.seen == [(0, ["kl", "kl/attention", "loss"]), (1, ["kl", "kl/attention", "loss"])]
-    assert len(history.history["kl"]) == 2
 
     class Stop(keras.callbacks.Callback):
         def on_epoch_end(self, epoch, logs=None):
@@ -49,8 +44,9 @@ def test_distill_attention_passes_callbacks_to_fit_and_resumes(tmp_path):
     run([keras.callbacks.BackupAndRestore(backup), Stop()])
     epochs = _Epochs()
     resumed = run([keras.callbacks.BackupAndRestore(backup), epochs])
-    # Resumed after the saved first epoch: only the second one runs, from the saved state.
-    assert [epoch for epoch, _ in epochs.seen] == [1]
+    # The callbacks reach fit, with the trainer's logs; resumed after the saved first
+    # epoch, only the second one runs, from the saved state.
+    assert epochs.seen == [(1, ["kl", "kl/attention", "loss"])]
     for a, b in zip(resumed, uninterrupted, strict=True):
         np.testing.assert_array_equal(a, b)
 
