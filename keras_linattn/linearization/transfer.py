@@ -8,7 +8,9 @@ teacher-forced,
 
 where ``x_i`` is what the TEACHER's attention layer i receives on the batch
 (its query, value and key) and both outputs are the layers' outputs
-``[B, T, dim]`` (after the output projection). Only `transfer_variables` of
+``[B, T, dim]`` (after the output projection). The mean is over unpadded
+queries: those of the student call's ``query_mask`` (Keras' mask of the
+query) or, in causal self-attention, of its key padding. Only `transfer_variables` of
 each student layer are trained: its feature map's trainable weights and the
 window's learnable gamma where the layer has one. Since every student layer
 sees the teacher's inputs, the layers are trained side by side, each
@@ -133,6 +135,30 @@ def _attention_inputs(arguments):
     return query, value, named.get("key")
 
 
+def _query_mask(named):
+    """The padding of a student attention call's queries ``[B, T]``, or None.
+
+    Its ``query_mask`` (Keras' mask of the query), else in causal
+    self-attention its key padding (the queries are the keys).
+    """
+    mask = named.get("query_mask")
+    if mask is None and named.get("use_causal_mask") is True:
+        mask = named.get("key_mask")
+        mask = named.get("value_mask") if mask is None else mask
+    return mask
+
+
+def _mse(out, target, mask):
+    """Mean over unpadded queries (all if `mask` is None) of the mean square error over the output dim."""
+    squares = ops.mean(
+        ops.square(ops.cast(out, "float32") - ops.stop_gradient(ops.cast(target, "float32"))), axis=-1
+    )  # [B, T]
+    if mask is None:
+        return ops.mean(squares)
+    weights = ops.cast(mask, "float32")  # [B, T]
+    return ops.sum(squares * weights) / ops.maximum(ops.sum(weights), 1.0)
+
+
 def _first(output):
     return output[0] if isinstance(output, (list, tuple)) else output
 
@@ -170,7 +196,7 @@ def _transfer_objective(teacher, student, pairs, names):
         arguments.arguments["value"] = ops.stop_gradient(value)
         arguments.arguments["key"] = None if key is None else ops.stop_gradient(key)
         output = call(*arguments.args, **arguments.kwargs)
-        done.append((_first(output), target))
+        done.append((_first(output), target, _query_mask(arguments.arguments)))
         return output
 
     def objective(x):
@@ -189,11 +215,7 @@ def _transfer_objective(teacher, student, pairs, names):
                     "(a layer used only through `step`, or inside a while_loop / RNN cell, cannot be captured). "
                     f"Received: {len(recorded)} and {len(done)} call(s)"
                 )
-            squares = [
-                ops.mean(ops.square(ops.cast(out, "float32") - ops.stop_gradient(ops.cast(target, "float32"))))
-                for out, target in done
-            ]
-            errors.append(ops.mean(ops.stack(squares)))
+            errors.append(ops.mean(ops.stack([_mse(out, target, mask) for out, target, mask in done])))
         logs = {"loss": ops.mean(ops.stack(errors))}
         logs.update({f"mse/{name}": error for name, error in zip(names, errors, strict=True)})
         return logs

@@ -254,3 +254,29 @@ def test_subclassed_decoders_are_paired_and_teacher_forced():
     # Learning criterion (seeded): 16 Adam steps remove over 25% of each layer's output MSE.
     assert all(a < 0.75 * b for a, b in zip(after, before, strict=True)), (before, after)
     assert all(np.array_equal(a, np.asarray(v)) for a, v in zip(teacher_before, teacher.weights, strict=True))
+
+
+def test_padded_queries_do_not_count():
+    """With Keras masks (Embedding(mask_zero=True)), the logged MSE is over unpadded queries only."""
+    tokens = keras.Input((T,), dtype="int32")
+    h = keras.layers.Embedding(9, DIM, mask_zero=True, name="embed")(tokens)
+    teacher = keras.Model(tokens, mha("att", 14)(h, h, use_causal_mask=True))
+    student = keras_linattn.linearize(teacher, window_size=WINDOW)
+    ids = np.random.default_rng(4).integers(1, 9, size=(4, T))
+    ids[1, 5:] = 0
+    ids[3, 8:] = 0
+    _, history = keras_linattn.attention_transfer(
+        student, teacher, ids, steps=1, batch_size=4, optimizer=keras.optimizers.SGD(0.0), verbose=0
+    )
+    embedded = np.asarray(teacher.get_layer("embed")(ids))
+    real = ids != 0
+    target = np.asarray(teacher(ids), np.float64)
+    out = np.asarray(student.get_layer("att")(embedded, embedded, key_mask=real, use_causal_mask=True), np.float64)
+    squares = np.mean((out - target) ** 2, axis=-1)  # [B, T]
+    expected = float(squares[real].mean())
+    # The same float32 outputs on both sides (paths=2), then a float32 mean over
+    # B*T*DIM terms, conditioned by 2 max|out| / rms(out - target) (see above).
+    conditioning = 2 * max(np.abs(out[real]).max(), np.abs(target[real]).max()) / np.sqrt(expected)
+    assert_close(history.history["mse/att"][0], expected, n=4 * T * DIM, conditioning=conditioning, paths=2)
+    # Criterion: counting the padded queries gives another figure.
+    assert abs(float(squares.mean()) - expected) > 0.05 * expected
