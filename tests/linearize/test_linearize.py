@@ -150,3 +150,15 @@ def test_bad_teachers_and_arguments():
     gated = keras.layers.MultiHeadAttention(2, 4, use_gate=True, name="gated")
     with pytest.raises(ValueError, match="use_gate"):
         keras_linattn.linearize(keras.Model(x, gated(x, x, use_causal_mask=True)))
+
+
+def test_linearized_model_saves_and_loads_as_itself(tmp_path):
+    teacher, _ = causal_teacher()
+    student = keras_linattn.linearize(teacher, window_size=4)
+    path = str(tmp_path / "student.keras")
+    student.save(path)
+    loaded = keras.models.load_model(path)
+    assert [type(layer).__name__ for layer in loaded.layers] == [type(layer).__name__ for layer in student.layers]
+    x = data(2)
+    # The same float32 computation on the same weights: identical.
+    np.testing.assert_array_equal(np.asarray(loaded(x)), np.asarray(student(x)))
