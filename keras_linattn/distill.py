@@ -16,8 +16,9 @@ figure is the KL divergence ``KL(p_softmax || p_linear)``, which differs from
 the cross-entropy by the (constant) softmax entropy: it is 0 for a perfect
 match. Both use the layer's padding and causal masks.
 
-The layer inputs are captured with call hooks: while the model runs forward,
-each `LinearAttention` layer records the arguments it is called with
+The layers are found and their inputs captured with public API
+(`keras_linattn._capture`): while the model runs forward, a wrapper of each
+`LinearAttention` layer's ``call`` records the arguments it is called with
 (query, value, key, masks, ``use_causal_mask``). This works for functional,
 Sequential and subclassed models and for layers nested in blocks or
 sub-models, as long as the attention layer is invoked as ``layer(...)`` on
@@ -25,6 +26,11 @@ each forward pass (not from inside a ``while_loop`` / RNN cell, as the
 recurrent ``step`` path does). Inputs are re-captured on every step from the
 model itself, with gradients stopped, so each layer is trained on the inputs
 produced by the already-updated layers before it.
+
+Training runs through ``fit`` on the trainer shared with
+`keras_linattn.attention_transfer` (`keras_linattn._trainer`): a
+`keras.Model` whose ``train_step`` takes one step on the feature maps, so
+Keras callbacks (`keras.callbacks.BackupAndRestore` included) work.
 
 Distillation forms the ``[B, H, T, S]`` attention matrices: use it with
 training-sized sequences, not with the long ones linear attention serves.
