@@ -313,13 +313,16 @@ def attention_transfer(
     epochs = check_positive_int("epochs", epochs)
     check_one_of("verbose", verbose, (0, 1, 2))
     if student is teacher:
-        raise ValueError("`student` and `teacher` must be two models (the teacher is left unchanged).")
+        raise ValueError(
+            "`student` and `teacher` must be two models (the teacher is left unchanged). "
+            f"Received: the same model {student.name!r} twice"
+        )
     pairs = attention_pairs(teacher, student) if pairs is None else _check_pairs(pairs, teacher, student)
     dataset = _as_dataset(data, batch_size)
     validation = None if validation_data is None else _as_dataset(validation_data, batch_size)
     first = next(iter(dataset), None)
     if first is None:
-        raise ValueError("`data` yielded no batch.")
+        raise ValueError(f"`data` yielded no batch. Received: data={type(data).__name__} with no element")
     x, _, _ = keras.utils.unpack_x_y_sample_weight(first)
     teacher(x, training=False)  # builds both models (their layers are built before fit)
     student(x, training=False)
