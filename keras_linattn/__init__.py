@@ -8,8 +8,11 @@
 Importing the package changes no environment variable: pick the Keras backend
 with ``KERAS_BACKEND`` before importing Keras (TensorFlow is Keras' default).
 The export toolchain (tf2onnx, onnx, onnxruntime) is imported only by the
-functions that need it.
+functions that need it, and keras-hub only by `keras_linattn.models` (loaded
+on first use: ``keras_linattn.models`` or ``from keras_linattn.models import ...``).
 """
+
+import importlib
 
 from keras_linattn import (
     callbacks,
@@ -18,7 +21,6 @@ from keras_linattn import (
     feature_maps,
     layers,
     linearization,
-    models,
     ops,
     recurrences,
     regularizers,
@@ -43,3 +45,10 @@ __all__ = [
     "regularizers",
     "samplers",
 ]
+
+
+def __getattr__(name):
+    # `keras_linattn.models` imports keras_hub (and tensorflow-text): loaded when first used.
+    if name == "models":
+        return importlib.import_module("keras_linattn.models")
+    raise AttributeError(f"module 'keras_linattn' has no attribute {name!r}")

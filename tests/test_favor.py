@@ -1,5 +1,7 @@
 """FAVOR+ and FAVOR-trig random-feature maps: the estimator, stabilizers, layer integration, saving."""
 
+import itertools
+
 import keras
 import numpy as np
 import pytest
@@ -95,7 +97,7 @@ def test_output_error_shrinks_as_num_features_grows():
     mses = [float(np.mean(e)) for e in per_seed]
     # Statistical: each 4x more features lowers the MSE (mean over 20 draws) by
     # more than 4 standard errors of the difference.
-    for smaller_m, larger_m in zip(per_seed, per_seed[1:], strict=True):
+    for smaller_m, larger_m in itertools.pairwise(per_seed):
         assert _gain_in_standard_errors(smaller_m, larger_m) > 4, mses
     # The estimator's variance falls like 1/m: 64x the features should divide
     # the MSE by ~64; require 10 (the attention is a ratio of two estimates,

@@ -1,6 +1,7 @@
-"""LinearCausalLM: a decoder-only language model with constant-memory generation."""
+"""LinearCausalLM: a decoder-only language model with constant-memory generation, in keras-hub's shape."""
 
 import keras
+import keras_hub
 import numpy as np
 from keras import ops
 
@@ -8,68 +9,18 @@ from keras_linattn import _validation
 from keras_linattn import samplers as samplers_lib
 from keras_linattn._docstrings import fill
 from keras_linattn._tracking import CheckpointTracked
-from keras_linattn.layers.linear_attention import _get_map, _serialize_map
-from keras_linattn.layers.transformer_decoder import LinearTransformerDecoder
 from keras_linattn.models import generation
-from keras_linattn.recurrences.config import MECHANISM_ARGS_DOC, AttentionConfig
+from keras_linattn.models.backbone import LinearBackbone, unpack_inputs
+from keras_linattn.models.preprocessor import LinearCausalLMPreprocessor
+from keras_linattn.recurrences.config import MECHANISM_ARGS_DOC
 
 __all__ = ["LinearCausalLM"]
 
-
-def _is_concrete(x):
-    """True for a tensor with values (eager), False inside a traced function."""
-    backend = keras.backend.backend()
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        return tf.executing_eagerly() and not isinstance(x, tf.__internal__.SymbolicTensor)
-    if backend == "jax":
-        import jax
-
-        return not isinstance(x, jax.core.Tracer)
-    return True
-
-
-def _max_or_none(x):
-    """The largest entry of a concrete tensor (None when empty), for error messages."""
-    return int(ops.max(x)) if int(ops.size(x)) else None
-
-
-def _nan_where(bad, logits):
-    """`logits` with NaN at the tokens marked in `bad` (``[B, T]`` or ``[B]``; None: unchanged)."""
-    if bad is None:
-        return logits
-    # A scalar NaN: tf2onnx lowers a where between two full tensors to x * c + y * (1 - c),
-    # where NaN * 0 poisons every row.
-    return ops.where(bad[..., None], float("nan"), logits)
-
-
-def _block_seed(seed, index):
-    """The seed of block `index`'s feature map, derived from the template's `seed`.
-
-    Block 0 keeps `seed` (a one-block model is the template); block ``i > 0``
-    gets a hash of ``(seed, i)`` (NumPy's `SeedSequence`), below 2**30 so
-    that seeds derived from it (per head, per weight) stay in int32. Seeds
-    ``seed + i`` would give block 1 of seed s the matrix of block 0 of seed
-    s + 1.
-    """
-    if seed is None or index == 0:
-        return seed
-    return int(np.random.SeedSequence([int(seed), int(index)]).generate_state(1)[0]) % (2**30)
-
-
-def _block_feature_map(feature_map, index):
-    """Config of block `index`'s copy of the template `feature_map`: a seeded map gets `_block_seed`.
-
-    Without it every block of a seeded LM drew the same random projection
-    (favor+, favor_trig) or the same initial weights (trainable maps), and
-    `RedrawRandomFeatures` redrew them equal.
-    """
-    seed = getattr(feature_map, "seed", None)
-    if feature_map is None or seed is None or index == 0:
-        return _serialize_map(feature_map)
-    config = dict(feature_map.get_config(), seed=_block_seed(seed, index))
-    return _serialize_map(type(feature_map).from_config(config))
+# The backbone's layers, reached from the task under the attribute names a
+# round-2 `LinearCausalLM` held them by (see `LinearCausalLM.__dir__`).
+_BACKBONE_ALIASES = ("token_embedding", "position_embedding", "decoder_blocks", "final_norm", "feature_map")
+# The backbone arguments a round-2 `LinearCausalLM(...)` call or config passes flat.
+_FLAT_ONLY = ("backbone", "preprocessor")
 
 
 class _FunctionCache:
@@ -79,62 +30,108 @@ class _FunctionCache:
         self.functions = {}
 
 
+class _HubSampler:
+    """A keras-hub `Sampler` behind the decode contract's ``sampler(logits, seed) -> ids``.
+
+    keras-hub samplers draw with their own seed generator (the contract's
+    per-token seed is not used). Samplers that replace keras-hub's whole loop
+    (beam search, contrastive search) need the model's hidden states and a
+    rewindable cache, which a recurrent state is not: they are refused.
+    """
+
+    def __init__(self, sampler):
+        base = keras_hub.samplers.Sampler
+        if type(sampler).__call__ is not base.__call__:
+            raise ValueError(
+                f"keras-hub's {type(sampler).__name__} runs its own search loop, which a recurrent decode state "
+                "does not support; use greedy, random, top_k or top_p (keras-hub's or keras_linattn.samplers). "
+                f"Received: sampler={sampler!r}"
+            )
+        self.sampler = sampler
+
+    def __call__(self, logits, seed):
+        probabilities = self.sampler.compute_probabilities(logits)
+        return ops.cast(self.sampler.get_next_token(probabilities), "int32")
+
+    def __repr__(self):
+        return f"_HubSampler({type(self.sampler).__name__}@{id(self.sampler):x})"
+
+
+def _get_sampler(sampler):
+    """A `keras_linattn.samplers.Sampler`, or a keras-hub `Sampler` (name or instance)."""
+    if isinstance(sampler, keras_hub.samplers.Sampler):
+        return sampler
+    if isinstance(sampler, dict) and "module" in sampler:  # a keras-serialized keras-hub sampler
+        return keras.saving.deserialize_keras_object(sampler)
+    return samplers_lib.get(sampler)
+
+
+def _serialize_sampler(sampler):
+    if isinstance(sampler, keras_hub.samplers.Sampler):
+        return keras.saving.serialize_keras_object(sampler)
+    return samplers_lib.serialize(sampler)
+
+
+def _is_text(inputs):
+    """True for a string prompt, a list of them, or a string array/tensor."""
+    if isinstance(inputs, (str, bytes)):
+        return True
+    if isinstance(inputs, (list, tuple)):
+        return len(inputs) > 0 and all(isinstance(x, (str, bytes)) for x in inputs)
+    dtype = getattr(inputs, "dtype", None)
+    return dtype is not None and (str(dtype) in ("string", "<dtype: 'string'>") or np.dtype(dtype).kind in "OUS")
+
+
 @keras.saving.register_keras_serializable(package="keras_linattn")
 @fill(mechanism_args=MECHANISM_ARGS_DOC)
-class LinearCausalLM(CheckpointTracked, keras.Model):
-    """Decoder-only language model of causal linear-attention blocks.
+class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
+    """Decoder-only language model of causal linear-attention blocks, in keras-hub's shape.
 
-        token embedding (+ optional learned positions) -> `num_layers` x
-        `LinearTransformerDecoder` -> final LayerNorm -> logits (the transposed
-        token embedding when `tie_embeddings`). Training runs the chunkwise-
-        parallel causal path; generation prefills the prompt with that path and
-        then decodes token by token with the blocks' recurrent `step`, whose
-        state has a fixed size: decoding time and memory per token do not grow
-        with the context.
+        A `LinearBackbone` (embeddings, blocks, final norm) with the language
+        model head (the transposed token embedding when `tie_embeddings`), an
+        optional `LinearCausalLMPreprocessor` for string inputs, and
+        `generate`. Training runs the chunkwise-parallel causal path;
+        generation prefills the prompt with that path and then decodes token by
+        token with the blocks' recurrent `step`, whose state has a fixed size:
+        decoding time and memory per token do not grow with the context.
 
-        The state is a flat list: each block's attention state in order
-        (`LinearAttention.state_spec`; ``S [B, H, C, M]`` and ``z [B, H, C]``
-        float32 for plain linear attention), then ``position [B]`` (int32), the
-        number of real tokens consumed per row.
-        `state_spec` describes it (names, shapes, dtypes); everything that
-        decodes -- `generate`, the exported signatures, the ONNX generator --
-        follows that one description and `keras_linattn.models.generation`.
+        It is a keras-hub `CausalLM`: `compile(sampler=...)` takes a
+        `keras_linattn.samplers` name or sampler or a keras-hub sampler,
+        `save_to_preset(dir)` writes a preset that
+        `keras_hub.models.CausalLM.from_preset(dir)` loads back as a
+        `LinearCausalLM`, and `fit` takes ``{"token_ids", "padding_mask"}``
+        dicts (or strings, through the preprocessor).
 
-        Positions: with ``max_sequence_length=None`` (default) there is no
-        positional embedding. Causal linear attention is order-aware through its
-        prefix sums (token t sees exactly the t + 1 tokens before and at it), so
-        the model runs at any length, and left-padded prompts give exactly the
-        logits of unpadded ones. With an integer `max_sequence_length`, learned
-        absolute position embeddings are added (position = number of real tokens
-        before the token, carried in the state), and sequences may not be longer.
+        Two ways to build one:
+
+        - ``LinearCausalLM(backbone, preprocessor=None)``, as in keras-hub;
+        - ``LinearCausalLM(vocabulary_size=..., num_layers=..., ...)``: the
+          `LinearBackbone` arguments, passed flat (the round-2 constructor;
+          its `.keras` files load as they are).
+
+        The decode state (`state_spec`, `get_initial_state`, `call_with_state`,
+        `step`) is the backbone's; everything that decodes -- `generate`, the
+        exported signatures, the ONNX generator -- follows it and
+        `keras_linattn.models.generation`.
 
         Args:
-            vocabulary_size: number of token ids V.
-            num_layers: number of decoder blocks.
-            hidden_dim: model width.
-            num_heads: attention heads per block.
-            intermediate_dim: feed-forward width.
-            feature_map: feature-map name, config or `FeatureMap` (template; each
-                block owns a copy). Default ``"elu"``. A seeded map (``seed=s``)
-                gives block 0 seed s and block i a seed derived from (s, i): each
-                block draws its own projection or weights, reproducibly.
-            key_dim: per-head query/key size; defaults to ``hidden_dim // num_heads``.
-            chunk_size: chunk length of the causal algorithm. Default 64.
-            dropout: dropout rate inside the blocks.
-            max_sequence_length: None, or the length of the learned position table
-                (see Positions above).
-            tie_embeddings: use the transposed token embedding as output projection.
-            activation: feed-forward activation. Default "gelu".
-            layer_norm_epsilon: epsilon of every layer norm.
+            backbone: a `LinearBackbone` (None: built from `**kwargs`).
+            preprocessor: a `LinearCausalLMPreprocessor` or None (inputs are
+                token ids).
+            **kwargs: with `backbone`, `keras.Model` arguments (`name`);
+                without it, the `LinearBackbone` arguments:
+                `vocabulary_size`, `num_layers`, `hidden_dim`, `num_heads`,
+                `intermediate_dim`, `feature_map`, `key_dim`, `chunk_size`,
+                `dropout`, `max_sequence_length`, `tie_embeddings`,
+                `activation`, `layer_norm_epsilon`, `dtype`, and
     {mechanism_args}
-                Every block's attention gets them (their decode state joins
-                `state_spec`; decoding stays constant-cost per token).
-            **kwargs: `keras.Model` arguments (`name`, `dtype`).
 
         Call arguments:
-            token_ids: ``[B, T]`` int token ids.
-            padding_mask: optional ``[B, T]`` (1 = real token). Padded tokens do
-                not enter the attention state (use left padding for prompts).
+            inputs: ``[B, T]`` int token ids, or ``{"token_ids": [B, T],
+                "padding_mask": [B, T]}``.
+            padding_mask: optional ``[B, T]`` (1 = real token), when `inputs`
+                is a tensor. Padded tokens do not enter the attention state
+                (use left padding for prompts).
             training: Python boolean (dropout).
 
         Returns:
@@ -148,275 +145,102 @@ class LinearCausalLM(CheckpointTracked, keras.Model):
         >>> out = lm.generate(np.ones((2, 4), "int32"), max_length=20)  # [2, 20]
     """
 
-    def __init__(
-        self,
-        vocabulary_size,
-        num_layers,
-        hidden_dim,
-        num_heads,
-        intermediate_dim,
-        feature_map="elu",
-        key_dim=None,
-        chunk_size=64,
-        dropout=0.0,
-        max_sequence_length=None,
-        tie_embeddings=True,
-        activation="gelu",
-        layer_norm_epsilon=1e-5,
-        **kwargs,
-    ):
-        attention_config = AttentionConfig.pop(kwargs, feature_map=feature_map)
-        super().__init__(**kwargs)
-        self.attention_config = attention_config
-        for name, value in (
-            ("vocabulary_size", vocabulary_size),
-            ("num_layers", num_layers),
-            ("hidden_dim", hidden_dim),
-            ("num_heads", num_heads),
-            ("intermediate_dim", intermediate_dim),
-            ("chunk_size", chunk_size),
-        ):
-            _validation.check_positive_int(name, value)
-        if max_sequence_length is not None:
-            _validation.check_positive_int("max_sequence_length", max_sequence_length)
-        if key_dim is not None:
-            _validation.check_positive_int("key_dim", key_dim)
-        elif hidden_dim % num_heads:
-            raise ValueError(
-                "`hidden_dim` must be divisible by `num_heads` when `key_dim` is None. "
-                f"Received: hidden_dim={hidden_dim}, num_heads={num_heads}"
-            )
-        self.vocabulary_size = vocabulary_size
-        self.num_layers = num_layers
-        self.hidden_dim = hidden_dim
-        self.num_heads = num_heads
-        self.intermediate_dim = intermediate_dim
-        # A template (each attention layer owns a copy with the weights): kept
-        # out of Keras' layer tracking so it is not listed as an unbuilt sublayer.
-        object.__setattr__(self, "feature_map", _get_map(feature_map))
-        self.key_dim = key_dim
-        self.chunk_size = chunk_size
-        self.dropout = dropout
-        self.max_sequence_length = max_sequence_length
-        self.tie_embeddings = tie_embeddings
-        self.activation = activation
-        self.layer_norm_epsilon = layer_norm_epsilon
+    backbone_cls = LinearBackbone
+    preprocessor_cls = LinearCausalLMPreprocessor
 
-        self.token_embedding = keras.layers.ReversibleEmbedding(
-            vocabulary_size,
-            hidden_dim,
-            tie_weights=tie_embeddings,
-            embeddings_initializer=keras.initializers.RandomNormal(stddev=0.02),
-            dtype=self.dtype_policy,
-            name="token_embedding",
-        )
-        self.position_embedding = None
-        if max_sequence_length is not None:
-            self.position_embedding = keras.layers.Embedding(
-                max_sequence_length,
-                hidden_dim,
-                embeddings_initializer=keras.initializers.RandomNormal(stddev=0.02),
-                dtype=self.dtype_policy,
-                name="position_embedding",
+    def __init__(self, backbone=None, preprocessor=None, *, compile=True, **kwargs):
+        if backbone is None:
+            model_kwargs = {key: kwargs.pop(key) for key in ("name", "trainable") if key in kwargs}
+            backbone = LinearBackbone(**kwargs)
+            kwargs = model_kwargs
+        elif not isinstance(backbone, LinearBackbone):
+            raise ValueError(
+                f"`backbone` must be a `LinearBackbone`. Received: backbone={type(backbone).__name__}; "
+                "convert a softmax model with `keras_linattn.linearize`."
             )
-        self.decoder_blocks = [
-            LinearTransformerDecoder(
-                num_heads=num_heads,
-                intermediate_dim=intermediate_dim,
-                key_dim=key_dim,
-                feature_map=_block_feature_map(self.feature_map, i),
-                chunk_size=chunk_size,
-                dropout=dropout,
-                activation=activation,
-                layer_norm_epsilon=layer_norm_epsilon,
-                **self.attention_config.get_config(),
-                dtype=self.dtype_policy,
-                name=f"decoder_block_{i}",
+        elif set(kwargs) - {"name", "trainable", "dtype"}:
+            raise ValueError(
+                "With a `backbone`, the model arguments live in the backbone; pass only `name`. "
+                f"Received: {sorted(set(kwargs) - {'name', 'trainable', 'dtype'})}"
             )
-            for i in range(num_layers)
-        ]
-        self.final_norm = keras.layers.LayerNormalization(
-            epsilon=layer_norm_epsilon, dtype=self.dtype_policy, name="final_layer_norm"
-        )
+        kwargs.pop("dtype", None)  # the backbone's policy is the task's (keras-hub's Task sets it)
+        if preprocessor is not None and not isinstance(preprocessor, keras_hub.models.CausalLMPreprocessor):
+            raise ValueError(
+                "`preprocessor` must be a keras-hub `CausalLMPreprocessor` (e.g. `LinearCausalLMPreprocessor`) "
+                f"or None. Received: preprocessor={type(preprocessor).__name__}"
+            )
+        self.backbone = backbone
+        self.preprocessor = preprocessor
         self._generation = _FunctionCache()
-        self.build(None)
+        super().__init__(compile=compile, **kwargs)
+        self.built = True  # every weight is the backbone's, built with it
+        self._check_aliases()
 
-    def build(self, input_shape=None):
-        # Built in __init__ (the input shape never changes the weights); a
-        # second build, e.g. `model.build((None, None))`, is a no-op.
-        if self.built:
-            return
-        seq_shape = (None, None, self.hidden_dim)
-        self.token_embedding.build((None, None))
-        if self.position_embedding is not None:
-            self.position_embedding.build((None, None))
-        for block in self.decoder_blocks:
-            block.build(seq_shape)
-        self.final_norm.build(seq_shape)
-        self.built = True
+    # The backbone's settings and layers, read through the task (round-2 attributes).
+    vocabulary_size = property(lambda self: self.backbone.vocabulary_size)
+    num_layers = property(lambda self: self.backbone.num_layers)
+    hidden_dim = property(lambda self: self.backbone.hidden_dim)
+    num_heads = property(lambda self: self.backbone.num_heads)
+    intermediate_dim = property(lambda self: self.backbone.intermediate_dim)
+    key_dim = property(lambda self: self.backbone.key_dim)
+    chunk_size = property(lambda self: self.backbone.chunk_size)
+    dropout = property(lambda self: self.backbone.dropout)
+    max_sequence_length = property(lambda self: self.backbone.max_sequence_length)
+    tie_embeddings = property(lambda self: self.backbone.tie_embeddings)
+    activation = property(lambda self: self.backbone.activation)
+    layer_norm_epsilon = property(lambda self: self.backbone.layer_norm_epsilon)
+    attention_config = property(lambda self: self.backbone.attention_config)
+    token_embedding = property(lambda self: self.backbone.token_embedding)
+    position_embedding = property(lambda self: self.backbone.position_embedding)
+    decoder_blocks = property(lambda self: self.backbone.decoder_blocks)
+    final_norm = property(lambda self: self.backbone.final_norm)
+    feature_map = property(lambda self: self.backbone.feature_map)
 
-    # ------------------------------------------------------------ helpers
-    def _check_token_ids(self, token_ids, name, rank):
-        token_ids = ops.convert_to_tensor(token_ids)
-        if len(token_ids.shape) != rank:
-            shape = "[batch, length]" if rank == 2 else "[batch]"
-            raise ValueError(f"`{name}` must have shape {shape}. Received: {name}.shape={tuple(token_ids.shape)}")
-        if "int" not in str(token_ids.dtype):
-            raise ValueError(f"`{name}` must be integer token ids. Received: {name}.dtype={token_ids.dtype}")
-        if _is_concrete(token_ids) and int(ops.size(token_ids)) > 0:
-            # Concrete ids are checked (a negative id would silently wrap around
-            # in the embedding lookup); inside a traced graph (fit, XLA) they
-            # can't be without a per-step assertion.
-            low, high = int(ops.min(token_ids)), int(ops.max(token_ids))
-            if low < 0 or high >= self.vocabulary_size:
-                raise ValueError(f"`{name}` must be in [0, {self.vocabulary_size}). Received: min={low}, max={high}")
-        elif not _is_concrete(token_ids):
-            # Traced (fit, predict, SavedModel): a run-time assertion before the lookup.
-            ok = ops.logical_and(ops.all(token_ids >= 0), ops.all(token_ids < self.vocabulary_size))
-            token_ids = _validation.graph_assert(token_ids, ok, f"`{name}` must be in [0, {self.vocabulary_size})")
-        if rank == 2 and token_ids.shape[1] is not None and self.max_sequence_length is not None:
-            if token_ids.shape[1] > self.max_sequence_length:
-                raise ValueError(
-                    f"`{name}` is longer than max_sequence_length={self.max_sequence_length}. "
-                    f"Received: {name}.shape={tuple(token_ids.shape)}"
-                )
-        return token_ids
+    # ----------------------------------------------------- weight layout
+    def __dir__(self):
+        # Keras' `.keras` / `.weights.h5` writer walks `dir(model)` and files
+        # each layer under the first attribute that reaches it. The task
+        # reaches the backbone's layers through the aliases above, under the
+        # paths a round-2 `LinearCausalLM` used (``decoder_blocks/...``,
+        # ``final_norm/...``, ``layers/<embedding>``), so round-2 files load
+        # unchanged and new files keep that layout; the backbone itself (no
+        # variables of its own) is left out of the walk. `_check_aliases`
+        # makes sure no backbone weight is outside the aliases.
+        return [name for name in super().__dir__() if name not in ("backbone", "_backbone")]
 
-    def _past_limit(self, token_ids, last_index, name, received):
-        """The rule "a row holds at most `max_sequence_length` tokens", and what graphs do instead.
+    @property
+    def layers(self):
+        """The backbone's layers (embeddings, blocks, final norm), then the task's own."""
+        own = [layer for layer in super().layers if layer is not self.backbone]
+        return list(self.backbone.layers) + own
 
-        `last_index` is the index each token would have in its row (the
-        state's position plus its index in the piece; padding counts):
-        ``[B, T]`` or ``[B]``. Concrete values raise here (`received`, a
-        function, gives the message's values). In a traced graph the rule is
-        a run-time assertion (`_validation.graph_assert`), and the tokens
-        that break it or have an id outside the vocabulary are marked: their
-        logits are NaN, which is what graphs without assertions (XLA, ONNX)
-        return.
-
-        Returns:
-            ``(token_ids, bad)``: the ids (behind the assertion in graphs),
-            and None (concrete inputs) or the ``[B, T]`` / ``[B]`` bool mark.
-        """
-        limit = self.max_sequence_length
-        if _is_concrete(last_index):
-            if limit is not None and int(ops.size(last_index)) and int(ops.max(last_index)) >= limit:
-                raise ValueError(
-                    f"`{name}` runs past max_sequence_length={limit}: a row would hold "
-                    f"{int(ops.max(last_index)) + 1} tokens. Received: {received()}"
-                )
-            return token_ids, None
-        bad = ops.logical_or(token_ids < 0, token_ids >= self.vocabulary_size)
-        if limit is not None:
-            past = last_index >= limit
-            token_ids = _validation.graph_assert(
-                token_ids, ops.logical_not(ops.any(past)), f"`{name}` runs past max_sequence_length={limit}"
-            )
-            bad = ops.logical_or(bad, past)
-        return token_ids, bad
-
-    def _embed(self, token_ids, positions):
-        x = self.token_embedding(token_ids)  # [B, T, dim] or [B, dim]
-        if self.position_embedding is not None:
-            positions = ops.clip(positions, 0, self.max_sequence_length - 1)
-            x = x + self.position_embedding(positions)  # [B, T, dim] or [B, dim]
-        return x
-
-    def _logits(self, x):
-        x = self.final_norm(x)  # [..., dim]
-        return ops.cast(self.token_embedding(x, reverse=True), "float32")  # [..., V]
-
-    def _positions(self, token_ids, padding_mask, start):
-        """Position of each token: real tokens before it (start [B] + prefix count)."""
-        if padding_mask is None:
-            length = ops.shape(token_ids)[1]
-            offsets = ops.arange(length, dtype="int32")[None, :]  # [1, T]
-            count = ops.zeros_like(start) + length
-        else:
-            mask = ops.cast(ops.cast(padding_mask, "bool"), "int32")  # [B, T], nonzero = real
-            offsets = ops.cumsum(mask, axis=1) - mask  # [B, T]
-            count = ops.sum(mask, axis=1)  # [B]
-        return start[:, None] + offsets, start + count  # [B, T], [B]
-
-    def _check_padding_mask(self, padding_mask, token_ids):
-        if padding_mask is None:
-            return None
-        padding_mask = ops.convert_to_tensor(padding_mask)
-        static_match = all(
-            a is None or b is None or a == b for a, b in zip(padding_mask.shape, token_ids.shape, strict=True)
-        )
-        if len(padding_mask.shape) != 2 or not static_match:
+    def _check_aliases(self):
+        reached = set()
+        for name in _BACKBONE_ALIASES:
+            value = getattr(self, name)
+            for layer in value if isinstance(value, (list, tuple)) else [value]:
+                if layer is not None:
+                    reached.update(id(w) for w in layer.weights)
+        missing = [w.path for w in self.backbone.weights if id(w) not in reached]
+        if missing:
             raise ValueError(
-                "`padding_mask` must have the shape of the token ids [batch, length]. "
-                f"Received: padding_mask.shape={tuple(padding_mask.shape)}, "
-                f"token_ids.shape={tuple(token_ids.shape)}"
+                "LinearCausalLM saves the backbone's weights through its layers "
+                f"{_BACKBONE_ALIASES}; these weights are outside them and would not be saved: {missing}"
             )
-        return padding_mask
-
-    def state_spec(self):
-        """The decode state, described once: a list of `generation.StateSpec`.
-
-        Per block, its attention's `LinearAttention.state_spec` with names
-        prefixed by the block's (``<block>/S [H, C, M]``, ``<block>/z [H, C]``
-        for plain linear attention), then ``position []`` (int32). Shapes
-        exclude the batch dim.
-        """
-        spec = []
-        for block in self.decoder_blocks:
-            for entry in block.attention.state_spec():
-                spec.append(entry._replace(name=f"{block.name}/{entry.name}"))
-        spec.append(generation.StateSpec("position", (), "int32"))
-        return spec
-
-    def _block_states(self, state):
-        """Splits a flat LM state into one tuple per block (the position, last, is left out)."""
-        states, offset = [], 0
-        for block in self.decoder_blocks:
-            n = len(block.attention.state_spec())
-            states.append(tuple(state[offset : offset + n]))
-            offset += n
-        return states
-
-    def _check_state(self, state, batch_size=None, name="state"):
-        """Raises ValueError (naming `name`) unless `state` matches `state_spec`."""
-        generation.check_state(self.state_spec(), state, batch_size=batch_size, name=name)
 
     # ----------------------------------------------------------- parallel
-    def call(self, token_ids, padding_mask=None, training=None):
-        logits, _ = self._forward(token_ids, padding_mask, None, training, return_state=False)
-        return logits
+    def _head(self, hidden):
+        return ops.cast(self.backbone.token_embedding(hidden, reverse=True), "float32")  # [..., V]
+
+    def call(self, inputs, padding_mask=None, training=None):
+        token_ids, padding_mask = unpack_inputs(inputs, padding_mask)
+        hidden, _ = self.backbone._forward(token_ids, padding_mask, None, training, return_state=False)
+        return self._head(hidden)
 
     def _forward(self, token_ids, padding_mask, state, training, return_state):
-        token_ids = self._check_token_ids(token_ids, "token_ids", 2)
-        padding_mask = self._check_padding_mask(padding_mask, token_ids)
-        batch = ops.shape(token_ids)[0]
-        start = ops.zeros((batch,), "int32") if state is None else ops.cast(state[-1], "int32")
-        last_index = start[:, None] + ops.arange(ops.shape(token_ids)[1], dtype="int32")[None, :]  # [B, T]
-        token_ids, bad = self._past_limit(
-            token_ids,
-            last_index,
-            "token_ids",
-            lambda: f"state position={_max_or_none(start)}, token_ids.shape={tuple(token_ids.shape)}",
-        )
-        positions, end = self._positions(token_ids, padding_mask, start)
-        x = self._embed(token_ids, positions)  # [B, T, dim]
-        new_state = []
-        block_states = [None] * len(self.decoder_blocks) if state is None else self._block_states(state)
-        for block, layer_state in zip(self.decoder_blocks, block_states, strict=True):
-            if return_state:
-                x, layer_state = block(
-                    x,
-                    padding_mask=padding_mask,
-                    training=training,
-                    return_state=True,
-                    initial_state=layer_state,
-                )  # [B, T, dim]
-                new_state += list(layer_state)
-            else:
-                x = block(x, padding_mask=padding_mask, training=training)  # [B, T, dim]
-        if return_state:
-            new_state.append(end)
-        return _nan_where(bad, self._logits(x)), new_state
+        """``(logits [B, T, V], state)``: the backbone's `_forward`, then the head."""
+        hidden, state = self.backbone._forward(token_ids, padding_mask, state, training, return_state)
+        return self._head(hidden), state
 
     def call_with_state(self, token_ids, state, padding_mask=None, training=None):
         """Runs a piece of a sequence in parallel, continuing from `state`.
@@ -430,14 +254,23 @@ class LinearCausalLM(CheckpointTracked, keras.Model):
             ``(logits [B, T, V], new_state)``. Splitting a sequence in pieces
             and chaining the states gives the logits of one pass.
         """
-        token_ids = self._check_token_ids(token_ids, "token_ids", 2)
-        self._check_state(state, batch_size=token_ids.shape[0])
-        return self._forward(token_ids, padding_mask, list(state), training, return_state=True)
+        hidden, state = self.backbone.call_with_state(token_ids, state, padding_mask=padding_mask, training=training)
+        return self._head(hidden), state
 
     # ---------------------------------------------------------- recurrent
+    def state_spec(self):
+        """The decode state: `LinearBackbone.state_spec` (a list of `generation.StateSpec`)."""
+        return self.backbone.state_spec()
+
     def get_initial_state(self, batch_size):
         """Empty state (`state_spec`): zeros for every block's attention state and a zero int32 position."""
-        return generation.zeros_state(self.state_spec(), batch_size)
+        return self.backbone.get_initial_state(batch_size)
+
+    def _block_states(self, state):
+        return self.backbone._block_states(state)
+
+    def _check_state(self, state, batch_size=None, name="state"):
+        self.backbone._check_state(state, batch_size=batch_size, name=name)
 
     def step(self, token_t, state, training=None):
         """One decoding step in recurrent form (constant time and memory).
@@ -449,26 +282,59 @@ class LinearCausalLM(CheckpointTracked, keras.Model):
         Returns:
             ``(logits_t [B, V] float32, new_state)``.
         """
-        token_t = self._check_token_ids(token_t, "token_t", 1)
-        self._check_state(state, batch_size=token_t.shape[0])
-        position = ops.cast(state[-1], "int32")  # [B]
-        token_t, bad = self._past_limit(
-            token_t, position, "token_t", lambda: f"state position (state[-1])={_max_or_none(position)}"
-        )
-        x = self._embed(token_t, position)  # [B, dim]
-        new_state = []
-        for block, layer_state in zip(self.decoder_blocks, self._block_states(state), strict=True):
-            x, layer_state = block.step(x, layer_state, training=training)  # [B, dim]
-            new_state += list(layer_state)
-        new_state.append(position + 1)
-        return _nan_where(bad, self._logits(x)), new_state
+        hidden, state = self.backbone.step(token_t, state, training=training)
+        return self._head(hidden), state
+
+    # --------------------------------------------------------- compile
+    def compile(self, optimizer="auto", loss="auto", *, weighted_metrics="auto", sampler="greedy", **kwargs):
+        """`keras.Model.compile` with keras-hub's defaults, plus the default `sampler` of `generate`.
+
+        Args:
+            optimizer: ``"auto"`` is keras-hub's (Adam, learning rate 2e-5).
+            loss: ``"auto"`` is sparse categorical cross-entropy on logits.
+            weighted_metrics: ``"auto"`` is sparse categorical accuracy.
+            sampler: a `keras_linattn.samplers` name, config or `Sampler`,
+                or a keras-hub `Sampler` (``keras_hub.samplers.TopKSampler(k=5)``).
+                Saved with the model (`.keras`), with the rest of the
+                compile settings.
+            **kwargs: `keras.Model.compile` arguments.
+        """
+        sampler = _get_sampler(sampler)
+        if isinstance(sampler, keras_hub.samplers.Sampler):
+            _HubSampler(sampler)  # refuses search samplers now, not at the first generate
+        if optimizer == "auto":
+            optimizer = keras.optimizers.Adam(2e-5)
+        if loss == "auto":
+            loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        if weighted_metrics == "auto":
+            weighted_metrics = [keras.metrics.SparseCategoricalAccuracy()]
+        keras.Model.compile(self, optimizer=optimizer, loss=loss, weighted_metrics=weighted_metrics, **kwargs)
+        self.sampler = sampler
+        self.generate_function = None
+
+    def get_compile_config(self):
+        config = super().get_compile_config()
+        optimizer = getattr(self, "optimizer", None)
+        if config is not None and optimizer is not None and not optimizer.built:
+            # Called when the model is saved, before the weights are written.
+            # `compile_from_config` builds the optimizer (to load a trained
+            # one's slots), so the saved one is built too: an untrained model
+            # then reloads without an optimizer mismatch.
+            optimizer.build(self.trainable_variables)
+        if config is not None and getattr(self, "sampler", None) is not None:
+            config = dict(config, sampler=_serialize_sampler(self.sampler))
+        return config
+
+    def compile_from_config(self, config):
+        """Restores `compile` (optimizer, loss, metrics and sampler) when a `.keras` file loads."""
+        config = dict(config)
+        sampler = config.pop("sampler", None)
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config, sampler=_get_sampler(sampler) if sampler is not None else "greedy")
+        if getattr(self, "optimizer", None) is not None:
+            self.optimizer.build(self.trainable_variables)
 
     # --------------------------------------------------------- generation
-    def compile(self, *args, sampler="greedy", **kwargs):
-        """`keras.Model.compile`, plus the default `sampler` of `generate` (as in keras-hub)."""
-        super().compile(*args, **kwargs)
-        self._sampler = samplers_lib.get(sampler)
-
     def _compile(self, fn):
         """XLA on TensorFlow; plain calls elsewhere (the loop is a `keras.ops.while_loop`)."""
         if keras.backend.backend() == "tensorflow":
@@ -477,7 +343,7 @@ class LinearCausalLM(CheckpointTracked, keras.Model):
             return tf.function(fn, jit_compile=True, reduce_retracing=True, autograph=False)
         return fn
 
-    def make_generate_function(self, sampler, stop_token_ids=None, pad_token_id=0):
+    def make_generate_function(self, sampler=None, stop_token_ids=None, pad_token_id=0):
         """The compiled ``(prefill, decode)`` pair for one sampler, cached.
 
         As in keras-hub: `generate` calls this and then the returned
@@ -486,6 +352,10 @@ class LinearCausalLM(CheckpointTracked, keras.Model):
         state, finished, index, end, seed)`` runs
         `generation.decode_loop`.
         """
+        if sampler is None:
+            sampler = getattr(self, "sampler", None) or samplers_lib.get("greedy")
+        if isinstance(sampler, keras_hub.samplers.Sampler):
+            sampler = _HubSampler(sampler)
         key = (repr(sampler), type(sampler).__name__, stop_token_ids, pad_token_id)
         cached = self._generation.functions.get(key)
         if cached is not None:
@@ -507,15 +377,16 @@ class LinearCausalLM(CheckpointTracked, keras.Model):
 
     def generate(
         self,
-        prompt_ids,
-        max_length,
+        inputs,
+        max_length=None,
         sampler=None,
         seed=None,
-        stop_token_ids=None,
+        stop_token_ids="auto",
         padding_mask=None,
-        pad_token_id=0,
+        pad_token_id=None,
         verbose=False,
         block_size=None,
+        strip_prompt=False,
     ):
         """Generates tokens after a prompt: parallel prefill, then recurrent decoding.
 
@@ -525,26 +396,90 @@ class LinearCausalLM(CheckpointTracked, keras.Model):
         cached), with a state whose size does not depend on the length.
 
         Args:
-            prompt_ids: ``[B, P]`` int token ids, ``P >= 1``. Prompts of
-                different lengths in one batch must be left-padded and given
-                a `padding_mask`.
+            inputs: ``[B, P]`` int token ids (``P >= 1``; prompts of
+                different lengths left-padded, with a `padding_mask`), a dict
+                ``{"token_ids", "padding_mask"}``, or, with a `preprocessor`,
+                a string or a list of strings.
             max_length: total length of the output, prompt included (>= P).
-            sampler: a `keras_linattn.samplers` name or `Sampler`; default: the
-                sampler given to `compile(sampler=...)`, else ``"greedy"``.
-            seed: int seed of random samplers (None: a fresh random seed).
-            stop_token_ids: optional ids that end a row; once a row emits one,
-                its later positions are `pad_token_id`. Generation stops early
-                when every row has finished.
+                Required for token ids; for strings, the default is the
+                preprocessor's `sequence_length`.
+            sampler: a `keras_linattn.samplers` name or `Sampler`, or a
+                keras-hub sampler; default: the sampler given to
+                `compile(sampler=...)`, else ``"greedy"``.
+            seed: int seed of `keras_linattn.samplers` (None: a fresh random
+                seed). keras-hub samplers use their own `seed`.
+            stop_token_ids: ids that end a row; once a row emits one, its
+                later positions are `pad_token_id`, and generation stops
+                early when every row has finished. ``"auto"`` (default): the
+                preprocessor tokenizer's end token, none without a
+                preprocessor. None: never stop early.
             padding_mask: optional ``[B, P]``, 1 for real prompt tokens; each
                 row must be left-padded (zeros, then ones) with >= 1 real token.
-            pad_token_id: id written after a row's stop token.
+            pad_token_id: id written after a row's stop token (default: the
+                tokenizer's pad id with a preprocessor, else 0).
             verbose: show a progress bar (decoding then runs in blocks).
             block_size: tokens decoded per compiled call; default: all at once
                 (32 when `verbose`).
+            strip_prompt: string prompts only: return the completion alone.
 
         Returns:
-            ``[B, max_length]`` int32 numpy array of token ids.
+            For token ids, a ``[B, max_length]`` int32 numpy array. For
+            strings, the prompt and its completion as a string (one prompt)
+            or a list of strings.
         """
+        text = _is_text(inputs)
+        if strip_prompt and not text:
+            raise ValueError("`strip_prompt=True` applies to string prompts only; slice the token ids instead.")
+        tokenizer = None if self.preprocessor is None else self.preprocessor.tokenizer
+        if text:
+            if self.preprocessor is None:
+                raise ValueError(
+                    "String prompts need a `preprocessor` (e.g. `LinearCausalLMPreprocessor(tokenizer)`). "
+                    f"Received: inputs={inputs!r}"
+                )
+            if padding_mask is not None:
+                raise ValueError("`padding_mask` is computed by the preprocessor for string prompts; leave it None.")
+            single = isinstance(inputs, (str, bytes))
+            if max_length is None:
+                max_length = self.preprocessor.sequence_length
+            packed = self.preprocessor.generate_preprocess([inputs] if single else list(inputs))
+            inputs, padding_mask = packed["token_ids"], packed["padding_mask"]
+            if np.shape(inputs)[1] > max_length:
+                raise ValueError(
+                    f"A prompt is {np.shape(inputs)[1]} tokens long, more than max_length={max_length}. "
+                    f"Received: max_length={max_length}"
+                )
+        elif isinstance(inputs, dict):
+            inputs, padding_mask = unpack_inputs(inputs, padding_mask)
+        if max_length is None:
+            raise ValueError("`max_length` is required for token-id prompts.")
+        if isinstance(stop_token_ids, str) and stop_token_ids == "auto":
+            stop_token_ids = None if tokenizer is None else [tokenizer.end_token_id]
+        if pad_token_id is None:
+            pad_token_id = 0 if tokenizer is None or tokenizer.pad_token_id is None else tokenizer.pad_token_id
+        tokens = self._generate_ids(
+            inputs, max_length, sampler, seed, stop_token_ids, padding_mask, pad_token_id, verbose, block_size
+        )
+        if not text:
+            return tokens
+        prompt_mask = np.asarray(padding_mask).astype(bool)
+        mask = np.zeros(tokens.shape, bool)
+        mask[:, : prompt_mask.shape[1]] = prompt_mask
+        generated = tokens[:, prompt_mask.shape[1] :]
+        keep = np.ones(generated.shape, bool)
+        if stop_token_ids:
+            hit = np.isin(generated, np.asarray(list(stop_token_ids)))
+            keep = np.cumsum(hit, axis=1) - hit == 0  # up to and including the first stop token
+        mask[:, prompt_mask.shape[1] :] = keep
+        if strip_prompt:
+            mask[:, : prompt_mask.shape[1]] = False
+        out = self.preprocessor.generate_postprocess({"token_ids": tokens, "padding_mask": mask})
+        out = [x.decode("utf-8") if isinstance(x, bytes) else x for x in np.asarray(out).reshape(-1).tolist()]
+        return out[0] if single else out
+
+    def _generate_ids(
+        self, prompt_ids, max_length, sampler, seed, stop_token_ids, padding_mask, pad_token_id, verbose, block_size
+    ):
         prompt, mask, max_length = generation.check_generate_arguments(
             prompt_ids, max_length, padding_mask, self.vocabulary_size, self.max_sequence_length
         )
@@ -552,8 +487,8 @@ class LinearCausalLM(CheckpointTracked, keras.Model):
         if stop_token_ids is not None:
             stop_token_ids = tuple(int(t) for t in np.atleast_1d(stop_token_ids))
         if sampler is None:
-            sampler = getattr(self, "_sampler", None) or "greedy"
-        sampler = samplers_lib.get(sampler)
+            sampler = getattr(self, "sampler", None) or "greedy"
+        sampler = _get_sampler(sampler)
         if block_size is None:
             block_size = 32 if verbose else max(max_length - prompt_length, 1)
         block_size = _validation.check_positive_int("block_size", block_size)
@@ -598,23 +533,20 @@ class LinearCausalLM(CheckpointTracked, keras.Model):
 
     # ------------------------------------------------------------- config
     def get_config(self):
-        config = super().get_config()
-        config.update(
-            {
-                "vocabulary_size": self.vocabulary_size,
-                "num_layers": self.num_layers,
-                "hidden_dim": self.hidden_dim,
-                "num_heads": self.num_heads,
-                "intermediate_dim": self.intermediate_dim,
-                "feature_map": _serialize_map(self.feature_map),
-                "key_dim": self.key_dim,
-                "chunk_size": self.chunk_size,
-                "dropout": self.dropout,
-                "max_sequence_length": self.max_sequence_length,
-                "tie_embeddings": self.tie_embeddings,
-                "activation": self.activation,
-                "layer_norm_epsilon": self.layer_norm_epsilon,
-                **self.attention_config.get_config(),
-            }
-        )
-        return config
+        self._check_aliases()
+        return {
+            "backbone": keras.layers.serialize(self.backbone),
+            "preprocessor": keras.layers.serialize(self.preprocessor) if self.preprocessor is not None else None,
+            "name": self.name,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        if "backbone" not in config:
+            # A round-2 config: the backbone's arguments, flat. A round-2 model
+            # was compiled only by its user; Keras restores that compile, if
+            # any, from the file.
+            config.pop("trainable", None)
+            return cls(**config, compile=False)
+        return super().from_config(config)

@@ -32,7 +32,9 @@ def _check(x, kernel, buffer):
             f"Received: kernel.shape={tuple(kernel.shape)}"
         )
     channels = tuple(x.shape[2:])
-    if any(a is not None and b is not None and a != b for a, b in zip(channels, kernel.shape[1:], strict=True)):
+    if len(channels) != len(kernel.shape) - 1 or any(
+        a is not None and b is not None and a != b for a, b in zip(channels, kernel.shape[1:], strict=True)
+    ):
         raise ValueError(
             f"`kernel` must have shape [K, {', '.join(map(str, channels))}] matching the inputs. "
             f"Received: kernel.shape={tuple(kernel.shape)}, inputs.shape={tuple(x.shape)}"
