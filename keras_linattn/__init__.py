@@ -20,20 +20,25 @@ from keras_linattn import (
     export,
     feature_maps,
     layers,
+    linearization,
     ops,
     recurrences,
     regularizers,
     samplers,
 )
+from keras_linattn.linearization import attention_transfer, linearize
 from keras_linattn.version import __version__
 
 __all__ = [
     "__version__",
+    "attention_transfer",
     "callbacks",
     "distill",
     "export",
     "feature_maps",
     "layers",
+    "linearization",
+    "linearize",
     "models",
     "ops",
     "recurrences",

@@ -16,8 +16,9 @@ figure is the KL divergence ``KL(p_softmax || p_linear)``, which differs from
 the cross-entropy by the (constant) softmax entropy: it is 0 for a perfect
 match. Both use the layer's padding and causal masks.
 
-The layer inputs are captured with call hooks: while the model runs forward,
-each `LinearAttention` layer records the arguments it is called with
+The layers are found and their inputs captured with public API
+(`keras_linattn._capture`): while the model runs forward, a wrapper of each
+`LinearAttention` layer's ``call`` records the arguments it is called with
 (query, value, key, masks, ``use_causal_mask``). This works for functional,
 Sequential and subclassed models and for layers nested in blocks or
 sub-models, as long as the attention layer is invoked as ``layer(...)`` on
@@ -25,6 +26,11 @@ each forward pass (not from inside a ``while_loop`` / RNN cell, as the
 recurrent ``step`` path does). Inputs are re-captured on every step from the
 model itself, with gradients stopped, so each layer is trained on the inputs
 produced by the already-updated layers before it.
+
+Training runs through ``fit`` on the trainer shared with
+`keras_linattn.attention_transfer` (`keras_linattn._trainer`): a
+`keras.Model` whose ``train_step`` takes one step on the feature maps, so
+Keras callbacks (`keras.callbacks.BackupAndRestore` included) work.
 
 Distillation forms the ``[B, H, T, S]`` attention matrices: use it with
 training-sized sequences, not with the long ones linear attention serves.
@@ -34,13 +40,14 @@ C feature dim.
 """
 
 import dataclasses
-import inspect
 
 import keras
 import numpy as np
 import tensorflow as tf
 from keras import ops
 
+from keras_linattn._capture import CallHooks, walk_layers
+from keras_linattn._trainer import ObjectiveTrainer
 from keras_linattn._validation import check_bool, check_one_of, check_optional_positive_int, check_positive_int
 from keras_linattn.layers.linear_attention import LinearAttention
 from keras_linattn.ops import reference
@@ -84,60 +91,45 @@ class DistillationHistory:
 def find_attention_layers(model, trainable_only=True):
     """The `LinearAttention` layers of `model` (recursively), in model order.
 
+    The order is `keras_linattn._capture.walk_layers`'s: a model's public
+    ``layers`` (graph order for functional models), and the layers held in
+    the attributes of any other layer, depth-first.
+
     Args:
         model: a Keras model or layer.
         trainable_only: keep only layers whose feature map has trainable
             weights (once built) or is not built yet.
     """
     found = []
-    candidates = [model] + list(model._flatten_layers(include_self=False, recursive=True))
-    for layer in candidates:
-        if not isinstance(layer, LinearAttention) or any(layer is f for f in found):
+    for layer in walk_layers(model):
+        if not isinstance(layer, LinearAttention):
             continue
         fm = layer.feature_map
-        if trainable_only and fm.built and not fm.trainable_weights:
+        if trainable_only and (fm is None or (fm.built and not fm.trainable_weights)):
             continue
         found.append(layer)
     return found
 
 
 class _CallRecorder:
-    """Context manager recording the arguments of every call of some layers.
-
-    The hook is an instance attribute ``call`` that shadows the class method
-    while the context is active (Keras' ``Layer.__call__`` looks it up on the
-    instance), and is removed on exit.
-    """
+    """Context manager recording the arguments of every call of some layers (`CallHooks`)."""
 
     def __init__(self, layers):
         self.layers = layers
         self.records = []
+        self._hooks = CallHooks(layers, self._around)
+
+    def _around(self, index, call, arguments):
+        self.records.append((index, dict(arguments.arguments)))
+        return call(*arguments.args, **arguments.kwargs)
 
     def __enter__(self):
         self.records = []
-        # Keras may trace a layer in a scratch graph (shape inference while
-        # building); only calls in the graph (or eager context) of the
-        # forward pass itself are recorded.
-        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-        for index, layer in enumerate(self.layers):
-            original = layer.call
-            signature = inspect.signature(original)
-
-            def hook(*args, _index=index, _original=original, _signature=signature, **kwargs):
-                current = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-                if current is graph:
-                    bound = _signature.bind(*args, **kwargs)
-                    bound.apply_defaults()
-                    self.records.append((_index, dict(bound.arguments)))
-                return _original(*args, **kwargs)
-
-            object.__setattr__(layer, "call", hook)
+        self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc_info):
-        for layer in self.layers:
-            layer.__dict__.pop("call", None)
-        return False
+        return self._hooks.__exit__(*exc_info)
 
 
 def _resolve_causal(arguments, causal):
@@ -302,32 +294,6 @@ def attention_kl(model, data, steps=None, batch_size=32, causal=None, layers=Non
     return dict(zip(_layer_names(chosen), (float(v) for v in values), strict=True))
 
 
-class _TrainableOnlyFeatureMaps:
-    """Freezes a model except some feature maps; restores every flag on exit."""
-
-    def __init__(self, model, feature_maps):
-        self.model = model
-        self.feature_maps = feature_maps
-
-    def __enter__(self):
-        self.layers = [self.model] + list(self.model._flatten_layers(include_self=False, recursive=True))
-        self.layer_flags = [(layer, layer.trainable) for layer in self.layers]
-        self.variable_flags = [(v, v.trainable) for v in self.model.variables]
-        self.model.trainable = False
-        for fm in self.feature_maps:
-            fm.trainable = True
-        return self
-
-    def __exit__(self, *exc_info):
-        # Parents come before their children: a parent's setter cascades,
-        # then each child gets its own flag back.
-        for layer, flag in self.layer_flags:
-            layer.trainable = flag
-        for variable, flag in self.variable_flags:
-            variable.trainable = flag
-        return False
-
-
 def distill_attention(
     model,
     data,
@@ -342,12 +308,16 @@ def distill_attention(
     validation_steps=None,
     jit_compile=False,
     verbose=1,
+    callbacks=None,
 ):
     """Trains only the feature maps so linear attention matches softmax attention.
 
-    Every other weight of the model is frozen for the duration (all
-    ``trainable`` flags, of layers and of variables, are restored afterwards,
-    also on error). Weight regularizers of the feature maps (e.g. an
+    Nothing else of the model is updated, and no ``trainable`` flag is
+    changed. Training runs through ``fit`` on a `keras.Model` whose
+    ``train_step`` takes one step on the feature maps (the trainer shared
+    with `keras_linattn.attention_transfer`), so Keras callbacks work,
+    `keras.callbacks.BackupAndRestore` included (it saves the model's
+    weights and the optimizer's state). Weight regularizers of the feature maps (e.g. an
     orthogonality penalty) are added to the loss.
 
     Args:
@@ -370,6 +340,9 @@ def distill_attention(
             `steps_per_epoch` (None: the whole validation data).
         jit_compile: compile the distillation step with XLA.
         verbose: 0 silent, 1 progress bar, 2 one line per epoch.
+        callbacks: optional list of `keras.callbacks.Callback` for ``fit``
+            (their ``model`` is the trainer, whose ``model`` attribute is
+            `model`).
 
     Returns:
         A `DistillationHistory` with per-layer KL before and after.
@@ -402,6 +375,8 @@ def distill_attention(
 
     chosen = _select_layers(model, layers)
     names = _layer_names(chosen)
+    if next(iter(dataset), None) is None:
+        raise ValueError("`data` yielded no batch.")
     before = _evaluate(model, chosen, eval_dataset, eval_steps, causal)  # also builds the model
     feature_maps = []
     for layer in chosen:
@@ -420,62 +395,31 @@ def distill_attention(
         )
     if optimizer is None:
         optimizer = keras.optimizers.Adam(learning_rate)
-    history = {"loss": [], "kl": [], **{f"kl/{n}": [] for n in names}}
+    recorder = _CallRecorder(chosen)
 
-    with _TrainableOnlyFeatureMaps(model, feature_maps):
-        optimizer.build(variables)
-        recorder = _CallRecorder(chosen)
+    def objective(x):
+        with recorder:
+            model(x, training=False)
+        sums = _per_layer_terms(chosen, recorder.records, causal)
+        ce = [s[0] / ops.maximum(s[2], 1.0) for s in sums]
+        penalty = sum((ops.sum(ops.stack(fm.losses)) for fm in feature_maps if fm.losses), 0.0)
+        kls = [s[1] / ops.maximum(s[2], 1.0) for s in sums]
+        logs = {"loss": ops.mean(ops.stack(ce)) + penalty, "kl": ops.mean(ops.stack(kls))}
+        logs.update({f"kl/{name}": kl for name, kl in zip(names, kls, strict=True)})
+        return logs
 
-        def train_step(x):
-            with recorder:
-                model(x, training=False)
-            records = recorder.records
-            with tf.GradientTape() as tape:
-                sums = _per_layer_terms(chosen, records, causal)
-                ce = [s[0] / ops.maximum(s[2], 1.0) for s in sums]
-                penalty = sum((ops.sum(ops.stack(fm.losses)) for fm in feature_maps if fm.losses), 0.0)
-                loss = ops.mean(ops.stack(ce)) + penalty
-            grads = tape.gradient(loss, variables)
-            optimizer.apply_gradients(zip(grads, variables, strict=True))
-            kls = ops.stack([s[1] / ops.maximum(s[2], 1.0) for s in sums])  # [layers]
-            return loss, kls
-
-        step_fn = tf.function(train_step, jit_compile=jit_compile, reduce_retracing=True)
-        iterator = iter(dataset.repeat()) if steps_per_epoch is not None else None
-        for epoch in range(epochs):
-            if verbose == 1:
-                print(f"Distillation epoch {epoch + 1}/{epochs}")
-            target = steps_per_epoch
-            if target is None and int(dataset.cardinality()) > 0:
-                target = int(dataset.cardinality())
-            bar = keras.utils.Progbar(target, verbose=1 if verbose == 1 else 0)
-            batches = iterator if iterator is not None else iter(dataset)
-            losses, kls, step = [], [], 0
-            while steps_per_epoch is None or step < steps_per_epoch:
-                try:
-                    batch = next(batches)
-                except StopIteration:
-                    break
-                loss, kl = step_fn(_inputs_of(batch))
-                loss, kl = float(loss), np.asarray(kl)
-                losses.append(loss)
-                kls.append(kl)
-                step += 1
-                bar.update(step, values=[("loss", loss), ("kl", float(kl.mean()))])
-            if not losses:
-                raise ValueError("`data` yielded no batch.")
-            if target is None:
-                bar.update(step, finalize=True)
-            mean_kl = np.mean(np.stack(kls), axis=0)
-            if verbose == 2:
-                print(
-                    f"Distillation epoch {epoch + 1}/{epochs} - {step} steps - "
-                    f"loss: {np.mean(losses):.4f} - kl: {mean_kl.mean():.4f}"
-                )
-            history["loss"].append(float(np.mean(losses)))
-            history["kl"].append(float(mean_kl.mean()))
-            for name, value in zip(names, mean_kl, strict=True):
-                history[f"kl/{name}"].append(float(value))
+    log_names = ["loss", "kl"] + [f"kl/{name}" for name in names]
+    trainer = ObjectiveTrainer(objective, variables, {"model": model}, log_names, name="distill")
+    trainer.compile(optimizer=optimizer, jit_compile=jit_compile)
+    fit = trainer.fit(
+        dataset if steps_per_epoch is None else dataset.repeat(),
+        epochs=epochs,
+        steps_per_epoch=steps_per_epoch,
+        verbose=verbose,
+        callbacks=callbacks,
+        shuffle=False,
+    )
+    history = {key: [float(v) for v in fit.history[key]] for key in log_names}
 
     after = _evaluate(model, chosen, eval_dataset, eval_steps, causal)
     return DistillationHistory(

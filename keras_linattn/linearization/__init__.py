@@ -1,0 +1,10 @@
+"""Linearizing pretrained softmax Transformers: `linearize`, then `attention_transfer`.
+
+See docs/linearize.md. `linearize` and `attention_transfer` are also
+exported at the package's top level.
+"""
+
+from keras_linattn.linearization.convert import linearize
+from keras_linattn.linearization.transfer import attention_pairs, attention_transfer, transfer_variables
+
+__all__ = ["attention_pairs", "attention_transfer", "linearize", "transfer_variables"]

@@ -1,0 +1,114 @@
+"""`linearize`: a pretrained softmax-attention model, rebuilt with `LinearAttention` in each attention slot.
+
+The teacher's type picks the adapter:
+
+- a keras-hub model (a class from the ``keras_hub`` package): the keras-hub
+  adapter, imported only then (``import keras_linattn`` never imports
+  keras_hub);
+- a functional or Sequential `keras.Model` built from
+  `keras.layers.MultiHeadAttention`: the generic adapter
+  (`keras_linattn.linearization._generic`);
+- anything else: ``TypeError``.
+"""
+
+import importlib
+import importlib.util
+
+import keras
+
+from keras_linattn._validation import check_optional_positive_int
+from keras_linattn.linearization import _generic
+
+__all__ = ["linearize"]
+
+# Adapters for model families, imported only for a teacher of that family:
+# (name of the package the teacher's class comes from, module of the adapter).
+_FAMILY_ADAPTERS = (("keras_hub", "keras_linattn.linearization._keras_hub"),)
+
+
+def _families(teacher):
+    """The top-level packages of the classes the teacher's class derives from (no import needed)."""
+    return {cls.__module__.split(".", 1)[0] for cls in type(teacher).__mro__}
+
+
+def _adapter(teacher):
+    families = _families(teacher)
+    for package, module in _FAMILY_ADAPTERS:
+        if package in families:
+            if importlib.util.find_spec(module) is None:
+                raise TypeError(
+                    f"{package} teachers are not supported yet. Received: teacher of type {type(teacher).__name__}"
+                )
+            return importlib.import_module(module).linearize
+    if isinstance(teacher, keras.Sequential) or (isinstance(teacher, keras.Model) and hasattr(teacher, "outputs")):
+        return _linearize_generic
+    raise TypeError(
+        "`linearize` takes a functional or Sequential keras.Model built from keras.layers.MultiHeadAttention, "
+        "or a supported keras-hub model; a subclassed model's attention cannot be found generically. "
+        f"Received: teacher of type {type(teacher).__name__}"
+    )
+
+
+def _linearize_generic(teacher, *, feature_map, window_size, **attention_kwargs):
+    return _generic.linearize_functional(teacher, feature_map, window_size, attention_kwargs)
+
+
+def linearize(teacher, *, feature_map="hedgehog", window_size=64, **attention_kwargs):
+    """A copy of a softmax-attention model with linear attention in each attention slot.
+
+    Each `keras.layers.MultiHeadAttention` becomes a
+    `keras_linattn.layers.LinearAttention` with the same heads, key/value
+    dims, dropout and output shape, its query/key/value/output kernels and
+    biases copied (the EinsumDense layouts are the same), called with the
+    same ``use_causal_mask`` (read from the teacher's graph). Every other
+    layer is rebuilt from its config with its weights copied. The teacher
+    is not modified.
+
+    With the default ``feature_map="hedgehog"`` and a sliding window (the
+    LoLCATs recipe), each causal attention is exact softmax over the last
+    `window_size` tokens plus hedgehog linear attention over older ones:
+    for sequences no longer than `window_size` the linearized model
+    computes the teacher's function (up to rounding); beyond, the feature
+    maps are trained with `keras_linattn.attention_transfer`.
+
+    Args:
+        teacher: a functional `keras.Model` built from
+            `keras.layers.MultiHeadAttention` (self- or cross-attention,
+            nested functional models included). keras-hub models are
+            dispatched to their own adapter where one exists.
+        feature_map: the feature map of every linearized attention (a
+            registered name, a config, or a `FeatureMap` whose config each
+            layer copies). Default ``"hedgehog"``.
+        window_size: the softmax window W of causal attention, or None for
+            linear attention alone. The window is causal: a non-causal
+            attention (encoder self-attention, cross-attention) needs
+            ``window_size=None``. Default 64.
+        **attention_kwargs: further `LinearAttention` arguments (e.g.
+            ``chunk_size``, ``conv_size``, ``epsilon``).
+
+    Returns:
+        A new Keras model of the teacher's kind.
+
+    Raises:
+        TypeError: for a teacher no adapter supports (e.g. a subclassed model).
+        ValueError: for a model without MultiHeadAttention, attention this
+            layer cannot reproduce (an ``attention_mask``, attention scores
+            returned, ``attention_axes`` other than the sequence,
+            ``use_gate``, ``sliding_window``), or a window on non-causal
+            attention.
+
+    Example:
+
+    >>> import keras
+    >>> import numpy as np
+    >>> import keras_linattn
+    >>> inputs = keras.Input((8, 16))
+    >>> attention = keras.layers.MultiHeadAttention(2, 8)
+    >>> teacher = keras.Model(inputs, attention(inputs, inputs, use_causal_mask=True))
+    >>> student = keras_linattn.linearize(teacher, window_size=8)
+    >>> x = np.random.default_rng(0).normal(size=(1, 8, 16)).astype("float32")
+    >>> bool(np.allclose(student(x), teacher(x), atol=1e-5))
+    True
+    """
+    window_size = check_optional_positive_int("window_size", window_size)
+    return _adapter(teacher)(teacher, feature_map=feature_map, window_size=window_size, **attention_kwargs)
