@@ -173,6 +173,45 @@ def _copy_llama(copy, student):
     copy(student.final_norm.scale, "sequence_output_layernorm/scale")
 
 
+def _relinearize(backbone, feature_map, window_size, attention_kwargs):
+    """The package's own LM with another attention (feature map, window, ...): every other weight copied.
+
+    The attention settings of the teacher are replaced as a whole by
+    `feature_map`, `window_size` and `attention_kwargs`; weights the two
+    attentions share (projections, short convolutions) are copied where the
+    paths and shapes match, the new attention's own weights keep their
+    initialization.
+    """
+    from keras_linattn.recurrences.config import AttentionConfig
+
+    config = backbone.get_config()
+    for key in list(AttentionConfig.pop(dict(config), feature_map=None).get_config()):
+        config.pop(key, None)
+    for key in ("decay", "normalize", "update", "window_size", "conv_size", "recurrence"):
+        config.pop(key, None)
+    config.pop("name", None)
+    config.update(attention_kwargs)
+    config["window_size"] = window_size
+    config["feature_map"] = feature_map
+    student = LinearBackbone(**config)
+    source = _weights_by_path(backbone)
+    target = _weights_by_path(student)
+    maps = {id(w) for block in student.decoder_blocks for w in block.attention.feature_map.weights} if any(
+        block.attention.feature_map is not None for block in student.decoder_blocks
+    ) else set()
+    missing = []
+    for path, w in target.items():
+        if id(w) in maps:
+            continue
+        if path in source and tuple(source[path].shape) == tuple(w.shape):
+            w.assign(source[path])
+        elif "feature_map" not in path:
+            missing.append(path)
+    if missing:
+        raise ValueError(f"The teacher has no weight for these student weights (shapes or paths differ): {missing}")
+    return student
+
+
 _ADAPTERS = {
     "GPT2Backbone": (_gpt2_config, _copy_gpt2),
     "LlamaBackbone": (_llama_config, _copy_llama),
@@ -199,15 +238,18 @@ def linearize_keras_hub(teacher, *, feature_map="hedgehog", window_size=64, **at
     backbone = teacher.backbone if is_task else teacher
     if not isinstance(backbone, keras_hub.models.Backbone):
         raise TypeError(f"Expected a keras-hub CausalLM or Backbone. Received: {type(teacher).__name__}")
-    family = _family(backbone)
-    make_config, copy_weights = _ADAPTERS[family]
-    config = make_config(backbone.get_config())
-    config.update(attention_kwargs)
-    config.setdefault("window_size", window_size)
-    student = LinearBackbone(feature_map=feature_map, dtype=backbone.dtype_policy.name, **config)
-    copier = _Copier(backbone)
-    copy_weights(copier, student)
-    copier.check_all_used()
+    if isinstance(backbone, LinearBackbone):
+        student = _relinearize(backbone, feature_map, window_size, attention_kwargs)
+    else:
+        family = _family(backbone)
+        make_config, copy_weights = _ADAPTERS[family]
+        config = make_config(backbone.get_config())
+        config.update(attention_kwargs)
+        config.setdefault("window_size", window_size)
+        student = LinearBackbone(feature_map=feature_map, dtype=backbone.dtype_policy.name, **config)
+        copier = _Copier(backbone)
+        copy_weights(copier, student)
+        copier.check_all_used()
     if not is_task:
         return student
     preprocessor = None
