@@ -14,7 +14,7 @@ import pytest
 from keras import ops
 
 from keras_linattn import feature_maps
-from keras_linattn.layers import LinearAttention, LinearTransformerDecoder
+from keras_linattn.layers import LinearAttention, LinearAttentionCell, LinearTransformerDecoder
 from keras_linattn.models import LinearCausalLM
 from keras_linattn.ops import rotary as rotary_ops
 from keras_linattn.ops import window as window_ops
@@ -185,6 +185,14 @@ def test_step_pieces_and_left_padding_equal_one_pass(rng, config):
     assert_close(tail, np.asarray(unpadded)[:, 5:], n=n, conditioning=c, paths=2, what="padded prefill then steps")
 
 
+def test_the_rnn_cell_carries_the_position(rng):
+    layer = _layer()
+    x, _ = _inputs(rng)
+    out = keras.layers.RNN(LinearAttentionCell(layer), return_sequences=True)(x)
+    ref = _reference(layer, x)
+    assert_close(out, ref, n=_n(layer), conditioning=_rope_conditioning(T), what="RNN(cell)")
+
+
 # ------------------------------------------------------------ window gamma
 def test_a_window_covering_the_sequence_is_exact_softmax_whatever_gamma(rng):
     layer = _layer(window_size=T, kv=None)
@@ -333,3 +341,38 @@ def test_the_lm_carries_the_arguments_to_every_block_and_decodes_like_its_parall
     assert_close(logits[1:, 2:], unpadded, n=n, paths=2, conditioning=9.0, what="LM left padding")
     loaded = save_and_load(lm, tmp_path)
     np.testing.assert_array_equal(np.asarray(loaded(tokens, padding_mask=mask)), logits)
+
+
+# ------------------------------------------------------ a keras-hub teacher
+def test_copied_llama_attention_weights_give_the_teachers_output(rng):
+    """keras-hub's LlamaAttention (RoPE + GQA, no bias) vs LinearAttention with its weights and W >= T."""
+    keras_hub = pytest.importorskip("keras_hub")
+    from keras_hub.src.models.llama.llama_attention import LlamaAttention
+
+    dim, heads, kv, t = 24, 4, 2, 10
+    teacher = LlamaAttention(num_query_heads=heads, num_key_value_heads=kv, rope_max_wavelength=10000)
+    teacher.build((None, None, dim))
+    student = LinearAttention(
+        heads,
+        dim // heads,
+        feature_map=feature_maps.get("hedgehog", share_qk=False),
+        use_bias=False,
+        window_size=t,
+        window_gamma=0.1,
+        num_key_value_heads=kv,
+        rope_max_wavelength=10000,
+    )
+    student.build((None, None, dim), (None, None, dim))
+    for ours, theirs in (
+        (student.query_dense, teacher._query_dense),
+        (student.key_dense, teacher._key_dense),
+        (student.value_dense, teacher._value_dense),
+        (student.output_dense, teacher._output_dense),
+    ):
+        ours.kernel.assign(theirs.kernel)
+    x = rng.normal(size=(2, t, dim)).astype("float32")
+    causal = np.broadcast_to(np.tril(np.ones((t, t), bool)), (2, t, t))
+    expected = teacher(x, attention_mask=causal)
+    out = student(x, x, use_causal_mask=True)
+    assert keras_hub is not None
+    assert_close(out, expected, n=t + dim + heads * (dim // heads), conditioning=float(t), paths=2, what="teacher")
