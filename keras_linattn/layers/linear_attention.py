@@ -159,6 +159,20 @@ class LinearAttention(_projections.ProjectedAttention):
         if initial_state is not None:
             _state.check_state(self.state_spec(), initial_state, name="initial_state")
             parts = self._split_state(initial_state)
+        (query, key, value), gate_keys, new_parts = self._before_recurrence(
+            query, key, value, key_mask, use_causal_mask, parts
+        )
+        out, recurrence_parts = self.recurrence.call(
+            query, key, value, gate_keys, key_mask, parts, causal=use_causal_mask, training=training
+        )  # [B, T, H, M]
+        new_parts.update(recurrence_parts)
+        return self.output_norm(out), tuple(new_parts[entry.name] for entry in self.state_spec())
+
+    def _before_recurrence(self, query, key, value, key_mask, causal, parts):
+        """The stages between the projections and the recurrence: key padding, short convolution, RoPE.
+
+        Returns ``((q, k, v), gate_keys, new_parts)``.
+        """
         # Padded keys enter the map as zeros, so maps with statistics over
         # keys (the non-causal stabilizers of favor+/favor_trig) never see
         # padded junk; their features are masked again after the map.
@@ -166,15 +180,40 @@ class LinearAttention(_projections.ProjectedAttention):
         gate_keys = key
         # The query sequence is the key sequence in causal self-attention:
         # its padding is the keys'.
-        query_mask = key_mask if use_causal_mask else None
+        query_mask = key_mask if causal else None
         (query, key, value), new_parts = self.short_conv(query, key, value, key_mask, query_mask, parts)
         if self.rope_max_wavelength is not None:
-            query, key, new_parts["position"] = self._rotate(query, key, key_mask, use_causal_mask, parts)
-        out, recurrence_parts = self.recurrence.call(
-            query, key, value, gate_keys, key_mask, parts, causal=use_causal_mask, training=training
-        )  # [B, T, H, M]
-        new_parts.update(recurrence_parts)
-        return self.output_norm(out), tuple(new_parts[entry.name] for entry in self.state_spec())
+            query, key, new_parts["position"] = self._rotate(query, key, key_mask, causal, parts)
+        return (query, key, value), gate_keys, new_parts
+
+    def attention_inputs(self, query, value, key=None, key_mask=None, use_causal_mask=False):
+        """The queries, keys and values the feature map and the recurrence see, from a fresh state.
+
+        The projections (key/value heads repeated for grouped-query
+        attention), the short convolution and the rotary embeddings: what a
+        softmax teacher's attention is compared with (attention transfer,
+        distillation). `project` stops before the convolution and RoPE.
+
+        Args:
+            query: ``[B, T, dim]``.
+            value: ``[B, S, dim]``.
+            key: optional ``[B, S, dim]``; defaults to `value`.
+            key_mask: optional ``[B, S]`` (1 = real key).
+            use_causal_mask: causal self-attention (decides the queries'
+                padding and positions).
+
+        Returns:
+            ``(q [B, T, H, D], k [B, S, H, D], v [B, S, H, M])``; padded keys
+            and values are zeros.
+        """
+        if not self.built:
+            key_shape = None if key is None else key.shape
+            self.build(query.shape, value.shape, key_shape)
+        if key_mask is not None:
+            key_mask = ops.cast(key_mask, "bool")
+        q, k, v = self.project(query, value, key)
+        (q, k, v), _, _ = self._before_recurrence(q, k, v, key_mask, use_causal_mask, None)
+        return q, k, v
 
     def _rotate(self, query, key, key_mask, causal, parts):
         """Rotary embeddings on ``q [B, T, H, D]`` and ``k [B, S, H, D]``; returns ``(q, k, position [B])``.

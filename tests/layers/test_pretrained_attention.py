@@ -18,7 +18,7 @@ from keras_linattn.layers import LinearAttention, LinearAttentionCell, LinearTra
 from keras_linattn.models import LinearCausalLM
 from keras_linattn.ops import rotary as rotary_ops
 from keras_linattn.ops import window as window_ops
-from tests._helpers import _outputs_and_gradients, run_steps, save_and_load
+from tests._helpers import _outputs_and_gradients, assert_fits_with_xla, run_steps, save_and_load
 from tests.tolerance import assert_close
 
 DIM, HEADS, KV_HEADS, KEY_DIM, T = 16, 4, 2, 6, 11
@@ -376,3 +376,26 @@ def test_copied_llama_attention_weights_give_the_teachers_output(rng):
     out = student(x, x, use_causal_mask=True)
     assert keras_hub is not None
     assert_close(out, expected, n=t + dim + heads * (dim // heads), conditioning=float(t), paths=2, what="teacher")
+
+
+def test_attention_inputs_are_the_rotated_repeated_heads(rng):
+    layer = _layer()
+    x, mask = _inputs(rng)
+    q, k, v = layer.attention_inputs(x, x, key_mask=mask, use_causal_mask=True)
+    q0, k0, v0 = layer.project(x, x)  # [B, T, H, D]: GQA heads repeated, before RoPE
+    m = mask.astype("float64")
+    positions = np.cumsum(m, axis=1) - m
+    assert_close(q, rotary_ops.rotary_embedding_reference(q0, positions), n=KEY_DIM, conditioning=float(T))
+    expected_k = rotary_ops.rotary_embedding_reference(k0, positions) * mask[:, :, None, None]
+    assert_close(k, expected_k, n=KEY_DIM, conditioning=float(T))
+    np.testing.assert_array_equal(np.asarray(k)[:, :, 0], np.asarray(k)[:, :, 1])  # one kv head, two query heads
+
+
+def test_fits_under_xla(rng):
+    inputs = keras.Input((16, 8))
+    layer = LinearAttention(
+        4, 4, chunk_size=8, window_size=4, window_gamma=0.1, num_key_value_heads=2, rope_max_wavelength=10000
+    )
+    model = keras.Model(inputs, keras.layers.Dense(8)(layer(inputs, inputs, use_causal_mask=True)))
+    assert_fits_with_xla(model, rng)
+    assert np.asarray(layer.recurrence.gamma_logit).std() > 0  # gamma is trained, per head
