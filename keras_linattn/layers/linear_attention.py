@@ -218,21 +218,22 @@ class LinearAttention(_projections.ProjectedAttention):
     def _rotate(self, query, key, key_mask, causal, parts):
         """Rotary embeddings on ``q [B, T, H, D]`` and ``k [B, S, H, D]``; returns ``(q, k, position [B])``.
 
-        A key's position is the state's position plus the number of real
-        keys before it in the piece (padding takes no position, as the LM's
-        positions); causal queries are the keys. Non-causal queries take the
-        state's position plus their index.
+        Causal self-attention: a token's position is the state's position
+        plus the number of real tokens before it in the piece (padding takes
+        no position, as the LM's positions), and the returned position adds
+        the piece's real tokens. Non-causal attention: queries and keys take
+        the state's position plus their index (padding counts; the relative
+        position of query i and key j is ``i - j`` as given).
         """
         batch = ops.shape(key)[0]
         start = ops.zeros((batch,), "float32") if parts is None else parts["position"]  # [B]
-        if key_mask is None:
-            offsets = ops.arange(ops.shape(key)[1], dtype="float32")[None, :]  # [1, S]
-            key_positions = start[:, None] + offsets  # [B, S]
-            end = start + ops.cast(ops.shape(key)[1], "float32")  # [B]
-        else:
+        if causal and key_mask is not None:
             real = ops.cast(key_mask, "float32")  # [B, S]
             key_positions = start[:, None] + ops.cumsum(real, axis=1) - real  # [B, S]
             end = start + ops.sum(real, axis=1)  # [B]
+        else:
+            key_positions = start[:, None] + ops.arange(ops.shape(key)[1], dtype="float32")[None, :]  # [B, S]
+            end = start + ops.cast(ops.shape(key)[1], "float32")  # [B]
         if causal:
             query_positions = key_positions
         else:

@@ -80,6 +80,7 @@ MECHANISM_ARGS_DOC = """\
             real tokens before a token (padded tokens take no position, so a
             left-padded sequence gets the positions of the unpadded one);
             the decode state carries the count (``position [B]``, float32).
+            Non-causal attention numbers queries and keys by their index.
             Needs an even `key_dim`. Keyword-only.
         rope_scaling_factor: positive number, default 1.0: positions are
             divided by it (keras-hub's linear RoPE scaling). Keyword-only."""

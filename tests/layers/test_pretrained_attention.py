@@ -399,3 +399,16 @@ def test_fits_under_xla(rng):
     model = keras.Model(inputs, keras.layers.Dense(8)(layer(inputs, inputs, use_causal_mask=True)))
     assert_fits_with_xla(model, rng)
     assert np.asarray(layer.recurrence.gamma_logit).std() > 0  # gamma is trained, per head
+
+
+def test_non_causal_rope_numbers_queries_and_keys_by_index(rng):
+    layer = _layer(window_size=None, kv=None, feature_map="elu")
+    x, mask = _inputs(rng)
+    q, k, _ = layer.attention_inputs(x, x, key_mask=mask, use_causal_mask=False)
+    q0, k0, _ = layer.project(x, x)
+    positions = np.broadcast_to(np.arange(T), (2, T))
+    assert_close(q, rotary_ops.rotary_embedding_reference(q0, positions), n=KEY_DIM, conditioning=float(T))
+    expected_k = rotary_ops.rotary_embedding_reference(k0, positions) * mask[:, :, None, None]
+    assert_close(k, expected_k, n=KEY_DIM, conditioning=float(T))
+    out = layer(x, x, key_mask=mask)  # the encoder's form: runs, finite
+    assert np.isfinite(np.asarray(out)).all()
