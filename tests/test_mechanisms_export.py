@@ -3,15 +3,15 @@
 Every mechanism's decode state (decayed (S, z), convolution buffers, window
 buffers) goes through the exported ``step``/``generate`` signatures and the
 ONNX generate graph, derived from `state_spec`. The Based combination (conv +
-window) and the gated convolution run in the default suite; the others are
-`slow`.
+window) and the pretrained-model arguments (RoPE, GQA, window gamma) run in
+the default suite; the others are `slow`.
 """
 
 import keras
 import numpy as np
 import pytest
 
-from keras_linattn import export, samplers
+from keras_linattn import export, feature_maps, samplers
 from keras_linattn.models import LinearCausalLM
 
 VOCAB = 48
@@ -25,10 +25,18 @@ CONFIGS = {
     "channel_unnormalized": dict(decay="channel", normalize=False),
     "window_elu": dict(window_size=6),
     "gated_delta_conv": dict(update="delta", normalize=False, decay="scalar", conv_size=4, feature_map=None),
+    # What a linearized Llama needs: RoPE (a position in each block's state), GQA, the window's gamma.
+    "pretrained": dict(
+        feature_map=feature_maps.get("hedgehog", share_qk=False),
+        window_size=4,
+        window_gamma=0.1,
+        num_key_value_heads=1,
+        rope_max_wavelength=10000,
+    ),
 }
 # Based (taylor + conv + window: every buffer kind in the state) in `make test`,
 # the rest in `make test-slow` (each export costs ~30-40 s on a 2-core machine).
-FAST = {"based"}
+FAST = {"based", "pretrained"}
 
 
 def _params():

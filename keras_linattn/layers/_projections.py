@@ -187,11 +187,12 @@ class ProjectedAttention(CheckpointTracked, keras.layers.Layer):
         self._input_dims = {"query": query_shape[-1], "value": value_shape[-1], "key": key_shape[-1]}
         h, d, m = self.num_heads, self.key_dim, self.value_dim
         out_dim = self.output_shape_ or query_shape[-1]
+        kv = self.key_value_heads
         self.query_dense = self._einsum_dense("btd,dhk->bthk", (None, h, d), "hk", "query")
         self.query_dense.build(query_shape)
-        self.key_dense = self._einsum_dense("btd,dhk->bthk", (None, h, d), "hk", "key")
+        self.key_dense = self._einsum_dense("btd,dhk->bthk", (None, kv, d), "hk", "key")
         self.key_dense.build(key_shape)
-        self.value_dense = self._einsum_dense("btd,dhk->bthk", (None, h, m), "hk", "value")
+        self.value_dense = self._einsum_dense("btd,dhk->bthk", (None, kv, m), "hk", "value")
         self.value_dense.build(value_shape)
         self.output_dense = self._einsum_dense("bthk,hkd->btd", (None, out_dim), "d", "attention_output")
         self.output_dense.build((query_shape[0], query_shape[1], h, m))
@@ -211,18 +212,35 @@ class ProjectedAttention(CheckpointTracked, keras.layers.Layer):
                     f"Received: {name}.shape={tuple(x.shape)}"
                 )
 
+    # Grouped-query attention: None (every head has its own keys and values)
+    # or a divisor of `num_heads`; set by subclasses that take the argument.
+    num_key_value_heads = None
+
+    @property
+    def key_value_heads(self):
+        """The number of key/value heads: `num_key_value_heads`, else `num_heads`."""
+        return self.num_heads if self.num_key_value_heads is None else self.num_key_value_heads
+
     def project(self, query, value, key=None):
         """Per-head projections.
 
         Returns ``(q [B, T, H, D], k [B, S, H, D], v [B, S, H, M])``, what
         `_compute_attention` receives; used by attention distillation and by
-        anyone who wants to inspect the attention this layer computes.
+        anyone who wants to inspect the attention this layer computes. With
+        grouped-query attention the ``G = H / kv_heads`` query heads of a
+        group share one key/value head: k and v are repeated ``G`` times on
+        the head axis (head h reads key/value head ``h // G``, as keras-hub's
+        Llama does).
         """
         if key is None:
             key = value
         q = self.query_dense(query)  # [B, T, H, D]
-        k = self.key_dense(key)  # [B, S, H, D]
-        v = self.value_dense(value)  # [B, S, H, M]
+        k = self.key_dense(key)  # [B, S, kv, D]
+        v = self.value_dense(value)  # [B, S, kv, M]
+        groups = self.num_heads // self.key_value_heads
+        if groups > 1:
+            k = ops.repeat(k, groups, axis=2)  # [B, S, H, D]
+            v = ops.repeat(v, groups, axis=2)  # [B, S, H, M]
         return q, k, v
 
     def project_output(self, attended, training):

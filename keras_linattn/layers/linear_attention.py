@@ -11,6 +11,7 @@ from keras_linattn._docstrings import fill
 from keras_linattn.layers import _projections
 from keras_linattn.layers._stages import OUTPUT_NORM_EPSILON, OutputNorm, ShortConvolution  # noqa: F401
 from keras_linattn.ops import core as la_ops
+from keras_linattn.ops import rotary as rotary_ops
 from keras_linattn.recurrences.config import MECHANISM_ARGS_DOC, AttentionConfig
 
 
@@ -107,6 +108,10 @@ class LinearAttention(_projections.ProjectedAttention):
     ):
         attention_config = AttentionConfig.pop(kwargs, feature_map=feature_map)
         super().__init__(num_heads, key_dim, value_dim, **kwargs)
+        attention_config.check_heads(num_heads, key_dim)
+        self.num_key_value_heads = attention_config.num_key_value_heads
+        self.rope_max_wavelength = attention_config.rope_max_wavelength
+        self.rope_scaling_factor = attention_config.rope_scaling_factor
         _validation.check_positive_int("chunk_size", chunk_size)
         if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not 0 <= epsilon < float("inf"):
             raise ValueError(f"`epsilon` must be a non-negative finite number. Received: epsilon={epsilon!r}")
@@ -154,6 +159,20 @@ class LinearAttention(_projections.ProjectedAttention):
         if initial_state is not None:
             _state.check_state(self.state_spec(), initial_state, name="initial_state")
             parts = self._split_state(initial_state)
+        (query, key, value), gate_keys, new_parts = self._before_recurrence(
+            query, key, value, key_mask, use_causal_mask, parts
+        )
+        out, recurrence_parts = self.recurrence.call(
+            query, key, value, gate_keys, key_mask, parts, causal=use_causal_mask, training=training
+        )  # [B, T, H, M]
+        new_parts.update(recurrence_parts)
+        return self.output_norm(out), tuple(new_parts[entry.name] for entry in self.state_spec())
+
+    def _before_recurrence(self, query, key, value, key_mask, causal, parts):
+        """The stages between the projections and the recurrence: key padding, short convolution, RoPE.
+
+        Returns ``((q, k, v), gate_keys, new_parts)``.
+        """
         # Padded keys enter the map as zeros, so maps with statistics over
         # keys (the non-causal stabilizers of favor+/favor_trig) never see
         # padded junk; their features are masked again after the map.
@@ -161,13 +180,68 @@ class LinearAttention(_projections.ProjectedAttention):
         gate_keys = key
         # The query sequence is the key sequence in causal self-attention:
         # its padding is the keys'.
-        query_mask = key_mask if use_causal_mask else None
+        query_mask = key_mask if causal else None
         (query, key, value), new_parts = self.short_conv(query, key, value, key_mask, query_mask, parts)
-        out, recurrence_parts = self.recurrence.call(
-            query, key, value, gate_keys, key_mask, parts, causal=use_causal_mask, training=training
-        )  # [B, T, H, M]
-        new_parts.update(recurrence_parts)
-        return self.output_norm(out), tuple(new_parts[entry.name] for entry in self.state_spec())
+        if self.rope_max_wavelength is not None:
+            query, key, new_parts["position"] = self._rotate(query, key, key_mask, causal, parts)
+        return (query, key, value), gate_keys, new_parts
+
+    def attention_inputs(self, query, value, key=None, key_mask=None, use_causal_mask=False):
+        """The queries, keys and values the feature map and the recurrence see, from a fresh state.
+
+        The projections (key/value heads repeated for grouped-query
+        attention), the short convolution and the rotary embeddings: what a
+        softmax teacher's attention is compared with (attention transfer,
+        distillation). `project` stops before the convolution and RoPE.
+
+        Args:
+            query: ``[B, T, dim]``.
+            value: ``[B, S, dim]``.
+            key: optional ``[B, S, dim]``; defaults to `value`.
+            key_mask: optional ``[B, S]`` (1 = real key).
+            use_causal_mask: causal self-attention (decides the queries'
+                padding and positions).
+
+        Returns:
+            ``(q [B, T, H, D], k [B, S, H, D], v [B, S, H, M])``; padded keys
+            and values are zeros.
+        """
+        if not self.built:
+            key_shape = None if key is None else key.shape
+            self.build(query.shape, value.shape, key_shape)
+        if key_mask is not None:
+            key_mask = ops.cast(key_mask, "bool")
+        q, k, v = self.project(query, value, key)
+        (q, k, v), _, _ = self._before_recurrence(q, k, v, key_mask, use_causal_mask, None)
+        return q, k, v
+
+    def _rotate(self, query, key, key_mask, causal, parts):
+        """Rotary embeddings on ``q [B, T, H, D]`` and ``k [B, S, H, D]``; returns ``(q, k, position [B])``.
+
+        Causal self-attention: a token's position is the state's position
+        plus the number of real tokens before it in the piece (padding takes
+        no position, as the LM's positions), and the returned position adds
+        the piece's real tokens. Non-causal attention: queries and keys take
+        the state's position plus their index (padding counts; the relative
+        position of query i and key j is ``i - j`` as given).
+        """
+        batch = ops.shape(key)[0]
+        start = ops.zeros((batch,), "float32") if parts is None else parts["position"]  # [B]
+        if causal and key_mask is not None:
+            real = ops.cast(key_mask, "float32")  # [B, S]
+            key_positions = start[:, None] + ops.cumsum(real, axis=1) - real  # [B, S]
+            end = start + ops.sum(real, axis=1)  # [B]
+        else:
+            key_positions = start[:, None] + ops.arange(ops.shape(key)[1], dtype="float32")[None, :]  # [B, S]
+            end = start + ops.cast(ops.shape(key)[1], "float32")  # [B]
+        if causal:
+            query_positions = key_positions
+        else:
+            query_positions = start[:, None] + ops.arange(ops.shape(query)[1], dtype="float32")[None, :]  # [B, T]
+        rope = (self.rope_max_wavelength, self.rope_scaling_factor)
+        query = rotary_ops.rotary_embedding(query, query_positions, *rope)  # [B, T, H, D]
+        key = rotary_ops.rotary_embedding(key, key_positions, *rope)  # [B, S, H, D]
+        return query, key, end
 
     # -------------------------------------------------------- recurrent API
     def state_spec(self):
@@ -178,12 +252,17 @@ class LinearAttention(_projections.ProjectedAttention):
         `conv_size` K, the last ``K - 1`` inputs ``conv_q [K-1, H, D]``,
         ``conv_k [K-1, H, D]``, ``conv_v [K-1, H, M]``), then the
         recurrence's buffers (the window's ``window_k [W, H, D]``,
-        ``window_v [W, H, M]`` and ``window_valid [W]``, 1 = a real key).
+        ``window_v [W, H, M]`` and ``window_valid [W]``, 1 = a real key),
+        then, with rotary embeddings, ``position []``: the number of real
+        tokens consumed (exact in float32 up to 2**24 tokens).
         All float32 and of a size that does not depend on the length.
         `get_initial_state`, the state checks, `LinearAttentionCell`'s flat
         state and the exported ``step`` signatures are derived from it.
         """
-        return self.recurrence.state_spec() + self.short_conv.state_spec() + self.recurrence.buffer_spec()
+        spec = self.recurrence.state_spec() + self.short_conv.state_spec() + self.recurrence.buffer_spec()
+        if self.rope_max_wavelength is not None:
+            spec.append(_state.StateSpec("position", (), "float32"))
+        return spec
 
     def _split_state(self, state):
         return {entry.name: ops.cast(x, "float32") for entry, x in zip(self.state_spec(), state, strict=True)}
@@ -221,6 +300,12 @@ class LinearAttention(_projections.ProjectedAttention):
         gate_keys = k
         q, k, v = q[:, 0], k[:, 0], v[:, 0]  # [B, H, D|D|M]
         (q, k, v), new_parts = self.short_conv.step(q, k, v, parts)
+        if self.rope_max_wavelength is not None:
+            position = parts["position"]  # [B]
+            rope = (self.rope_max_wavelength, self.rope_scaling_factor)
+            q = rotary_ops.rotary_embedding(q, position, *rope)  # [B, H, D]
+            k = rotary_ops.rotary_embedding(k, position, *rope)  # [B, H, D]
+            new_parts["position"] = position + 1.0
         out, recurrence_parts = self.recurrence.step(q, k, v, gate_keys, parts, training=training)  # [B, H, M]
         new_parts.update(recurrence_parts)
         out = ops.cast(self.output_norm(out), self.compute_dtype)

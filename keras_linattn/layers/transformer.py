@@ -124,6 +124,7 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
         self.intermediate_dim = check_positive_int("intermediate_dim", intermediate_dim)
         self.key_dim = check_optional_positive_int("key_dim", key_dim)
         self.value_dim = check_optional_positive_int("value_dim", value_dim)
+        attention_config.check_heads(self.num_heads, self.key_dim)
         # A template (each attention layer owns a copy with the weights): kept
         # out of Keras' layer tracking so it is not listed as an unbuilt sublayer.
         object.__setattr__(self, "feature_map", _get_map(feature_map))

@@ -155,6 +155,7 @@ class _DecoderStack(CheckpointTracked, keras.layers.Layer):
         # A template (each attention layer owns a copy with the weights): kept
         # out of Keras' layer tracking so it is not listed as an unbuilt sublayer.
         object.__setattr__(self, "feature_map", _get_map(feature_map))
+        attention_config.check_heads(num_heads, key_dim if key_dim is not None else hidden_dim // num_heads)
         self.key_dim = key_dim
         self.chunk_size = chunk_size
         self.dropout = dropout

@@ -7,10 +7,15 @@ For query i (causal, shared normalizer, as in LoLCATs/Based)::
             / (sum_{j in win(i)} exp(s_ij - m_i)   + phi(q_i)^T z_{i-W})
 
 where ``S_{i-W} = sum_{j <= i-W} phi(k_j) v_j^T`` (and ``z``) holds every key
-that has left the window. The window is positional: padded keys inside it
+that has left the window. With a per-head weight ``gamma`` (LoLCATs' learned
+``sigmoid(g)``) the softmax terms are ``gamma * exp(s_ij - m_i)`` in both the
+numerator and the denominator and the linear terms keep weight 1; when every
+key is in the window gamma cancels (exact softmax attention).
+
+The window is positional: padded keys inside it
 count for nothing but still take their place. Since ``exp(s_ii - m_i) <= 1``
 and the largest window term is 1, the normalizer of a query whose own key is
-real is at least 1.
+real is at least 1 (at least gamma with a gamma).
 
 Shape legend: B batch, T length, W window, H heads, D key dim, C feature
 dim, M value dim, N number of blocks.
@@ -54,6 +59,15 @@ def _check_scale(scale, q):
     return float(scale)
 
 
+def _check_gamma(gamma, heads):
+    if gamma is None:
+        return None
+    check_rank("gamma", gamma, 1)
+    if gamma.shape[0] is not None and heads is not None and gamma.shape[0] != heads:
+        raise ValueError(f"`gamma` must have shape [H] = [{heads}]. Received: gamma.shape={tuple(gamma.shape)}")
+    return ops.cast(gamma, "float32")
+
+
 def _softmax_terms(scores, allowed):
     """``exp(s - m)`` over allowed keys (``m`` their max) and 0 elsewhere; finite for empty rows."""
     # `initial`: no error for an empty batch or piece (the masked scores are >= _NEG anyway).
@@ -74,6 +88,7 @@ def window_attention(
     scale=None,
     chunk_size=64,
     eps=DEFAULT_EPSILON,
+    gamma=None,
 ):
     """Causal sliding-window softmax + linear attention, in parallel over a piece of T tokens.
 
@@ -98,6 +113,8 @@ def window_attention(
         eps: relative guard of the shared denominator: replaced only where
             ``|den| <= eps * (softmax terms + |phi(q)| . |z|)`` (a row with no
             real key gets 0), as in `keras_linattn.ops.linear_attention`.
+        gamma: optional ``[H]`` positive weights of the softmax terms (the
+            linear terms have weight 1); None is weight 1.
 
     Returns:
         ``[B, T, H, M]`` in ``v_all``'s dtype (and ``(S, z)`` if `return_state`).
@@ -153,6 +170,9 @@ def window_attention(
     allowed = ops.logical_and(band, okwin[:, None, :, None, :])  # [B, 1, N, W, 2W]
     scores = _matmul(qb, kwin, transpose_b=True)  # [B, H, N, W, 2W]
     e = _softmax_terms(scores, allowed)  # [B, H, N, W, 2W]
+    gamma = _check_gamma(gamma, h)
+    if gamma is not None:
+        e = e * gamma[None, :, None, None, None]  # [B, H, N, W, 2W]
     num_sm = ops.reshape(ops.matmul(e, vwin), (batch, h, -1, m))[:, :, :length]  # [B, H, T, M]
     den_sm = ops.reshape(ops.sum(e, axis=-1), (batch, h, -1, 1))[:, :, :length]  # [B, H, T, 1]
 
@@ -175,6 +195,7 @@ def window_attention_step(
     key_mask_t=None,
     scale=None,
     eps=DEFAULT_EPSILON,
+    gamma=None,
 ):
     """One decoding step of the hybrid.
 
@@ -188,7 +209,7 @@ def window_attention_step(
         state: ``(S [B, H, C, M], z [B, H, C])`` of the keys older than the buffer.
         key_mask_t: optional ``[B]``: a padded token takes its place in the
             window but is never attended.
-        scale, eps: as in `window_attention`.
+        scale, eps, gamma: as in `window_attention`.
 
     Returns:
         ``(out_t [B, H, M], (S, z), (keys, values, valid))``, all state float32.
@@ -220,6 +241,9 @@ def window_attention_step(
     qf = ops.cast(q_features_t, "float32")  # [B, H, C]
     scores = ops.einsum("bhd,bwhd->bhw", q * scale, keys)  # [B, H, W]
     e = _softmax_terms(scores, (valid > 0)[:, None, :])  # [B, H, W]
+    gamma = _check_gamma(gamma, q_t.shape[1])
+    if gamma is not None:
+        e = e * gamma[None, :, None]  # [B, H, W]
     num = ops.einsum("bhw,bwhm->bhm", e, values) + ops.einsum("bhc,bhcm->bhm", qf, s)  # [B, H, M]
     den_sm = ops.sum(e, axis=-1, keepdims=True)  # [B, H, 1]
     den = den_sm + ops.sum(qf * z, axis=-1, keepdims=True)  # [B, H, 1]
@@ -229,7 +253,17 @@ def window_attention_step(
 
 
 def window_attention_reference(
-    q, q_features, k, k_features, v, window, key_mask=None, scale=None, eps=DEFAULT_EPSILON, compute_dtype="float64"
+    q,
+    q_features,
+    k,
+    k_features,
+    v,
+    window,
+    key_mask=None,
+    scale=None,
+    eps=DEFAULT_EPSILON,
+    compute_dtype="float64",
+    gamma=None,
 ):
     """The oracle: every (query, key) weight written out, ``[T, T]`` per head, in ``compute_dtype``.
 
@@ -253,6 +287,8 @@ def window_attention_reference(
         older = ops.logical_and(older, real)
     peak = ops.max(ops.where(in_window, s, ops.full_like(s, _NEG)), axis=-1, keepdims=True)
     weights = ops.where(in_window, ops.exp(ops.minimum(s - peak, 0.0)), ops.zeros_like(s))
+    if gamma is not None:
+        weights = weights * ops.cast(gamma, compute_dtype)[None, :, None, None]  # [B, H, T, T]
     weights = weights + ops.where(older, lin, ops.zeros_like(lin))  # [B, H, T, T]
     vv = cast(v)
     if key_mask is not None:

@@ -5,6 +5,9 @@ the piece), `window_attention_step` (a fixed ring of W keys and values;
 the oldest joins ``(S, z)`` as it leaves) and `window_attention_reference`.
 """
 
+import math
+
+import keras
 from keras import ops
 
 from keras_linattn import _state, _validation
@@ -26,16 +29,43 @@ class WindowRecurrence(Recurrence):
 
     Args:
         window_size: W, a positive int (the query's own token included).
+        gamma: None (default: the softmax and linear terms weigh the same)
+            or the initial value, in (0, 1), of a learned per-head weight
+            ``gamma = sigmoid(g)`` of the softmax terms (LoLCATs: 0.1). The
+            weight ``window_gamma_logit [H]`` (g, float32) is trainable; with
+            ``W >= T`` gamma cancels and the output is exact softmax attention.
     """
 
-    contract_configs = ({"window_size": 3},)
+    contract_configs = ({"window_size": 3}, {"window_size": 3, "gamma": 0.25})
 
-    def __init__(self, window_size):
+    def __init__(self, window_size, gamma=None):
         super().__init__()
         self.window_size = _validation.check_positive_int("window_size", window_size)
+        if gamma is not None and (not _validation._is_real(gamma) or not 0.0 < gamma < 1.0):
+            raise ValueError(
+                "`gamma` (the window's initial softmax weight, sigmoid of a learned logit) must be None or "
+                f"a number in (0, 1). Received: gamma={gamma!r}"
+            )
+        self.gamma = None if gamma is None else float(gamma)
 
     def get_config(self):
-        return {"window_size": self.window_size}
+        config = {"window_size": self.window_size}
+        if self.gamma is not None:  # round-2 configs stay as they were
+            config["gamma"] = self.gamma
+        return config
+
+    def build(self, layer):
+        super().build(layer)
+        self.gamma_logit = None
+        if self.gamma is not None:
+            logit = math.log(self.gamma / (1.0 - self.gamma))
+            self.gamma_logit = self.add_weight(
+                "window_gamma_logit", (self.num_heads,), keras.initializers.Constant(logit)
+            )  # [H]
+
+    def _gamma(self):
+        """``sigmoid(g) [H]`` float32, or None without a gamma."""
+        return None if self.gamma is None else ops.sigmoid(self.gamma_logit)
 
     def state_spec(self):
         h, c, m = self.num_heads, self.feature_dim, self.value_dim
@@ -74,6 +104,7 @@ class WindowRecurrence(Recurrence):
             return_state=True,
             chunk_size=self.layer.chunk_size,
             eps=self.layer.epsilon,
+            gamma=self._gamma(),
         )  # [B, T, H, M]
         return out, {
             "S": s,
@@ -97,6 +128,7 @@ class WindowRecurrence(Recurrence):
             (buf_k, state["window_v"], state["window_valid"]),
             (state["S"], state["z"]),
             eps=self.layer.epsilon,
+            gamma=self._gamma(),
         )  # [B, H, M]
         return out, {"S": s, "z": z, "window_k": wk, "window_v": wv, "window_valid": wok}
 
@@ -104,5 +136,5 @@ class WindowRecurrence(Recurrence):
         qf = self.features(q, True, True, training)
         kf = self.features(k, False, True, training)
         return window_ops.window_attention_reference(
-            q, qf, k, kf, v, self.window_size, key_mask, eps=self.layer.epsilon
+            q, qf, k, kf, v, self.window_size, key_mask, eps=self.layer.epsilon, gamma=self._gamma()
         )
