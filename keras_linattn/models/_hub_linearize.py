@@ -117,7 +117,8 @@ def _llama_config(config):
         feedforward="gated",
         use_bias=False,
         rope_max_wavelength=config.get("rope_max_wavelength", 10000),
-        rope_scaling_factor=config.get("rope_position_scaling_factor", 1.0),
+        # keras-hub's Llama rotary embedding does not apply `rope_position_scaling_factor`.
+        rope_scaling_factor=1.0,
     )
 
 
@@ -182,13 +183,12 @@ def _relinearize(backbone, feature_map, window_size, attention_kwargs):
     paths and shapes match, the new attention's own weights keep their
     initialization.
     """
-    from keras_linattn.recurrences.config import AttentionConfig
+    from keras_linattn.recurrences.config import ARGUMENTS, PRETRAINED_ARGUMENTS
 
     config = backbone.get_config()
-    for key in list(AttentionConfig.pop(dict(config), feature_map=None).get_config()):
-        config.pop(key, None)
-    for key in ("decay", "normalize", "update", "window_size", "conv_size", "recurrence"):
-        config.pop(key, None)
+    for key in ARGUMENTS:
+        if key not in PRETRAINED_ARGUMENTS:  # RoPE and GQA are the architecture's: kept
+            config.pop(key, None)
     config.pop("name", None)
     config.update(attention_kwargs)
     config["window_size"] = window_size

@@ -5,6 +5,7 @@ import keras_hub
 import numpy as np
 import pytest
 
+import keras_linattn
 from keras_linattn.models import LinearBackbone, LinearCausalLM
 from keras_linattn.models._hub_linearize import linearize_keras_hub
 from tests.tolerance import assert_close
@@ -76,3 +77,50 @@ def test_unsupported_family_is_named_with_the_reason():
     )
     with pytest.raises(TypeError, match="GemmaBackbone.*soft cap"):
         linearize_keras_hub(gemma)
+
+
+def _llama():
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=60, num_layers=2, num_query_heads=4, num_key_value_heads=2, hidden_dim=16, intermediate_dim=32
+    )
+    return keras_hub.models.LlamaCausalLM(backbone, preprocessor=None)
+
+
+def test_llama_with_a_covering_window_gives_the_teachers_logits():
+    teacher = _llama()
+    student = keras_linattn.linearize(teacher, window_size=T)
+    assert type(student) is LinearCausalLM
+    assert student.backbone.decoder_blocks[0].attention.num_key_value_heads == 2
+    ids = _ids(60)
+    assert_close(np.asarray(student(ids)), _teacher_logits(teacher, ids), paths=8, n=32)
+
+
+def test_llama_student_step_equals_parallel_with_rope_and_gqa():
+    student = keras_linattn.linearize(_llama(), window_size=3)
+    ids = _ids(60, length=9)
+    parallel = np.asarray(student(ids))
+    state = student.get_initial_state(2)
+    for t in range(9):
+        logits, state = student.step(ids[:, t], state)
+        assert_close(np.asarray(logits), parallel[:, t], paths=8, n=32)
+
+
+def test_linearized_student_round_trips_through_a_preset(tmp_path):
+    student = keras_linattn.linearize(_gpt2(), window_size=4)
+    student.save_to_preset(str(tmp_path / "p"))
+    loaded = keras_hub.models.CausalLM.from_preset(str(tmp_path / "p"))
+    assert type(loaded) is LinearCausalLM
+    ids = _ids(60)
+    np.testing.assert_array_equal(np.asarray(loaded(ids)), np.asarray(student(ids)))
+
+
+def test_own_lm_is_relinearized_with_another_attention():
+    keras.utils.set_random_seed(0)
+    teacher = LinearCausalLM(vocabulary_size=40, num_layers=2, hidden_dim=16, num_heads=2, intermediate_dim=32)
+    student = keras_linattn.linearize(teacher, feature_map="hedgehog", window_size=T)
+    assert student.backbone.decoder_blocks[0].attention.recurrence.registry_name == "window"
+    np.testing.assert_array_equal(
+        np.asarray(student.backbone.decoder_blocks[1]._ffn_output.kernel),
+        np.asarray(teacher.backbone.decoder_blocks[1]._ffn_output.kernel),
+    )
