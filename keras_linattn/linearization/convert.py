@@ -16,10 +16,14 @@ import importlib.util
 
 import keras
 
+from keras_linattn import feature_maps
 from keras_linattn._validation import check_optional_positive_int
 from keras_linattn.linearization import _generic
 
 __all__ = ["linearize"]
+
+# LoLCATs' initial weight of the window's softmax terms: sigmoid(-2.197) = 0.1.
+LOLCATS_WINDOW_GAMMA = 0.1
 
 # Adapters for model families, imported only for a teacher of that family:
 # (name of the package the teacher's class comes from, module of the adapter).
@@ -78,13 +82,18 @@ def linearize(teacher, *, feature_map="hedgehog", window_size=64, **attention_kw
             dispatched to their own adapter where one exists.
         feature_map: the feature map of every linearized attention (a
             registered name, a config, or a `FeatureMap` whose config each
-            layer copies). Default ``"hedgehog"``.
+            layer copies). Default ``"hedgehog"``: as in LoLCATs, separate
+            query and key maps (``share_qk=False``), each the identity at
+            start.
         window_size: the softmax window W of causal attention, or None for
             linear attention alone. The window is causal: a non-causal
             attention (encoder self-attention, cross-attention) needs
             ``window_size=None``. Default 64.
         **attention_kwargs: further `LinearAttention` arguments (e.g.
-            ``chunk_size``, ``conv_size``, ``epsilon``).
+            ``chunk_size``, ``conv_size``, ``epsilon``). With a window,
+            ``window_gamma`` defaults to LoLCATs' 0.1 (the learnable
+            per-head weight of the softmax terms; it cancels when the window
+            covers the sequence).
 
     Returns:
         A new Keras model of the teacher's kind.
@@ -111,4 +120,9 @@ def linearize(teacher, *, feature_map="hedgehog", window_size=64, **attention_kw
     True
     """
     window_size = check_optional_positive_int("window_size", window_size)
+    if isinstance(feature_map, str) and feature_map == "hedgehog":
+        # LoLCATs: separate query and key maps, each the identity at start.
+        feature_map = feature_maps.get("hedgehog", share_qk=False)
+    if window_size is not None:
+        attention_kwargs.setdefault("window_gamma", LOLCATS_WINDOW_GAMMA)
     return _adapter(teacher)(teacher, feature_map=feature_map, window_size=window_size, **attention_kwargs)

@@ -47,7 +47,7 @@ from keras_linattn.linearization._generic import is_softmax_attention
 __all__ = ["attention_pairs", "attention_transfer", "transfer_variables"]
 
 # Names of the window's learnable gamma weight on a LinearAttention layer.
-_GAMMA_NAMES = ("window_gamma", "gamma")
+_GAMMA_NAMES = ("window_gamma_logit", "window_gamma", "gamma")
 
 
 def transfer_variables(layer):
@@ -55,7 +55,8 @@ def transfer_variables(layer):
 
     The trainable weights of its feature map, and the window's learnable
     per-head gamma if the layer has one (a trainable weight of the layer
-    itself named ``window_gamma`` or ``gamma``, not one of its projections',
+    itself named ``window_gamma_logit``, as `WindowRecurrence` names it, or
+    ``window_gamma`` or ``gamma``; not one of its projections',
     convolution's or output norm's). The projections, the short convolution
     and everything outside the attention stay as they are.
 

@@ -174,6 +174,14 @@ def _copy_llama(copy, student):
     copy(student.final_norm.scale, "sequence_output_layernorm/scale")
 
 
+def _attention_own(path):
+    """True for a weight of the new attention itself (feature map, gamma, decay, ...), not of a projection."""
+    if "/self_attention/" not in path:
+        return False
+    projection = path.split("/self_attention/", 1)[1].split("/", 1)[0]
+    return projection not in ("query", "key", "value", "attention_output")
+
+
 def _relinearize(backbone, feature_map, window_size, attention_kwargs):
     """The package's own LM with another attention (feature map, window, ...): every other weight copied.
 
@@ -205,7 +213,7 @@ def _relinearize(backbone, feature_map, window_size, attention_kwargs):
             continue
         if path in source and tuple(source[path].shape) == tuple(w.shape):
             w.assign(source[path])
-        elif "feature_map" not in path:
+        elif not _attention_own(path):
             missing.append(path)
     if missing:
         raise ValueError(f"The teacher has no weight for these student weights (shapes or paths differ): {missing}")

@@ -91,7 +91,9 @@ def test_transfer_lowers_each_layer_mse_and_changes_only_the_feature_maps():
     assert history.history["loss"][-1] < history.history["loss"][0]
     trained = {v.path for name in ("att1", "att2") for v in transfer_variables(student.get_layer(name))}
     maps = {v.path for name in ("att1", "att2") for v in student.get_layer(name).feature_map.weights}
-    assert trained == maps and maps
+    # linearize gives the window LoLCATs' learnable gamma: it is trained with the maps.
+    gammas = {f"{name}/window_gamma_logit" for name in ("att1", "att2")}
+    assert trained == maps | gammas and maps
     for v in student.weights:
         changed = not np.array_equal(np.asarray(v), student_before[v.path])
         assert changed == (v.path in trained), v.path
@@ -184,7 +186,11 @@ def test_bad_arguments():
         keras_linattn.attention_transfer(student, single, x, steps=1)
     with pytest.raises(ValueError, match="nothing to train"):
         keras_linattn.attention_transfer(
-            keras_linattn.linearize(teacher, feature_map="elu", window_size=WINDOW), teacher, x, steps=1, verbose=0
+            keras_linattn.linearize(teacher, feature_map="elu", window_size=WINDOW, window_gamma=None),
+            teacher,
+            x,
+            steps=1,
+            verbose=0,
         )
     with pytest.raises(ValueError, match="LinearAttention of the student"):
         keras_linattn.attention_transfer(
