@@ -5,6 +5,15 @@ exported at the package's top level.
 """
 
 from keras_linattn.linearization.convert import linearize
+from keras_linattn.linearization.lora import enable_lora, lora_variables, merge_lora
 from keras_linattn.linearization.transfer import attention_pairs, attention_transfer, transfer_variables
 
-__all__ = ["attention_pairs", "attention_transfer", "linearize", "transfer_variables"]
+__all__ = [
+    "attention_pairs",
+    "attention_transfer",
+    "enable_lora",
+    "linearize",
+    "lora_variables",
+    "merge_lora",
+    "transfer_variables",
+]
