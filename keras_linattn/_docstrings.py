@@ -5,6 +5,9 @@ A class docstring names a section with a placeholder such as
 defined, so `help()` and the API docs show the whole text.
 """
 
+import re
+import textwrap
+
 
 def fill(**sections):
     """Class decorator replacing ``{name}`` in the docstring by ``sections[name]``.
@@ -18,9 +21,14 @@ def fill(**sections):
         doc = cls.__doc__
         for name, text in sections.items():
             placeholder = "{" + name + "}"
-            if placeholder not in doc:
-                raise ValueError(f"{cls.__name__}'s docstring has no {placeholder} placeholder.")
-            doc = doc.replace(placeholder, text)
+            match = re.search(r"^( *)" + re.escape(placeholder) + r"$", doc, flags=re.MULTILINE)
+            if match is None:
+                raise ValueError(f"{cls.__name__}'s docstring has no {placeholder} placeholder on a line of its own.")
+            # The sections are written for a placeholder at column 0; a formatter
+            # that indents the docstring (ruff format) indents the placeholder
+            # with it, and the section follows by the same amount.
+            indent = match.group(1)
+            doc = doc.replace(indent + placeholder, textwrap.indent(text, indent))
         cls.__doc__ = doc
         return cls
 
