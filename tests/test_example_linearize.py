@@ -1,0 +1,116 @@
+"""Smoke test of examples/linearize: the pipeline's steps on tiny keras-hub teachers."""
+
+import json
+
+import keras
+import numpy as np
+import pytest
+
+import keras_linattn
+from examples.linearize import pipeline as P
+from tests.tolerance import assert_close
+
+V, T = 30, 32
+
+
+def _ids(n=4000, seed=0):
+    return np.random.default_rng(seed).integers(2, V, n).astype("int32")
+
+
+def _teacher(family, num_layers=2):
+    return P.build_teacher(family, V, hidden_dim=16, num_layers=num_layers, num_heads=2, sequence_length=T)
+
+
+@pytest.mark.parametrize("family", P.FAMILIES)
+def test_covering_window_student_gives_the_teachers_logits(family):
+    teacher = _teacher(family)
+    student = keras_linattn.linearize(teacher, window_size=T)
+    x = _ids(2 * T).reshape(2, T)
+    want = np.asarray(teacher(P.as_inputs(x)), "float64")
+    assert_close(np.asarray(student(P.as_inputs(x))), want, paths=8, n=32)
+    # The window-only control is then the teacher too (every key is in the window).
+    assert_close(np.asarray(P.window_only(teacher, T)(P.as_inputs(x))), want, paths=8, n=32)
+
+
+def test_window_only_control_ignores_keys_older_than_the_window():
+    # One layer, window 4: the last position's logits see only the last 4 tokens in the window-only
+    # control (the linear part is 0), but all of them in the hedgehog student.
+    teacher = _teacher("llama", num_layers=1)
+    a = _ids(T)[None]
+    b = a.copy()
+    b[0, :8] = (b[0, :8] + 1 - 2) % (V - 2) + 2  # change tokens far older than the window
+    window_only = P.window_only(teacher, 4)
+    np.testing.assert_allclose(
+        np.asarray(window_only(P.as_inputs(a)))[0, -1], np.asarray(window_only(P.as_inputs(b)))[0, -1], atol=1e-5
+    )
+    student = keras_linattn.linearize(teacher, window_size=4)
+    gap = np.abs(np.asarray(student(P.as_inputs(a)))[0, -1] - np.asarray(student(P.as_inputs(b)))[0, -1]).max()
+    assert gap > 1e-4
+
+
+def test_transfer_lowers_the_attention_loss_and_lora_trains_only_adapters():
+    teacher = _teacher("llama")
+    ids = _ids()
+    student = keras_linattn.linearize(teacher, window_size=4)
+    _, first, last = P.transfer(
+        student, teacher, ids, steps=15, sequence_length=T, batch_size=4, learning_rate=5e-2, verbose=0
+    )
+    assert last < 0.9 * first  # measured: about 0.74
+    before = P.bits_per_char(student, ids, T, 4)
+    merged, tokens = P.lora_student(
+        student, ids, steps=3, sequence_length=T, batch_size=4, learning_rate=1e-2, verbose=0
+    )
+    assert tokens == 3 * 4 * T
+    assert not any(v.path.endswith("lora_kernel_a") for v in merged.weights)
+    assert np.isfinite(P.bits_per_char(merged, ids, T, 4)) and before > 0
+
+
+@pytest.mark.parametrize("family", P.FAMILIES)
+def test_teacher_lora_control_trains_only_the_same_adapters(family):
+    control = _teacher(family)
+    adapters = P.enable_teacher_lora(control, rank=2, alpha=4)
+    assert len(adapters) == 2 * 4 * 2 and {id(v) for v in control.trainable_weights} == {id(v) for v in adapters}
+
+
+def test_bits_per_char_is_the_mean_cross_entropy_in_bits():
+    teacher = _teacher("gpt2")
+    ids = _ids(3 * (T + 1))
+    blocks = ids.reshape(3, T + 1)
+    logits = np.asarray(teacher(P.as_inputs(blocks[:, :-1])), "float64")
+    logp = (
+        logits
+        - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+        - logits.max(-1, keepdims=True)
+    )
+    want = -np.take_along_axis(logp, blocks[:, 1:, None], -1).mean() / np.log(2.0)
+    assert abs(P.bits_per_char(teacher, ids, T, 3) - want) < 1e-5
+
+
+def test_run_help_and_bad_skip(capsys):
+    from examples.linearize import run
+
+    with pytest.raises(SystemExit):
+        run.parse_args(["--help"])
+    assert "--teacher" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        run.parse_args(["--skip", "nothing"])
+
+
+@pytest.mark.slow
+def test_whole_example_runs_and_exports_the_same_tokens(tmp_path):
+    from examples.linearize import run
+
+    keras.utils.set_random_seed(0)
+    path = tmp_path / "r.json"
+    run.main(
+        ["--family", "llama", "--sequence-length", "64", "--window-size", "8", "--hidden-dim", "16",
+         "--teacher-steps", "4", "--transfer-steps", "2", "--lora-steps", "2", "--eval-sequences", "2",
+         "--max-chars", "60000", "--decode-contexts", "64", "--teacher-decode-contexts", "64",
+         "--decode-repeats", "1", "--skip", "scratch", "--work-dir", str(tmp_path), "--results", str(path)]
+    )  # fmt: skip
+    res = json.loads(path.read_text())
+    assert res["exactness"]["max_abs_logit_error"] < 1e-4
+    assert res["export"]["tokens_equal_keras_saved_model"] and res["export"]["tokens_equal_keras_onnx"]
+    assert res["export"]["saved_model_max_abs_logit_error"] <= 1e-4
+    assert res["export"]["onnx_max_abs_logit_error"] <= 1e-4
+    assert [e["factor"] for e in res["length"]] == [1, 4, 16]
