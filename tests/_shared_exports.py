@@ -1,0 +1,115 @@
+"""Exports built once per pytest run and shared by every test file that only reads them.
+
+Exporting the tiny causal LM (SavedModel with its step/generate signatures, ONNX
+model, step and generate graphs) takes 10-30 s on a loaded CPU, and several test
+files read the same export. `shared_dir(name, build)` builds a directory once per
+pytest run, across pytest-xdist workers: the first worker to ask builds it under a
+file lock in the run's common temporary folder (the parent of each worker's
+`basetemp`); the others wait for the lock, then reuse it. Outside pytest (a test
+module run with `python -m`), a temporary folder removed at exit.
+
+The directories are read only: a test that damages a file copies the directory first.
+
+The models are not shared: each caller builds its own from the same seed
+(`built_lm`) and checks that its weights equal the exported ones bit for bit, so a
+test can never compare an export against a model other than the one exported.
+"""
+
+import atexit
+import functools
+import json
+import os
+import shutil
+import tempfile
+
+import keras
+import numpy as np
+from filelock import FileLock
+
+# Set by tests/conftest.py (a session fixture) to the folder that every worker of the run shares.
+BASE = None
+
+
+@functools.lru_cache(maxsize=None)
+def _fallback_base():
+    base = tempfile.mkdtemp(prefix="kla-shared-exports-")
+    atexit.register(shutil.rmtree, base, True)
+    return base
+
+
+def shared_dir(name, build):
+    """The folder ``<base>/<name>``, filled by ``build(path)`` once per pytest run.
+
+    ``build`` runs under the float32 policy; a folder left half built by a crashed
+    run (no ``.done`` marker) is built again.
+    """
+    base = str(BASE) if BASE is not None else _fallback_base()
+    path = os.path.join(base, name)
+    done = os.path.join(path, ".done")
+    with FileLock(path + ".lock"):
+        if not os.path.exists(done):
+            shutil.rmtree(path, ignore_errors=True)
+            os.makedirs(path)
+            policy = keras.config.dtype_policy()
+            keras.config.set_dtype_policy("float32")
+            try:
+                build(path)
+            finally:
+                keras.config.set_dtype_policy(policy)
+            open(done, "w").close()
+    return path
+
+
+def built_lm(seed=0):
+    """`tests.test_export.tiny_lm(seed=seed)`, built, under the float32 policy."""
+    from tests.test_export import tiny_lm
+
+    keras.config.set_dtype_policy("float32")
+    model = tiny_lm(seed=seed)
+    model(np.zeros((1, 4), "int32"))
+    return model
+
+
+def _save_weights(model, path):
+    np.savez(path, *[np.asarray(w) for w in model.weights])
+
+
+def check_same_weights(model, path):
+    """Asserts that ``model``'s weights are, bit for bit, those saved at ``path`` (an .npz)."""
+    with np.load(path) as saved:
+        expected = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+    got = [np.asarray(w) for w in model.weights]
+    assert len(got) == len(expected), f"{len(got)} weights, the export has {len(expected)}"
+    for w, a, b in zip(model.weights, got, expected, strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=f"{w.path}: not the exported weights")
+
+
+def _build_lm_export(path):
+    from keras_linattn import export
+
+    model = built_lm(0)
+    _save_weights(model, os.path.join(path, "weights.npz"))
+    version_dir = export.export_saved_model(model, os.path.join(path, "lm"))
+    paths = export.export_onnx(model, os.path.join(path, "onnx", "lm.onnx"))
+    index = {"saved_model": os.path.relpath(version_dir, path)}
+    index["onnx"] = {kind: os.path.relpath(p, path) for kind, p in paths.items()}
+    with open(os.path.join(path, "index.json"), "w") as f:
+        json.dump(index, f)
+
+
+def lm_export():
+    """The tiny LM (`built_lm(0)`) exported with the Python API: ``(model, version_dir, onnx_paths)``.
+
+    ``version_dir`` is the SavedModel (`export.export_saved_model(model, ".../lm")`),
+    ``onnx_paths`` what `export.export_onnx(model, ".../onnx/lm.onnx")` returned
+    ("model", "step", ...). ``model`` is a fresh build of the same seed whose weights
+    were checked against the exported ones.
+    """
+    path = shared_dir("tiny_lm_export", _build_lm_export)
+    with open(os.path.join(path, "index.json")) as f:
+        index = json.load(f)
+    model = built_lm(0)
+    check_same_weights(model, os.path.join(path, "weights.npz"))
+    version_dir = os.path.join(path, index["saved_model"])
+    onnx_paths = {kind: os.path.join(path, rel) for kind, rel in index["onnx"].items()}
+    return model, version_dir, onnx_paths
