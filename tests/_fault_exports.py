@@ -1,6 +1,7 @@
 """One `keras-linattn export` directory of a tiny causal LM, shared by the fault tests of a pytest run.
 
-Built once per run, across pytest-xdist workers (tests/_shared_exports.py).
+Built once per run, across pytest-xdist workers, and read by the export tests
+too (tests/_shared_exports.py).
 
 Exporting an LM (SavedModel with its step/generate signatures, ONNX model and
 step graph) takes tens of seconds on a loaded CPU; tests/test_atomic_export.py,
@@ -11,26 +12,13 @@ same one. Copy it (`copy_export`) before changing anything in it.
 import os
 import shutil
 
-from tests._shared_exports import built_lm, shared_dir
-
-NAME = "lm"
+from tests._shared_exports import NAME, built_lm, lm_export_root
 
 __all__ = ["NAME", "built_lm", "copy_export", "export_dir", "keras_file"]
 
 
-def _build(root):
-    from keras_linattn import cli
-
-    for seed in (0, 1):
-        built_lm(seed).save(os.path.join(root, f"lm{seed}.keras"))
-    code = cli.main(
-        ["export", os.path.join(root, "lm0.keras"), "--out", os.path.join(root, "exported"), "--name", NAME]
-    )
-    assert code == 0
-
-
 def _root():
-    return shared_dir("fault_tests_export", _build)
+    return lm_export_root()
 
 
 def keras_file(seed):

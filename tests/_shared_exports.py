@@ -1,18 +1,24 @@
 """Exports built once per pytest run and shared by every test file that only reads them.
 
 Exporting the tiny causal LM (SavedModel with its step/generate signatures, ONNX
-model, step and generate graphs) takes 10-30 s on a loaded CPU, and several test
-files read the same export. `shared_dir(name, build)` builds a directory once per
-pytest run, across pytest-xdist workers: the first worker to ask builds it under a
-file lock in the run's common temporary folder (the parent of each worker's
-`basetemp`); the others wait for the lock, then reuse it. Outside pytest (a test
-module run with `python -m`), a temporary folder removed at exit.
+model, step and generate graphs) takes 10-30 s on a quiet 2-core machine, and eight
+test files read the same one: `keras-linattn export` of `tests.test_export.tiny_lm()`
+(seed 0), the layout users get (the Python export API on a freshly built LM is
+exercised by tests/test_verify.py, tests/test_generate_parity.py,
+tests/test_front_end_rules.py and tests/test_mechanisms_export.py).
+
+`shared_dir(name, build)` builds a directory once per pytest run, across
+pytest-xdist workers: the first worker to ask builds it under a file lock in the
+run's common temporary folder (the parent of each worker's `basetemp`); the
+others wait for the lock, then reuse it. Outside pytest (a test module run with
+`python -m`), a temporary folder removed at exit.
 
 The directories are read only: a test that damages a file copies the directory first.
 
 The models are not shared: each caller builds its own from the same seed
-(`built_lm`) and checks that its weights equal the exported ones bit for bit, so a
-test can never compare an export against a model other than the one exported.
+(`built_lm`) and checks that its weights equal, bit for bit, those of the model
+saved and exported (an .npz written beside the .keras file), so a test can never
+compare an export against a model other than the one exported.
 """
 
 import atexit
@@ -84,32 +90,41 @@ def check_same_weights(model, path):
         np.testing.assert_array_equal(a, b, err_msg=f"{w.path}: not the exported weights")
 
 
-def _build_lm_export(path):
-    from keras_linattn import export
+NAME = "lm"
 
-    model = built_lm(0)
-    _save_weights(model, os.path.join(path, "weights.npz"))
-    version_dir = export.export_saved_model(model, os.path.join(path, "lm"))
-    paths = export.export_onnx(model, os.path.join(path, "onnx", "lm.onnx"))
-    index = {"saved_model": os.path.relpath(version_dir, path)}
-    index["onnx"] = {kind: os.path.relpath(p, path) for kind, p in paths.items()}
-    with open(os.path.join(path, "index.json"), "w") as f:
-        json.dump(index, f)
+
+def _build_lm_export(root):
+    """`keras-linattn export lm0.keras --out exported --name lm`, beside the .keras files of seeds 0 and 1."""
+    from keras_linattn import cli
+
+    for seed in (0, 1):
+        model = built_lm(seed)
+        model.save(os.path.join(root, f"lm{seed}.keras"))
+        _save_weights(model, os.path.join(root, f"lm{seed}.npz"))
+    out = os.path.join(root, "exported")
+    code = cli.main(["export", os.path.join(root, "lm0.keras"), "--out", out, "--name", NAME])
+    assert code == 0
+
+
+def lm_export_root():
+    """The folder holding ``lm0.keras``, ``lm1.keras`` and ``exported/`` (built once per run)."""
+    return shared_dir("tiny_lm_export", _build_lm_export)
 
 
 def lm_export():
-    """The tiny LM (`built_lm(0)`) exported with the Python API: ``(model, version_dir, onnx_paths)``.
+    """The tiny LM (`built_lm(0)`) as `keras-linattn export` writes it: ``(model, version_dir, onnx_paths)``.
 
-    ``version_dir`` is the SavedModel (`export.export_saved_model(model, ".../lm")`),
-    ``onnx_paths`` what `export.export_onnx(model, ".../onnx/lm.onnx")` returned
-    ("model", "step", ...). ``model`` is a fresh build of the same seed whose weights
-    were checked against the exported ones.
+    ``version_dir`` is the SavedModel (``exported/lm/1``: `export.export_saved_model`),
+    ``onnx_paths`` the ONNX files as `export.export_onnx` names them ("model",
+    "step", "generate": ``exported/onnx/lm*.onnx``). ``model`` is a fresh build of
+    the same seed whose weights were checked against the exported model's.
     """
-    path = shared_dir("tiny_lm_export", _build_lm_export)
-    with open(os.path.join(path, "index.json")) as f:
-        index = json.load(f)
+    root = lm_export_root()
+    out = os.path.join(root, "exported")
+    with open(os.path.join(out, "manifest.json")) as f:
+        entry = json.load(f)["models"][NAME]
     model = built_lm(0)
-    check_same_weights(model, os.path.join(path, "weights.npz"))
-    version_dir = os.path.join(path, index["saved_model"])
-    onnx_paths = {kind: os.path.join(path, rel) for kind, rel in index["onnx"].items()}
+    check_same_weights(model, os.path.join(root, "lm0.npz"))
+    version_dir = os.path.join(out, entry["saved_model"])
+    onnx_paths = {kind: os.path.join(out, rel) for kind, rel in entry["onnx"].items()}
     return model, version_dir, onnx_paths
