@@ -33,30 +33,23 @@ test-fast: $(STAMP)
 test-slow: $(STAMP)
 	$(PYTEST) -m slow tests --runslow
 
-# The files whose bounds depend on float rounding, with oneDNN's kernels off
-# (what other CPUs see): run by .ci/run after `make test`.
-NUMERIC_TESTS := tests/test_ops.py tests/test_linear_attention.py tests/test_numerics_stress.py \
-	tests/test_trainable_kernels.py tests/test_favor.py tests/test_hedgehog.py tests/test_properties.py \
-	tests/test_efficient_attention.py tests/test_cell.py tests/test_causal_lm.py tests/test_transformer.py \
-	tests/test_padding_junk.py tests/test_feature_maps_fixed.py tests/test_regularizers.py \
-	tests/test_recurrences.py tests/test_mechanisms.py tests/contracts/test_recurrence_contract.py \
-	tests/contracts/test_round2_files.py
-
+# The tests whose bounds depend on float rounding, with oneDNN's kernels off
+# (what other CPUs see): run by .ci/run after `make test`. A file joins with
+# `pytestmark = pytest.mark.numeric` (markers: [tool.pytest.ini_options] in pyproject.toml).
 test-onednn-off: $(STAMP)
-	TF_ENABLE_ONEDNN_OPTS=0 $(PYTEST) $(NUMERIC_TESTS)
+	TF_ENABLE_ONEDNN_OPTS=0 $(PYTEST) -m numeric tests
 
-# Test files run a second time on the JAX backend (run by .ci/run); `make test`
-# already compares TensorFlow with JAX in subprocesses (tests/test_jax_backend.py,
-# tests/test_generate_parity.py). Gradients go through tests/_backend.py (tape on
-# TensorFlow, jax.value_and_grad on JAX); tests/conftest.py turns on JAX's 64-bit
-# mode so that the float64 oracles are float64. -rsx prints every skip (tf_only)
-# and expected failure (a known JAX bug) with its reason. test_recurrences.py,
+# Tests run a second time on the JAX backend (run by .ci/run): the files marked
+# `pytest.mark.jax`. `make test` already compares TensorFlow with JAX in
+# subprocesses (tests/test_jax_backend.py, tests/test_generate_parity.py).
+# Gradients go through tests/_backend.py (tape on TensorFlow,
+# jax.value_and_grad on JAX); tests/conftest.py turns on JAX's 64-bit mode so
+# that the float64 oracles are float64. -rsx prints every skip (tf_only) and
+# expected failure (a known JAX bug) with its reason. test_recurrences.py,
 # test_mechanisms.py and test_causal_lm.py are backend-neutral too but are not
-# in this list yet: on JAX they did not finish within 10 minutes on 2 workers.
-JAX_TESTS := tests/test_feature_maps_fixed.py tests/test_ops.py tests/test_linear_attention.py
-
+# marked yet: on JAX they did not finish within 10 minutes on 2 workers.
 test-jax: $(STAMP)
-	KERAS_BACKEND=jax $(PYTEST) -rx $(JAX_TESTS)
+	KERAS_BACKEND=jax $(PYTEST) -rx -m jax tests
 
 # ruff (config: [tool.ruff] in pyproject.toml) over everything that is Python; run by .ci/run before the tests.
 # `make lint` checks the rules and that `ruff format` has nothing to change; `make format` applies both.

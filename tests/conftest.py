@@ -77,6 +77,24 @@ def _reset_keras_state():
     keras.config.set_dtype_policy("float32")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _shared_exports_base(tmp_path_factory):
+    """Tells tests/_shared_exports.py the folder that every pytest-xdist worker of this run shares.
+
+    Under xdist each worker's basetemp is ``<run folder>/popen-gwN``: the parent is
+    common to the run (pytest-xdist's documented pattern for session data built once).
+    Only records the folder: nothing is built until a test asks for it.
+    """
+    from tests import _shared_exports
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    _shared_exports.BASE = base
+    yield
+    _shared_exports.BASE = None
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(TEST_SEED)

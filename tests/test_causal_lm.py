@@ -12,6 +12,9 @@ from tests._backend import gradients
 from tests._helpers import layer_conditioning, run_steps, step_test_feature_map
 from tests.tolerance import assert_close, assert_rows_close
 
+# numeric: run again with oneDNN off (`make test-onednn-off`)
+pytestmark = pytest.mark.numeric
+
 VOCAB = 23
 FEATURE_MAPS = feature_maps.available()
 

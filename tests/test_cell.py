@@ -17,6 +17,9 @@ from keras_linattn.layers import LinearAttention, LinearAttentionCell
 from tests._helpers import layer_conditioning, run_steps, step_test_feature_map
 from tests.tolerance import assert_close
 
+# numeric: run again with oneDNN off (`make test-onednn-off`)
+pytestmark = pytest.mark.numeric
+
 DIM = 8
 T = 7  # not a multiple of the chunk length
 CHUNK = 3

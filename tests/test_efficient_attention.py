@@ -12,6 +12,9 @@ from keras_linattn.layers import EfficientAttention
 from tests.conftest import rel_err
 from tests.tolerance import assert_close, bound
 
+# numeric: run again with oneDNN off (`make test-onednn-off`)
+pytestmark = pytest.mark.numeric
+
 
 def reduction_length(layer, s, input_dim):
     """Reduction length of the layer over ``s`` keys: the key projection over

@@ -20,7 +20,8 @@ from keras_linattn import export
 from keras_linattn import feature_maps as fmaps
 from keras_linattn.feature_maps.random_features import RandomFeatureMap
 from keras_linattn.models import LinearCausalLM
-from tests._helpers import export_once, layer_conditioning
+from tests import _shared_exports
+from tests._helpers import layer_conditioning
 from tests.tolerance import assert_close, bound
 
 SAVED_MODEL_CLI = os.path.join(os.path.dirname(sys.executable), "saved_model_cli")
@@ -289,8 +290,10 @@ def test_verify_detects_a_wrong_export(tmp_path):
 
 # --------------------------------------------------------------- causal LM
 @pytest.fixture(scope="module")
-def lm_export(tmp_path_factory):
-    return export_once(tmp_path_factory, tiny_lm, export.export_saved_model, "lm")
+def lm_export():
+    # tiny_lm() exported once per run for every file that reads it (tests/_shared_exports.py)
+    model, version_dir, _ = _shared_exports.lm_export()
+    return model, version_dir
 
 
 def test_lm_signatures(lm_export):

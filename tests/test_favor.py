@@ -24,6 +24,9 @@ from tests._helpers import (
 from tests.conftest import rel_err
 from tests.tolerance import assert_close, normalizer_conditioning
 
+# numeric: run again with oneDNN off (`make test-onednn-off`)
+pytestmark = pytest.mark.numeric
+
 D = 16
 RANDOM_MAPS = ["favor+", "favor_trig"]
 

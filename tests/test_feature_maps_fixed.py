@@ -7,6 +7,9 @@ import pytest
 from keras_linattn import feature_maps
 from tests.tolerance import assert_close, bound
 
+# numeric: run again with oneDNN off (`make test-onednn-off`); jax: run again on JAX (`make test-jax`)
+pytestmark = [pytest.mark.numeric, pytest.mark.jax]
+
 
 def test_elu_formula(rng):
     x = rng.normal(size=(2, 3, 2, 5)).astype("float32") * 3

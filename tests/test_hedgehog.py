@@ -18,6 +18,9 @@ from tests._helpers import (
 )
 from tests.tolerance import assert_close
 
+# numeric: run again with oneDNN off (`make test-onednn-off`)
+pytestmark = pytest.mark.numeric
+
 
 def _np_softmax(x):
     x = x - x.max(axis=-1, keepdims=True)

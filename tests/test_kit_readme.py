@@ -36,7 +36,7 @@ import tensorflow as tf
 
 from keras_linattn import export
 from keras_linattn.models import LinearCausalLM
-from tests._helpers import export_once
+from tests import _shared_exports
 from tests.test_export import DIM, encoder
 from tests.test_serving_kit import decode_rest_body, load_client
 
@@ -106,8 +106,10 @@ def tiny_lm():
 
 
 @pytest.fixture(scope="module")
-def lm_export(tmp_path_factory):
-    return export_once(tmp_path_factory, tiny_lm, export.export_saved_model, "lm")
+def lm_export():
+    # tiny_lm() exported once per run for every file that reads it (tests/_shared_exports.py)
+    model, version_dir, _ = _shared_exports.lm_export()
+    return model, version_dir
 
 
 def input_exprs_feeds(command, input_info):

@@ -12,6 +12,9 @@ from tests._backend import flat, gradients, xfail_jax_symbolic_length
 from tests._helpers import oracle_forward, run_steps
 from tests.tolerance import assert_close
 
+# numeric: run again with oneDNN off (`make test-onednn-off`); jax: run again on JAX (`make test-jax`)
+pytestmark = [pytest.mark.numeric, pytest.mark.jax]
+
 DIM = 16
 HEADS, KEY_DIM = 2, 4  # _layer's defaults; value dim M = KEY_DIM unless given
 

@@ -20,6 +20,9 @@ from keras_linattn.recurrences import AdditiveRecurrence, DeltaRecurrence, Windo
 from tests._backend import flat, gradients, xfail_jax_symbolic_length, xla
 from tests.tolerance import assert_close
 
+# numeric: run again with oneDNN off (`make test-onednn-off`)
+pytestmark = pytest.mark.numeric
+
 DIM, HEADS, KEY_DIM, T, CHUNK = 16, 2, 8, 13, 4
 
 CONFIGS = {

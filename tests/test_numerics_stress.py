@@ -45,6 +45,9 @@ from tests._helpers import layer_conditioning
 from tests.conftest import TEST_SEED
 from tests.tolerance import assert_close, bound, rel_err
 
+# numeric: run again with oneDNN off (`make test-onednn-off`)
+pytestmark = pytest.mark.numeric
+
 MAPS = feature_maps.available()
 SCALES = (1e-3, 1e-1, 1.0, 1e1, 1e3)
 POLICIES = ("mixed_bfloat16", "mixed_float16")

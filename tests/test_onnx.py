@@ -18,6 +18,7 @@ import pytest
 import keras_linattn as kla
 from keras_linattn import export
 from keras_linattn.export import _providers
+from tests import _shared_exports
 from tests._helpers import export_once
 from tests.test_export import DIM, SHAPES, encoder, encoder_tolerance, lm_tolerance, map_params, tiny_lm
 from tests.tolerance import assert_close
@@ -76,8 +77,10 @@ def test_causal_onnx_never_sees_the_future(tmp_path, rng):
 
 # ------------------------------------------------------------- causal LM
 @pytest.fixture(scope="module")
-def lm_onnx(tmp_path_factory):
-    return export_once(tmp_path_factory, tiny_lm, export.export_onnx, "lm.onnx")
+def lm_onnx():
+    # tiny_lm() exported once per run for every file that reads it (tests/_shared_exports.py)
+    model, _, paths = _shared_exports.lm_export()
+    return model, paths
 
 
 def test_lm_onnx_graphs(lm_onnx, rng):

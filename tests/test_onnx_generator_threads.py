@@ -13,8 +13,7 @@ import pytest
 
 from keras_linattn import export
 from keras_linattn.export import onnx_generator
-from tests._helpers import export_once
-from tests.test_export import tiny_lm
+from tests import _shared_exports
 
 pytest.importorskip("onnxruntime")
 pytestmark = pytest.mark.tf_only("the ONNX export converts a TensorFlow graph")
@@ -23,8 +22,10 @@ THREADS = 8
 
 
 @pytest.fixture(scope="module")
-def lm_onnx(tmp_path_factory):
-    return export_once(tmp_path_factory, tiny_lm, export.export_onnx, "lm.onnx")
+def lm_onnx():
+    # tiny_lm() exported once per run for every file that reads it (tests/_shared_exports.py)
+    model, _, paths = _shared_exports.lm_export()
+    return model, paths
 
 
 def test_threads_on_a_fresh_generator_create_one_session(lm_onnx, monkeypatch):

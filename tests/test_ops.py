@@ -8,6 +8,9 @@ from keras_linattn import ops as lops
 from tests._backend import flat, gradients, xla
 from tests.tolerance import assert_close, normalizer_conditioning
 
+# numeric: run again with oneDNN off (`make test-onednn-off`); jax: run again on JAX (`make test-jax`)
+pytestmark = [pytest.mark.numeric, pytest.mark.jax]
+
 B, H, C, M = 2, 3, 5, 4
 
 

@@ -12,6 +12,9 @@ from keras_linattn import feature_maps
 from keras_linattn.layers import EfficientAttention, LinearAttention, LinearTransformerEncoder
 from tests.tolerance import assert_close
 
+# numeric: run again with oneDNN off (`make test-onednn-off`)
+pytestmark = pytest.mark.numeric
+
 
 def _inputs():
     rng = np.random.default_rng(0)

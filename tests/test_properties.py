@@ -24,6 +24,9 @@ from keras_linattn.ops import kernel_attention_reference, linear_attention, line
 from keras_linattn.ops.core import _zero_state as zero_state
 from tests.tolerance import assert_close, normalizer_conditioning
 
+# numeric: run again with oneDNN off (`make test-onednn-off`)
+pytestmark = pytest.mark.numeric
+
 # Under CI (CI=true) the examples are derandomized: every run checks the same
 # inputs, so a CI result can be reproduced. Locally each run explores new ones.
 SETTINGS = dict(

@@ -15,6 +15,9 @@ from keras_linattn.ops.delta import DELTA_CHUNK
 from tests._backend import flat, gradients
 from tests.tolerance import assert_close
 
+# numeric: run again with oneDNN off (`make test-onednn-off`)
+pytestmark = pytest.mark.numeric
+
 B, H, C, M, D = 2, 3, 5, 4, 4
 
 

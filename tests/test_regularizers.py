@@ -8,6 +8,9 @@ import tensorflow as tf
 from keras_linattn.regularizers import OrthogonalRegularizer
 from tests.tolerance import assert_close, bound
 
+# numeric: run again with oneDNN off (`make test-onednn-off`)
+pytestmark = pytest.mark.numeric
+
 
 def _np_penalty(w, factor):
     """factor * sum_h ||G_h - I||_F^2 with G the smaller Gram matrix, float64."""

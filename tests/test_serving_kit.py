@@ -16,7 +16,8 @@ import tensorflow as tf
 from google.protobuf import text_format
 
 from keras_linattn import export
-from tests.test_export import DIM, encoder, encoder_tolerance, tiny_lm
+from tests import _shared_exports
+from tests.test_export import DIM, encoder, encoder_tolerance
 from tests.tolerance import assert_close
 
 KIT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "export")
@@ -51,9 +52,10 @@ def encoder_export(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def lm_export(tmp_path_factory):
-    model = tiny_lm()
-    return model, export.export_saved_model(model, tmp_path_factory.mktemp("kit") / "lm")
+def lm_export():
+    # tiny_lm() exported once per run for every file that reads it (tests/_shared_exports.py)
+    model, version_dir, _ = _shared_exports.lm_export()
+    return model, version_dir
 
 
 # ------------------------------------------------------------------ configs

@@ -10,6 +10,9 @@ from keras_linattn import ops as lops
 from keras_linattn.layers import LinearAttention
 from tests.tolerance import assert_close
 
+# numeric: run again with oneDNN off (`make test-onednn-off`)
+pytestmark = pytest.mark.numeric
+
 # (registry name, non-default constructor arguments): every map, every
 # hidden activation, depths 1-3, shared and separate q/k kernels.
 CASES = [

@@ -14,6 +14,9 @@ from tests._helpers import layer_conditioning, run_steps, step_test_feature_map
 from tests.conftest import TEST_SEED
 from tests.tolerance import assert_close, assert_rows_close
 
+# numeric: run again with oneDNN off (`make test-onednn-off`)
+pytestmark = pytest.mark.numeric
+
 DIM = 8
 T = 7
 FEATURE_MAPS = feature_maps.available()

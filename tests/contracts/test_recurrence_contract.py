@@ -31,6 +31,9 @@ from tests._backend import xla
 from tests._helpers import _outputs_and_gradients
 from tests.tolerance import assert_close
 
+# numeric: run again with oneDNN off (`make test-onednn-off`)
+pytestmark = pytest.mark.numeric
+
 DIM, HEADS, KEY_DIM, T, CHUNK, CONV = 16, 2, 8, 11, 4, 3
 FAST_EXPORT = {"scratch_fixed_decay"}
 

@@ -23,6 +23,9 @@ import pytest
 import keras_linattn  # noqa: F401  (registers the classes the files name)
 from tests.tolerance import assert_close
 
+# numeric: run again with oneDNN off (`make test-onednn-off`)
+pytestmark = pytest.mark.numeric
+
 HERE = os.path.join(os.path.dirname(__file__), os.pardir, "fixtures", "round2")
 LAYERS = ["plain", "fixed", "scalar_conv", "channel_unnormalized", "window", "gated_delta"]
 LMS = ["lm_based", "lm_delta_conv"]

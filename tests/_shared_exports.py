@@ -1,0 +1,130 @@
+"""Exports built once per pytest run and shared by every test file that only reads them.
+
+Exporting the tiny causal LM (SavedModel with its step/generate signatures, ONNX
+model, step and generate graphs) takes 10-30 s on a quiet 2-core machine, and eight
+test files read the same one: `keras-linattn export` of `tests.test_export.tiny_lm()`
+(seed 0), the layout users get (the Python export API on a freshly built LM is
+exercised by tests/test_verify.py, tests/test_generate_parity.py,
+tests/test_front_end_rules.py and tests/test_mechanisms_export.py).
+
+`shared_dir(name, build)` builds a directory once per pytest run, across
+pytest-xdist workers: the first worker to ask builds it under a file lock in the
+run's common temporary folder (the parent of each worker's `basetemp`); the
+others wait for the lock, then reuse it. Outside pytest (a test module run with
+`python -m`), a temporary folder removed at exit.
+
+The directories are read only: a test that damages a file copies the directory first.
+
+The models are not shared: each caller builds its own from the same seed
+(`built_lm`) and checks that its weights equal, bit for bit, those of the model
+saved and exported (an .npz written beside the .keras file), so a test can never
+compare an export against a model other than the one exported.
+"""
+
+import atexit
+import functools
+import json
+import os
+import shutil
+import tempfile
+
+import keras
+import numpy as np
+from filelock import FileLock
+
+# Set by tests/conftest.py (a session fixture) to the folder that every worker of the run shares.
+BASE = None
+
+
+@functools.lru_cache(maxsize=None)
+def _fallback_base():
+    base = tempfile.mkdtemp(prefix="kla-shared-exports-")
+    atexit.register(shutil.rmtree, base, True)
+    return base
+
+
+def shared_dir(name, build):
+    """The folder ``<base>/<name>``, filled by ``build(path)`` once per pytest run.
+
+    ``build`` runs under the float32 policy; a folder left half built by a crashed
+    run (no ``.done`` marker) is built again.
+    """
+    base = str(BASE) if BASE is not None else _fallback_base()
+    path = os.path.join(base, name)
+    done = os.path.join(path, ".done")
+    with FileLock(path + ".lock"):
+        if not os.path.exists(done):
+            shutil.rmtree(path, ignore_errors=True)
+            os.makedirs(path)
+            policy = keras.config.dtype_policy()
+            keras.config.set_dtype_policy("float32")
+            try:
+                build(path)
+            finally:
+                keras.config.set_dtype_policy(policy)
+            open(done, "w").close()
+    return path
+
+
+def built_lm(seed=0):
+    """`tests.test_export.tiny_lm(seed=seed)`, built, under the float32 policy."""
+    from tests.test_export import tiny_lm
+
+    keras.config.set_dtype_policy("float32")
+    model = tiny_lm(seed=seed)
+    model(np.zeros((1, 4), "int32"))
+    return model
+
+
+def _save_weights(model, path):
+    np.savez(path, *[np.asarray(w) for w in model.weights])
+
+
+def check_same_weights(model, path):
+    """Asserts that ``model``'s weights are, bit for bit, those saved at ``path`` (an .npz)."""
+    with np.load(path) as saved:
+        expected = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+    got = [np.asarray(w) for w in model.weights]
+    assert len(got) == len(expected), f"{len(got)} weights, the export has {len(expected)}"
+    for w, a, b in zip(model.weights, got, expected, strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=f"{w.path}: not the exported weights")
+
+
+NAME = "lm"
+
+
+def _build_lm_export(root):
+    """`keras-linattn export lm0.keras --out exported --name lm`, beside the .keras files of seeds 0 and 1."""
+    from keras_linattn import cli
+
+    for seed in (0, 1):
+        model = built_lm(seed)
+        model.save(os.path.join(root, f"lm{seed}.keras"))
+        _save_weights(model, os.path.join(root, f"lm{seed}.npz"))
+    out = os.path.join(root, "exported")
+    code = cli.main(["export", os.path.join(root, "lm0.keras"), "--out", out, "--name", NAME])
+    assert code == 0
+
+
+def lm_export_root():
+    """The folder holding ``lm0.keras``, ``lm1.keras`` and ``exported/`` (built once per run)."""
+    return shared_dir("tiny_lm_export", _build_lm_export)
+
+
+def lm_export():
+    """The tiny LM (`built_lm(0)`) as `keras-linattn export` writes it: ``(model, version_dir, onnx_paths)``.
+
+    ``version_dir`` is the SavedModel (``exported/lm/1``: `export.export_saved_model`),
+    ``onnx_paths`` the ONNX files as `export.export_onnx` names them ("model",
+    "step", "generate": ``exported/onnx/lm*.onnx``). ``model`` is a fresh build of
+    the same seed whose weights were checked against the exported model's.
+    """
+    root = lm_export_root()
+    out = os.path.join(root, "exported")
+    with open(os.path.join(out, "manifest.json")) as f:
+        entry = json.load(f)["models"][NAME]
+    model = built_lm(0)
+    check_same_weights(model, os.path.join(root, "lm0.npz"))
+    version_dir = os.path.join(out, entry["saved_model"])
+    onnx_paths = {kind: os.path.join(out, rel) for kind, rel in entry["onnx"].items()}
+    return model, version_dir, onnx_paths
