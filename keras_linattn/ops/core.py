@@ -249,6 +249,17 @@ def _has_keys(key_mask, causal, z0, like, num_keys):
     return has
 
 
+def _step_has_keys(z, key_mask_t):
+    """``[B, H, 1]`` bool for one step (state ``z [B, H, C]`` after the step), or None for all rows.
+
+    The step's own key counts as a real key; a masked step only knows its state.
+    """
+    if key_mask_t is None:
+        return None
+    has_keys = ops.any(ops.not_equal(z, 0.0), axis=-1, keepdims=True)  # [B, H, 1]
+    return ops.logical_or(has_keys, ops.cast(key_mask_t, "bool")[:, None, None])
+
+
 def _mark_underflow(out, q, den_abs, has_keys):
     """NaN rows where the kernel underflowed (`KernelUnderflowError`); raises instead when eager."""
     underflow = ops.logical_and(den_abs <= 0, ops.sum(ops.abs(q), axis=-1, keepdims=True) > 0)  # [..., 1]
@@ -549,13 +560,7 @@ def linear_attention_step(q_t, k_t, v_t, state, key_mask_t=None, eps=DEFAULT_EPS
     den = ops.sum(q * z, axis=-1, keepdims=True)  # [B, H, 1]
     den_abs = ops.sum(ops.abs(q) * ops.abs(z), axis=-1, keepdims=True)  # [B, H, 1]
     out = _normalize(q, num, den, eps, den_abs)  # [B, H, M]
-    # The step's own key counts as a real key; a masked step only knows the state.
-    has_keys = ops.any(ops.not_equal(z, 0.0), axis=-1, keepdims=True)  # [B, H, 1]
-    if key_mask_t is not None:
-        has_keys = ops.logical_or(has_keys, ops.cast(key_mask_t, "bool")[:, None, None])
-    else:
-        has_keys = None
-    out = _mark_underflow(out, q, den_abs, has_keys)
+    out = _mark_underflow(out, q, den_abs, _step_has_keys(z, key_mask_t))
     return ops.cast(out, out_dtype), (s, z)
 
 
