@@ -95,7 +95,7 @@ def test_output_error_shrinks_as_num_features_grows():
     mses = [float(np.mean(e)) for e in per_seed]
     # Statistical: each 4x more features lowers the MSE (mean over 20 draws) by
     # more than 4 standard errors of the difference.
-    for smaller_m, larger_m in zip(per_seed, per_seed[1:], strict=True):
+    for smaller_m, larger_m in zip(per_seed[:-1], per_seed[1:], strict=True):
         assert _gain_in_standard_errors(smaller_m, larger_m) > 4, mses
     # The estimator's variance falls like 1/m: 64x the features should divide
     # the MSE by ~64; require 10 (the attention is a ratio of two estimates,
@@ -285,6 +285,10 @@ def test_layer_matches_oracle_outputs_and_gradients(rng, name, causal):
 def test_causal_outputs_never_see_the_future(rng, name):
     x = rng.normal(size=(1, 24, 8)).astype("float32")
     layer = LinearAttention(num_heads=2, key_dim=4, feature_map=_map(name), chunk_size=8)
+    if name == "favor_trig":
+        # The x5 noise puts later favor_trig keys past the amplitude cap: eagerly that raises
+        # (KernelUnderflowError); in a graph those later rows are NaN and the earlier ones untouched.
+        layer = tf.function(layer, autograph=False)
     assert_causal_outputs_never_see_the_future(layer, x, rng, positions=(0, 5, 8, 17))
 
 

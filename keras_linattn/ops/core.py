@@ -219,9 +219,14 @@ class KernelUnderflowError(ValueError):
     A row with at least one real key, nonzero query features and
     ``|phi(q)| . |z| = 0`` has a kernel that underflowed: every product of
     its query's and its keys' features is below float32's range, so the
-    exact ratio ``phi(q)^T S / phi(q)^T z`` cannot be formed. In graph mode
-    (`tf.function`, XLA, SavedModel, ONNX), where nothing can raise, such a
-    row is NaN instead: never a silent 0. See docs/hardening.md.
+    exact ratio ``phi(q)^T S / phi(q)^T z`` cannot be formed. The same
+    error is raised by `keras_linattn.layers.LinearAttention` for causal rows
+    that attend to a favor_trig key whose amplitude ``exp(|k'|^2/2)`` is past
+    the cap ``exp(50)`` (the capped features are not that key's kernel). In
+    graph mode (`tf.function`, XLA, SavedModel, ONNX), where nothing can
+    raise, such a row is NaN instead: never a silent 0 or a wrong value. The
+    gated (``decay``) and window recurrences follow the same rule. See
+    docs/hardening.md.
     """
 
 
