@@ -113,9 +113,10 @@ def sweep_case(name, scale, causal, layer=None, runner=None):
 
 # Wrong rows that remain, by name, with the most seen and the reason (docs/hardening.md).
 _PARTIAL = (
-    "partial underflow: the keys that dominate this query's row are below float32's range "
-    "relative to the per-head key scale (non-causal) or the unshifted causal keys, while other "
-    "keys survive; the row is a ratio over the wrong keys. Only a log-space state would fix it."
+    "a row at the edge of float32's normal range: its dominant keys' kernels are right (6.2e-38, 5x "
+    "the smallest normal float), but the numerator's products kernel * v fall below 2^-126 for small "
+    "|v| and are flushed to 0 (CPU flush-to-zero), so the output is off by ~4% of the largest |v|. "
+    "Scaling each row by 1 / sum|w| (a power of 2) before the numerator would keep them normal."
 )
 KNOWN_WRONG = {
     ("hedgehog", 1000.0, True): (2, _PARTIAL),
