@@ -187,7 +187,7 @@ class LinearAttention(_projections.ProjectedAttention):
         bad = self.feature_map.causal_key_out_of_range(key)  # [B, T, H]
         if key_mask is not None:
             bad = ops.logical_and(bad, ops.cast(key_mask, "bool")[:, :, None])
-        rows = ops.cumsum(ops.cast(bad, "int32"), axis=1) > 0  # [B, T, H]: at or after an out-of-range key
+        rows = ops.cumsum(ops.cast(bad, "float32"), axis=1) > 0  # [B, T, H]: at or after an out-of-range key
         if la_ops._is_eager(rows):
             count = int(ops.convert_to_numpy(ops.sum(ops.cast(rows, "int32"))))
             if count:
