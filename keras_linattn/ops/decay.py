@@ -116,6 +116,10 @@ def gated_linear_attention(
 
     Returns:
         ``[B, T, H, M]`` in ``v``'s dtype (and ``(S, z)`` if `return_state`).
+    Raises:
+        KernelUnderflowError: eagerly, for a row with a real key (or a
+            carried state) whose every term underflowed float32 (in a graph
+            such rows are NaN), as `keras_linattn.ops.linear_attention`.
     """
     _validate_inputs(q_features, k_features, v, key_mask, causal=True)
     _check_log_decay(log_decay, q_features)
