@@ -116,6 +116,7 @@ def gated_linear_attention(
 
     Returns:
         ``[B, T, H, M]`` in ``v``'s dtype (and ``(S, z)`` if `return_state`).
+
     Raises:
         KernelUnderflowError: eagerly, for a row with a real key (or a
             carried state) whose every term underflowed float32 (in a graph

@@ -104,6 +104,7 @@ def window_attention(
     Returns:
         ``[B, T, H, M]`` in ``v_all``'s dtype (and ``(S, z)`` if `return_state`).
         The new buffer is the last W entries of `k_all`, `v_all`, `valid_all`.
+
     Raises:
         KernelUnderflowError: eagerly, for a row with a real key (or a
             carried state) whose every term underflowed float32 (in a graph
