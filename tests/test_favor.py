@@ -290,6 +290,10 @@ def test_layer_matches_oracle_outputs_and_gradients(rng, name, causal):
 def test_causal_outputs_never_see_the_future(rng, name):
     x = rng.normal(size=(1, 24, 8)).astype("float32")
     layer = LinearAttention(num_heads=2, key_dim=4, feature_map=_map(name), chunk_size=8)
+    if name == "favor_trig":
+        # The x5 noise puts later favor_trig keys past the amplitude cap: eagerly that raises
+        # (KernelUnderflowError); in a graph those later rows are NaN and the earlier ones untouched.
+        layer = tf.function(layer, autograph=False)
     assert_causal_outputs_never_see_the_future(layer, x, rng, positions=(0, 5, 8, 17))
 
 

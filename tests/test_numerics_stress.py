@@ -97,13 +97,15 @@ NOT_CLOSE_TO_FLOAT32 = {
 # `KernelUnderflowError` (in a graph those rows are NaN), never a silent 0 (docs/hardening.md,
 # tests/test_numerics_sweep.py). Causal keys cannot be shifted (it would leak the future):
 # favor+'s key exponent is ~ -|k'|^2/2 (with DIM=16 projections, ~-1e2 at x10); the others
-# meet a query whose few keys so far are all far below it at x1e3. Non-causal favor+ at x1e3:
-# exponents ~1e6 apart, so for some queries every key within float32's range of the head's
-# largest one is far outside their own.
+# meet a query whose few keys so far are all far below it at x1e3. Non-causal favor+ no longer
+# underflows at any scale (a shift per feature folded into the queries, `noncausal_pair`).
+# favor_trig, causal, from x10: keys past its amplitude cap exp(50) (|k'|^2/2 ~ 1e2 at x10) raise
+# the same error; their kernel is not representable either.
 UNDERFLOW = {
     ("favor+", 1e1, True),
     ("favor+", 1e3, True),
-    ("favor+", 1e3, False),
+    ("favor_trig", 1e1, True),
+    ("favor_trig", 1e3, True),
     *((m, 1e3, True) for m in ("aoglu", "ffn", "glu", "hedgehog", "oglu")),
 }
 
@@ -133,8 +135,7 @@ def _inputs(seed, batch=2, length=LENGTH):
 def _float32_core_on_projections(layer32, q, k, v, mask, causal):
     """The float32 layer's feature map, attention and output projection on given projections."""
     k = tf.where(mask[:, :, None, None], k, tf.zeros_like(k))  # padded keys enter the map as zeros
-    qf = layer32.feature_map(q, is_query=True, causal=causal)
-    kf = layer32.feature_map(k, is_query=False, causal=causal)
+    qf, kf = layer32.recurrence.feature_pair(q, k, causal, key_mask=mask)  # as the layer maps them
     attended = la_ops.linear_attention(qf, kf, v, causal=causal, key_mask=mask, chunk_size=32, eps=layer32.epsilon)
     return np.asarray(layer32.output_dense(attended))
 
@@ -241,10 +242,14 @@ def test_favor_trig_is_refused_under_float16_with_a_clear_error():
 def test_large_scale_behaviour_of_random_feature_maps_is_the_documented_one():
     x, mask = _inputs(TEST_SEED)
     xs = x * np.float32(1e3)
-    # favor_trig at x1e3: finite (the causal key amplitude is capped at exp(50)).
+    # favor_trig at x1e3: non-causal finite; causal keys are past the amplitude cap exp(50), which
+    # would change their kernel: eagerly that raises, in a graph the rows are NaN.
     trig = _layer("favor_trig", "float32")
-    for causal in (False, True):
-        assert np.isfinite(np.asarray(trig(xs, xs, key_mask=mask, use_causal_mask=causal))).all()
+    assert np.isfinite(np.asarray(trig(xs, xs, key_mask=mask, use_causal_mask=False))).all()
+    with pytest.raises(KernelUnderflowError, match="amplitude"):
+        trig(xs, xs, key_mask=mask, use_causal_mask=True)
+    graph = tf.function(lambda a, m: trig(a, a, key_mask=m, use_causal_mask=True))
+    assert np.isnan(np.asarray(graph(xs, mask))).any()
     k = trig.key_dense(xs)  # [B, T, H, D]
     kf = np.asarray(trig.feature_map(k, is_query=False, causal=True))
     # |sin|, |cos| <= 1 over sqrt(m = 16), times the capped amplitude, up to float32's exp.
@@ -258,10 +263,9 @@ def test_large_scale_behaviour_of_random_feature_maps_is_the_documented_one():
         plus(xs, xs, key_mask=mask, use_causal_mask=True)
     graph = tf.function(lambda a, m: plus(a, a, key_mask=m, use_causal_mask=True))
     assert np.isnan(np.asarray(graph(xs, mask))).any()
-    # Non-causal favor+ at x1e3 raises too: the exponents are ~1e6 apart, so for some
-    # queries every key within float32's range of the head's largest is out of their own.
-    with pytest.raises(KernelUnderflowError):
-        plus(xs, xs, key_mask=mask, use_causal_mask=False)
+    # Non-causal favor+ at x1e3 does not underflow: each feature's keys are shifted by their own
+    # max and the queries by the same amounts (`noncausal_pair`), so phi(q).z >= 1/m in every row.
+    assert np.isfinite(np.asarray(plus(xs, xs, key_mask=mask, use_causal_mask=False))).all()
 
 
 @pytest.mark.parametrize("policy", ("float32",) + POLICIES)

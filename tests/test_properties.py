@@ -13,6 +13,7 @@ M value dim, L chunk length.
 
 import os
 
+import keras
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -286,8 +287,15 @@ def test_layer_with_every_feature_map_is_causal(name, t, chunk, cut, seed, batch
     last = min(int(cut * (t - 1)), t - 2)  # outputs 0..last must not change
     x2 = x.copy()
     x2[:, last + 1 :] = rng.normal(size=x2[:, last + 1 :].shape) * 10.0
-    y = np.asarray(layer(x, x, use_causal_mask=True))
-    y2 = np.asarray(layer(x2, x2, use_causal_mask=True))
+    call = layer
+    if name == "favor_trig" and keras.backend.backend() == "tensorflow":
+        # x10 puts later favor_trig keys past its amplitude cap: eager TensorFlow raises
+        # KernelUnderflowError; in a graph the rows from there on are NaN, the earlier ones untouched.
+        import tensorflow as tf
+
+        call = tf.function(layer, autograph=False)
+    y = np.asarray(call(x, x, use_causal_mask=True))
+    y2 = np.asarray(call(x2, x2, use_causal_mask=True))
     np.testing.assert_array_equal(y2[:, : last + 1], y[:, : last + 1])
     # And the change is visible afterwards (the test is not vacuous).
     assert not np.array_equal(y2[:, last + 1 :], y[:, last + 1 :])

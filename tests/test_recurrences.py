@@ -603,3 +603,130 @@ def test_window_divides_small_and_negative_denominators_exactly(rng, keys):
         features = np.concatenate([features[:, 1:], kf[:, i : i + 1]], 1)
         outs.append(np.asarray(o))
     assert_close(np.stack(outs, 1), expected, n=t + C + D, what="steps")
+
+
+# ---------------------------------------------------------------- underflow is reported, never a silent 0
+def _underflowing(rng, t):
+    """Positive features ~1e-25: every product phi(q).phi(k) (~1e-50) is below float32's range."""
+    q, k, v = _features(rng, t)
+    return q * np.float32(1e-25), k * np.float32(1e-25), v
+
+
+def _has_key(mask, window=0):
+    """``[B, T]``: query i has a real key at or before i (window > 0: one that has left its window)."""
+    real = np.asarray(mask, bool)
+    if window:
+        real = np.concatenate([np.zeros((B, window), bool), real], 1)[:, : real.shape[1]]
+    return np.cumsum(real, 1) > 0
+
+
+def _modes(fn):
+    """The eager call, and the same call in a graph and under XLA (where nothing can raise)."""
+    import tensorflow as tf
+
+    graph = tf.function(fn, autograph=False)
+    xla = tf.function(fn, autograph=False, jit_compile=True)
+    return graph, xla
+
+
+def _assert_flagged(out, has_key, what):
+    """NaN rows exactly where the row has real keys; exact 0 where it has none."""
+    out = np.asarray(out)  # [B, T, H, M]
+    nan_rows = np.isnan(out).all(-1)  # [B, T, H]
+    np.testing.assert_array_equal(nan_rows, np.broadcast_to(has_key[:, :, None], nan_rows.shape), err_msg=what)
+    assert not np.isnan(out[~has_key]).any() and (out[~has_key] == 0).all(), what
+
+
+@pytest.mark.parametrize("width", [1, C], ids=["scalar", "channel"])
+def test_gated_underflow_raises_eagerly_and_is_nan_in_graphs(rng, width):
+    from keras_linattn.ops.core import KernelUnderflowError
+
+    t = 9
+    q, k, v = _underflowing(rng, t)
+    g = _log_decay(rng, t, width)
+    mask = _padding(rng, t)  # row 1 starts with 3 padded keys: no key yet, output 0, not an underflow
+    with pytest.raises(KernelUnderflowError, match="underflow"):
+        lops.gated_linear_attention(q, k, v, g, key_mask=mask, chunk_size=4)
+    for mode, fn in zip(
+        ("graph", "xla"), _modes(lambda *x: lops.gated_linear_attention(*x, key_mask=mask, chunk_size=4)), strict=True
+    ):
+        _assert_flagged(fn(q, k, v, g), _has_key(mask), f"chunked, {mode}")
+    # The step: eagerly it raises at the first real key; in a graph its rows are NaN.
+    state = (np.zeros((B, H, C, M), "float32"), np.zeros((B, H, C), "float32"))
+    with pytest.raises(KernelUnderflowError, match="underflow"):
+        lops.gated_linear_attention_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], state, mask[:, 0])
+    step, _ = _modes(lambda *x: lops.gated_linear_attention_step(*x))
+    outs = []
+    for i in range(t):
+        o, state = step(q[:, i], k[:, i], v[:, i], g[:, i], state, mask[:, i])
+        outs.append(np.asarray(o))
+    _assert_flagged(np.stack(outs, 1), _has_key(mask), "steps, graph")
+
+
+@pytest.mark.parametrize("width", [1, C], ids=["scalar", "channel"])
+def test_gated_tiny_decayed_state_is_not_an_underflow(rng, width):
+    # A state decayed far below its keys (log decay -40 per step), or carried in tiny, is still a state: the
+    # rows are the exact ratio, and rows whose keys are all padded are 0, with nothing raised.
+    t = 9
+    q, k, v = _features(rng, t)
+    g = np.full((B, t, H, width), -40.0, "float32")
+    mask = _padding(rng, t)
+    expected = _gated_oracle(q, k, v, g, mask)
+    out = lops.gated_linear_attention(q, k, v, g, key_mask=mask, chunk_size=4)
+    assert_close(out, expected, n=t + C, conditioning=_decay_conditioning(g, 4, mask), what="strong decay")
+    tiny = (np.full((B, H, C, M), 1e-35, "float32"), np.full((B, H, C), 1e-35, "float32"))
+    none = np.zeros((B, t), bool)  # every key padded: only the carried state
+    out = np.asarray(lops.gated_linear_attention(q, k, v, g, key_mask=none, chunk_size=4, initial_state=tiny))
+    np.testing.assert_allclose(out, 1.0, rtol=1e-5)  # S / z = 1e-35 / 1e-35 in every row
+    o, _ = lops.gated_linear_attention_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], tiny, none[:, 0])
+    np.testing.assert_allclose(np.asarray(o), 1.0, rtol=1e-5)
+
+
+def test_window_underflow_raises_eagerly_and_is_nan_in_graphs(rng):
+    # Rows with a real key in their window have softmax terms (the largest is 1): never underflowed, and
+    # exact (the linear part, ~1e-50, is nothing next to them). Rows whose window is all padded but that have
+    # older real keys divide by the linear part alone: underflowed. Rows with no key at all: 0.
+    from keras_linattn.ops.core import KernelUnderflowError
+
+    t, window = 13, 2
+    q, k, _, _, _ = _window_inputs(rng, t, window)
+    qf, kf, v = _underflowing(rng, t)
+    mask = np.ones((B, t), bool)
+    mask[0, 5:] = False  # rows 6.. of sequence 0: an empty window, 5 older keys
+    mask[1, :2] = False  # rows 0, 1 of sequence 1: no key at all
+    mask[1, 5:10] = False  # rows 6..9 of sequence 1: an empty window, older keys
+    k_all, kf_all, v_all, ok = _with_empty_buffer(k, kf, v, mask, window)
+    real = np.concatenate([np.zeros((B, window), bool), mask], 1)
+    in_window = np.stack([real[:, i + 1 : i + 1 + window].any(1) for i in range(t)], 1)  # [B, T]
+    flagged = _has_key(mask, window) & ~in_window
+    with pytest.raises(KernelUnderflowError, match="underflow"):
+        lops.window_attention(q, qf, k_all, kf_all, v_all, window, ok, chunk_size=4)
+    expected = _window_oracle(q, qf, k, kf, v, window, mask, D**-0.5)
+    for mode, fn in zip(
+        ("graph", "xla"), _modes(lambda *x: lops.window_attention(*x, window, ok, chunk_size=4)), strict=True
+    ):
+        out = np.asarray(fn(q, qf, k_all, kf_all, v_all))
+        _assert_flagged(np.where(in_window[:, :, None, None], 0.0, out), flagged, f"parallel, {mode}")
+        assert_close(out[in_window], expected[in_window], n=t + C + D, what=f"rows with a window, {mode}")
+    step, _ = _modes(lambda *x: lops.window_attention_step(*x))
+    s = (np.zeros((B, H, C, M), "float32"), np.zeros((B, H, C), "float32"))
+    buffer = (
+        np.zeros((B, window, H, D), "float32"),
+        np.zeros((B, window, H, M), "float32"),
+        np.zeros((B, window), "float32"),
+    )
+    features = np.zeros((B, window, H, C), "float32")
+    outs = []
+    raised = False
+    for i in range(t):
+        args = (q[:, i], qf[:, i], k[:, i], v[:, i], features[:, 0], buffer, s, mask[:, i])
+        if flagged[:, i].any() and not raised:
+            with pytest.raises(KernelUnderflowError, match="underflow"):
+                lops.window_attention_step(*args[:-1], key_mask_t=mask[:, i])
+            raised = True
+        o, s, buffer = step(*args)
+        features = np.concatenate([features[:, 1:], kf[:, i : i + 1]], 1)
+        outs.append(np.asarray(o))
+    assert raised
+    out = np.stack(outs, 1)
+    _assert_flagged(np.where(in_window[:, :, None, None], 0.0, out), flagged, "steps, graph")

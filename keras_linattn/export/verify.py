@@ -22,12 +22,21 @@ _SAMPLED = {"temperature": 0.8, "k": 8, "p": 0.9}
 
 
 class VerificationError(RuntimeError):
-    """Raised by `verify` when an export differs from Keras past tolerance."""
+    """Raised by `verify` when an export differs from Keras past tolerance, or a check could not be verified."""
 
     def __init__(self, report):
         self.report = report
-        failed = [r for r in report.rows if not r.ok]
-        super().__init__(f"{len(failed)} of {len(report.rows)} checks exceed tolerance:\n" + report.table(failed))
+        total = len(report.rows)
+        parts = []
+        if report.failed:
+            parts.append(f"{len(report.failed)} of {total} checks exceed tolerance")
+        if report.unverified:
+            parts.append(
+                f"{len(report.unverified)} of {total} checks could not be verified (no row well-conditioned "
+                "enough to compare in float32)"
+            )
+        bad = [r for r in report.rows if not r.ok]
+        super().__init__("; ".join(parts) + ":\n" + report.table(bad))
 
 
 class _Check:
@@ -36,9 +45,14 @@ class _Check:
     ``exact`` checks count mismatches (tokens, weights): `max_abs` holds the
     count and the check passes at 0. Others pass when ``max_rel <=
     tolerance``; `tolerance` is the error model's bound (or a fixed one).
+    A check that could compare nothing (every row's bound vacuous) has
+    ``verified=False``: it neither passes nor fails, its `status` is
+    ``"not verified"``.
     """
 
-    def __init__(self, backend, signature, shape, max_abs, max_rel, tolerance, exact=False, ok=None, detail=""):
+    def __init__(
+        self, backend, signature, shape, max_abs, max_rel, tolerance, exact=False, ok=None, detail="", verified=True
+    ):
         self.backend = backend
         self.signature = signature
         self.shape = tuple(shape)
@@ -47,12 +61,20 @@ class _Check:
         self.tolerance = tolerance
         self.exact = exact
         self.detail = detail
+        self.verified = bool(verified)
         if ok is None:
             ok = (self.max_abs == 0.0) if exact else bool(self.max_rel <= tolerance)
-        self.ok = bool(ok)
+        self.ok = bool(ok) and self.verified
+
+    @property
+    def status(self):
+        """``"ok"``, ``"FAIL"`` (differs past tolerance, or not finite) or ``"not verified"``."""
+        if not self.verified:
+            return "not verified"
+        return "ok" if self.ok else "FAIL"
 
     def as_dict(self):
-        return dict(vars(self))
+        return {**vars(self), "status": self.status}
 
 
 def _format_table(rows, header):
@@ -75,7 +97,25 @@ class VerificationReport:
 
     @property
     def ok(self):
+        """True if every check passed (none failed, none left unverified)."""
         return all(r.ok for r in self.rows)
+
+    @property
+    def failed(self):
+        """The checks that differ past tolerance (or gave non-finite outputs)."""
+        return [r for r in self.rows if r.verified and not r.ok]
+
+    @property
+    def unverified(self):
+        """The checks that could compare nothing: neither passed nor failed."""
+        return [r for r in self.rows if not r.verified]
+
+    @property
+    def status(self):
+        """``"ok"``, ``"failed"`` (a check failed) or ``"not verified"`` (none failed, some compared nothing)."""
+        if self.failed:
+            return "failed"
+        return "not verified" if self.unverified else "ok"
 
     def add(self, row):
         self.rows.append(row)
@@ -97,7 +137,7 @@ class VerificationReport:
                     "x".join(str(d) for d in r.shape),
                     *diffs,
                     "exact" if r.exact else f"{r.tolerance:.1e}",
-                    ("ok" if r.ok else "FAIL") + (f" ({r.detail})" if r.detail else ""),
+                    r.status + (f" ({r.detail})" if r.detail else ""),
                 )
             )
         return _format_table(lines, header)
@@ -254,8 +294,9 @@ def _compare(backend, signature, shape, got, expected, bound):
     """A `_Check` of `got` against `expected` ``[B, ...]``, each batch row against its own bound.
 
     Rows whose bound would be vacuous are not compared (they must be
-    finite); a check that compares no row passes on finite outputs and says
-    so (`verify` fails a report in which no output check compared a row).
+    finite). A check that compares no row proves nothing: with finite
+    outputs it is "not verified" (``verified=False``, not ok); with
+    non-finite ones it fails.
     """
     abs_d, rel_d = differences(got, expected)
     got = np.asarray(got, np.float64)
@@ -282,8 +323,9 @@ def _compare(backend, signature, shape, got, expected, bound):
             abs_d,
             rel_d,
             float("inf"),
-            ok=finite,
-            detail=f"not compared: every row ill-conditioned for float32 (conditioning >= {least:.3g})"
+            ok=False,
+            verified=not finite,
+            detail=f"no row compared: every row ill-conditioned for float32 (conditioning >= {least:.3g})"
             + ("" if finite else ", and not finite"),
         )
     ok = finite and worst[0] <= 1.0
@@ -509,7 +551,10 @@ def verify(
     inputs (1 for positive feature maps; large for a signed kernel such as
     favor_trig with trained-scale weights), per batch row. A row whose
     bound would pass an all-zero output is not compared (and said so); a
-    check with no comparable row fails. Tokens: a greedy token may differ
+    check with no comparable row is "not verified": it does not pass
+    (`VerificationReport.ok` is False, `status` ``"not verified"``), and it
+    is told apart from a check that failed (`VerificationReport.failed`,
+    `VerificationReport.unverified`). Tokens: a greedy token may differ
     only where Keras' two candidate logits are within that bound (a tie in
     float32); sampled tokens must be equal.
 
@@ -551,7 +596,8 @@ def verify(
     Raises:
         ValueError: a damaged or mismatched file, or `shapes` past the
             model's limit.
-        VerificationError: a check failed (with `raise_on_failure`).
+        VerificationError: a check failed or could not be verified (with
+            `raise_on_failure`).
     """
     from keras_linattn.export import onnx_export, saved_model
     from keras_linattn.export.saved_model_runner import SavedModelRunner
@@ -613,7 +659,7 @@ def verify(
                     )
                     say(
                         f"{backend:12s} {row.signature} {batch}x{length}: rel {row.max_rel:.2e} "
-                        f"(bound {row.tolerance:.1e}) {'ok' if row.ok else 'FAIL'}"
+                        f"(bound {row.tolerance:.1e}) {row.status}"
                     )
         if specs.causal_lm:
             _verify_decoding(
@@ -634,20 +680,6 @@ def verify(
     finally:
         if runner is not None:
             runner.close()
-    compared = [r for r in report.rows if not r.exact]
-    if compared and not any(math.isfinite(r.tolerance) for r in compared):
-        report.add(
-            _Check(
-                "all",
-                "outputs",
-                (),
-                float("nan"),
-                float("nan"),
-                float("inf"),
-                ok=False,
-                detail="no output row was well-conditioned enough to compare in float32",
-            )
-        )
     if raise_on_failure and not report.ok:
         raise VerificationError(report)
     return report
@@ -731,10 +763,7 @@ def _verify_decoding(
                 backend, f"{_specs.STEP}:logits", (batch, steps), got, expected, _Bound(n, step_conditioning, fixed)
             )
         )
-        say(
-            f"{backend:12s} step {batch}x{steps}: rel {row.max_rel:.2e} (bound {row.tolerance:.1e}) "
-            f"{'ok' if row.ok else 'FAIL'}"
-        )
+        say(f"{backend:12s} step {batch}x{steps}: rel {row.max_rel:.2e} (bound {row.tolerance:.1e}) {row.status}")
 
     prompt = tokens[:, : min(2, steps)]
     max_length = prompt.shape[1] + steps if limit is None else min(prompt.shape[1] + steps, limit)
@@ -755,7 +784,7 @@ def _verify_decoding(
                 continue
             row = report.add(_token_check(backend, name, keras_ids, got, greedy_logits, generate_bound, ties))
             count = int(row.max_abs) if math.isfinite(row.max_abs) else "shape"
-            say(f"{backend:12s} {name} {batch}x{max_length}: {count} differing tokens {'ok' if row.ok else 'FAIL'}")
+            say(f"{backend:12s} {name} {batch}x{max_length}: {count} differing tokens {row.status}")
 
     if runner is not None:
         state = specs.initial_state(batch)

@@ -34,8 +34,11 @@ class FavorPlusFeatureMap(RandomFeatureMap):
       per-query factor, cancels between numerator and denominator);
     - keys, non-causal: the max over all real keys and features of each
       (batch, head) — one constant for every key of a row, cancels. Padded
-      keys are left out of the max when the layer passes their ``key_mask``
-      (`LinearAttention` does); their features are masked after the map;
+      keys are left out of the max when the layer passes their ``key_mask``;
+      their features are masked after the map. `LinearAttention` itself
+      maps queries and keys together (`noncausal_pair`): a shift per feature
+      over the keys, folded back into the queries, so that no row
+      underflows;
     - keys, causal: none. A max over time cancels in exact arithmetic, but
       its value depends on later tokens, and so do the rounding and the
       underflow of earlier keys' features: earlier outputs would change when
@@ -107,3 +110,44 @@ class FavorPlusFeatureMap(RandomFeatureMap):
         else:
             exponent = ops.minimum(exponent, _KEY_EXPONENT_CAP)  # [B, T, H, m]
         return ops.exp(exponent) / math.sqrt(self.num_features)  # [B, T, H, m]
+
+    def noncausal_pair(self, queries, keys, key_mask=None):
+        """``(phi(q), phi(k))`` for non-causal attention, with a shift per feature that cancels exactly.
+
+        The shift of `call` (one constant per (batch, head) for the keys)
+        lets a query whose kernel is far below the head's largest key lose
+        every key to underflow, or keep only terms at the edge of float32's
+        range (wrong by a few %). Here each feature ``i`` of the keys is
+        shifted by its own max over the real keys, ``m_i``, and the query's
+        feature ``i`` is multiplied back by ``exp(m_i)`` before the query's
+        own max is taken out: ``phi(q)_i phi(k)_i`` is unchanged for every
+        ``i`` up to one factor per query, which cancels in the ratio. Every
+        key sum ``z_i`` then holds a term equal to 1 (its largest key) and
+        the query's largest feature is 1, so ``phi(q) . z >= 1 / m``: no row
+        underflows, and what underflows is below ``e^-87`` of what is kept.
+
+        Args:
+            queries: ``[B, T, H, D]`` projected queries.
+            keys: ``[B, S, H, D]`` projected keys.
+            key_mask: optional ``[B, S]``, 1 for real keys (padded keys are
+                left out of the maxima; their features are masked after).
+
+        Returns:
+            ``(phi(q) [B, T, H, m], phi(k) [B, S, H, m])``, positive float32.
+        """
+        xk, proj_k = self._project(keys)  # [B, S, H, D], [B, S, H, m]
+        exp_k = proj_k - 0.5 * ops.sum(ops.square(xk), axis=-1, keepdims=True)  # [B, S, H, m]
+        if key_mask is None:
+            shift = ops.max(exp_k, axis=1, keepdims=True, initial=_NO_KEY)  # [B, 1, H, m]
+        else:
+            real = ops.cast(key_mask, "bool")[:, :, None, None]  # [B, S, 1, 1]
+            shift = ops.max(ops.where(real, exp_k, ops.full_like(exp_k, _NO_KEY)), axis=1, keepdims=True)
+        shift = ops.stop_gradient(ops.where(shift > _NO_KEY, shift, ops.zeros_like(shift)))  # [B, 1, H, m]; 0: no key
+        exp_k = exp_k - shift
+        if key_mask is not None:
+            exp_k = ops.where(real, exp_k, ops.zeros_like(exp_k))  # padded: exp(0), masked after the map
+        xq, proj_q = self._project(queries)  # [B, T, H, D], [B, T, H, m]
+        exp_q = proj_q - 0.5 * ops.sum(ops.square(xq), axis=-1, keepdims=True) + shift  # [B, T, H, m]
+        exp_q = exp_q - ops.stop_gradient(ops.max(exp_q, axis=-1, keepdims=True, initial=float("-inf")))
+        scale = 1.0 / math.sqrt(self.num_features)
+        return ops.exp(exp_q) * scale, ops.exp(exp_k) * scale  # [B, T, H, m], [B, S, H, m]

@@ -35,8 +35,12 @@ class FavorTrigFeatureMap(RandomFeatureMap):
     (batch, head), cancels); causal: ``exp(min(|k'|^2/2, 50))`` (no max over
     time, which would leak the future). The cap keeps float32 from
     overflowing, and it changes the kernel of every key with
-    ``|k'|^2/2 > 50``: causal outputs are wrong from inputs of ~x10 at D=4
-    (docs/hardening.md, the log-space sweep).
+    ``|k'|^2/2 > 50`` (inputs of ~x10 at D=4). Such keys are reported, never
+    used silently: `causal_key_out_of_range` names them, and
+    `LinearAttention` (causal call and `step`) raises
+    `keras_linattn.ops.core.KernelUnderflowError` eagerly, and in a graph
+    makes every row from that key on NaN, with a NaN state so that later
+    pieces and steps stay flagged (docs/hardening.md, the log-space sweep).
 
     Args:
         num_features: m, the number of random frequencies (``C = 2m``).
@@ -77,10 +81,24 @@ class FavorTrigFeatureMap(RandomFeatureMap):
         trig = trig / math.sqrt(self.num_features)
         if is_query:
             return trig
-        half_sq_norm = 0.5 * ops.sum(ops.square(x), axis=-1, keepdims=True)  # [B, T, H, 1]
+        half_sq_norm = _half_sq_norm(x)  # [B, T, H, 1]
         if causal:
             log_amp = ops.minimum(half_sq_norm, _KEY_EXPONENT_CAP)  # [B, T, H, 1]
         else:
             stab = ops.max(half_sq_norm, axis=1, keepdims=True)  # [B, 1, H, 1]
             log_amp = half_sq_norm - ops.stop_gradient(stab)  # [B, T, H, 1]
         return trig * ops.exp(log_amp)  # [B, T, H, 2m]
+
+    def causal_key_out_of_range(self, inputs):
+        """``[B, T, H]`` bool: causal keys whose amplitude ``exp(|k'|^2/2)`` is past the cap ``exp(50)``.
+
+        The causal features of such a key are not its kernel's (the cap
+        changes it); the attention layer flags every row that attends to one.
+        """
+        x, _ = self._project(inputs)  # [B, T, H, D]
+        return _half_sq_norm(x)[..., 0] > _KEY_EXPONENT_CAP  # [B, T, H]
+
+
+def _half_sq_norm(x):
+    """``|x'|^2 / 2`` ``[B, T, H, 1]`` of ``x' [B, T, H, D]``: one expression for the features and the range check."""
+    return 0.5 * ops.sum(ops.square(x), axis=-1, keepdims=True)

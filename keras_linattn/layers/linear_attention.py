@@ -165,6 +165,8 @@ class LinearAttention(_projections.ProjectedAttention):
         out, recurrence_parts = self.recurrence.call(
             query, key, value, gate_keys, key_mask, parts, causal=use_causal_mask, training=training
         )  # [B, T, H, M]
+        if use_causal_mask and self._checks_key_range():
+            out, recurrence_parts = self._flag_keys_out_of_range(key, key_mask, out, recurrence_parts)
         new_parts.update(recurrence_parts)
         return self.output_norm(out), tuple(new_parts[entry.name] for entry in self.state_spec())
 
@@ -243,6 +245,45 @@ class LinearAttention(_projections.ProjectedAttention):
         key = rotary_ops.rotary_embedding(key, key_positions, *rope)  # [B, S, H, D]
         return query, key, end
 
+    def _checks_key_range(self):
+        """True if the feature map caps causal keys (favor_trig) and the recurrence does not cancel it."""
+        return hasattr(self.feature_map, "causal_key_out_of_range") and not self.recurrence.key_scale_free
+
+    def _flag_keys_out_of_range(self, key, key_mask, out, parts):
+        """Flags causal rows that attend to a key whose features a map had to cap (favor_trig).
+
+        ``key [B, T, H, D]`` (after the short convolution), ``out [B, T, H, M]``.
+        A row at or after such a key raises `KernelUnderflowError` eagerly and
+        is NaN in a graph, and the recurrence's state (``S``, ``z``) of that
+        (batch, head) is NaN, so that the next piece or step stays flagged
+        (step == parallel). Called only where `_checks_key_range`.
+        """
+        bad = self.feature_map.causal_key_out_of_range(key)  # [B, T, H]
+        if key_mask is not None:
+            bad = ops.logical_and(bad, ops.cast(key_mask, "bool")[:, :, None])
+        rows = ops.cumsum(ops.cast(bad, "float32"), axis=1) > 0  # [B, T, H]: at or after an out-of-range key
+        if la_ops._is_eager(rows):
+            count = int(ops.convert_to_numpy(ops.sum(ops.cast(rows, "int32"))))
+            if count:
+                raise la_ops.KernelUnderflowError(
+                    f"{count} causal attention row(s) attend to a key whose {self.feature_map.name} amplitude "
+                    "exp(|k'|^2/2) is past exp(50), where the causal features are capped (beyond, float32 "
+                    "overflows): their kernel is not representable. Scale the keys down (e.g. a LayerNorm "
+                    f"before attention) or use favor+. Received: {count} flagged row(s) of shape {tuple(out.shape)}"
+                )
+            return out, parts
+        # NaN by sqrt(-1), -0 elsewhere (x + -0 == x bit for bit): the marker of `ops.core._mark_underflow`.
+        out = out + ops.sqrt(-ops.cast(rows, out.dtype))[..., None]  # [B, T, H, M]
+        seen = ops.any(bad, axis=1)  # [B, H]
+        flagged = dict(parts)
+        for entry in self.recurrence.state_spec():
+            x = parts[entry.name]
+            marker = ops.sqrt(-ops.cast(seen, x.dtype))  # [B, H]
+            for _ in range(len(x.shape) - 2):
+                marker = ops.expand_dims(marker, -1)  # [B, H, 1, ...]
+            flagged[entry.name] = x + marker
+        return out, flagged
+
     # -------------------------------------------------------- recurrent API
     def state_spec(self):
         """The recurrent state, described once: a list of `StateSpec` (shapes without the batch dim).
@@ -307,6 +348,9 @@ class LinearAttention(_projections.ProjectedAttention):
             k = rotary_ops.rotary_embedding(k, position, *rope)  # [B, H, D]
             new_parts["position"] = position + 1.0
         out, recurrence_parts = self.recurrence.step(q, k, v, gate_keys, parts, training=training)  # [B, H, M]
+        if self._checks_key_range():
+            out, recurrence_parts = self._flag_keys_out_of_range(k[:, None], None, out[:, None], recurrence_parts)
+            out = out[:, 0]  # [B, H, M]
         new_parts.update(recurrence_parts)
         out = ops.cast(self.output_norm(out), self.compute_dtype)
         out = self.project_output(out[:, None], training)  # [B, 1, out_dim]

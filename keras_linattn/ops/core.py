@@ -219,9 +219,14 @@ class KernelUnderflowError(ValueError):
     A row with at least one real key, nonzero query features and
     ``|phi(q)| . |z| = 0`` has a kernel that underflowed: every product of
     its query's and its keys' features is below float32's range, so the
-    exact ratio ``phi(q)^T S / phi(q)^T z`` cannot be formed. In graph mode
-    (`tf.function`, XLA, SavedModel, ONNX), where nothing can raise, such a
-    row is NaN instead: never a silent 0. See docs/hardening.md.
+    exact ratio ``phi(q)^T S / phi(q)^T z`` cannot be formed. The same
+    error is raised by `keras_linattn.layers.LinearAttention` for causal rows
+    that attend to a favor_trig key whose amplitude ``exp(|k'|^2/2)`` is past
+    the cap ``exp(50)`` (the capped features are not that key's kernel). In
+    graph mode (`tf.function`, XLA, SavedModel, ONNX), where nothing can
+    raise, such a row is NaN instead: never a silent 0 or a wrong value. The
+    gated (``decay``) and window recurrences follow the same rule. See
+    docs/hardening.md.
     """
 
 
@@ -247,6 +252,17 @@ def _has_keys(key_mask, causal, z0, like, num_keys):
         carried = ops.any(ops.not_equal(z0, 0.0), axis=-1)[:, :, None, None]  # [B, H, 1, 1]
         has = ops.logical_or(has, carried)
     return has
+
+
+def _step_has_keys(z, key_mask_t):
+    """``[B, H, 1]`` bool for one step (state ``z [B, H, C]`` after the step), or None for all rows.
+
+    The step's own key counts as a real key; a masked step only knows its state.
+    """
+    if key_mask_t is None:
+        return None
+    has_keys = ops.any(ops.not_equal(z, 0.0), axis=-1, keepdims=True)  # [B, H, 1]
+    return ops.logical_or(has_keys, ops.cast(key_mask_t, "bool")[:, None, None])
 
 
 def _mark_underflow(out, q, den_abs, has_keys):
@@ -549,13 +565,7 @@ def linear_attention_step(q_t, k_t, v_t, state, key_mask_t=None, eps=DEFAULT_EPS
     den = ops.sum(q * z, axis=-1, keepdims=True)  # [B, H, 1]
     den_abs = ops.sum(ops.abs(q) * ops.abs(z), axis=-1, keepdims=True)  # [B, H, 1]
     out = _normalize(q, num, den, eps, den_abs)  # [B, H, M]
-    # The step's own key counts as a real key; a masked step only knows the state.
-    has_keys = ops.any(ops.not_equal(z, 0.0), axis=-1, keepdims=True)  # [B, H, 1]
-    if key_mask_t is not None:
-        has_keys = ops.logical_or(has_keys, ops.cast(key_mask_t, "bool")[:, None, None])
-    else:
-        has_keys = None
-    out = _mark_underflow(out, q, den_abs, has_keys)
+    out = _mark_underflow(out, q, den_abs, _step_has_keys(z, key_mask_t))
     return ops.cast(out, out_dtype), (s, z)
 
 

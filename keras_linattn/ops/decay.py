@@ -37,10 +37,13 @@ from keras_linattn.ops.core import (
     DEFAULT_EPSILON,
     _check_state,
     _guarded_denominator,
+    _has_keys,
     _heads_first,
+    _mark_underflow,
     _mask_keys,
     _matmul,
     _normalize,
+    _step_has_keys,
     _validate_inputs,
 )
 
@@ -113,6 +116,11 @@ def gated_linear_attention(
 
     Returns:
         ``[B, T, H, M]`` in ``v``'s dtype (and ``(S, z)`` if `return_state`).
+
+    Raises:
+        KernelUnderflowError: eagerly, for a row with a real key (or a
+            carried state) whose every term underflowed float32 (in a graph
+            such rows are NaN), as `keras_linattn.ops.linear_attention`.
     """
     _validate_inputs(q_features, k_features, v, key_mask, causal=True)
     _check_log_decay(log_decay, q_features)
@@ -128,7 +136,15 @@ def gated_linear_attention(
     g = _heads_first(_mask_keys(ops.cast(log_decay, "float32"), key_mask))  # [B, H, T, G]
     s0, z0 = _initial(initial_state)
     num, den, den_abs, state = _gated_chunked(q, k, v, g, chunk_size, s0, z0, with_abs=normalize)
-    out = _normalize(q, num, den, eps, den_abs) if normalize else num  # [B, H, T, M]
+    if normalize:
+        out = _normalize(q, num, den, eps, den_abs)  # [B, H, T, M]
+        # The rule of `linear_attention`: a row with a real key (or a carried state) whose every term
+        # underflowed raises eagerly, NaN in a graph. The query's latest real key enters its row undecayed
+        # (padded steps do not decay), so decay alone never empties a row: |phi(q)|.|z| = 0 is underflow.
+        num_keys = k.shape[2] if k.shape[2] is not None else ops.shape(k)[2]  # T
+        out = _mark_underflow(out, q, den_abs, _has_keys(key_mask, True, z0, q, num_keys))
+    else:
+        out = num  # [B, H, T, M]
     out = ops.cast(ops.transpose(out, (0, 2, 1, 3)), out_dtype)  # [B, T, H, M]
     if return_state:
         return out, state
@@ -263,6 +279,7 @@ def gated_linear_attention_step(
         den = ops.sum(q * z, axis=-1, keepdims=True)  # [B, H, 1]
         den_abs = ops.sum(ops.abs(q) * ops.abs(z), axis=-1, keepdims=True)  # [B, H, 1]
         num = _normalize(q, num, den, eps, den_abs)
+        num = _mark_underflow(num, q, den_abs, _step_has_keys(z, key_mask_t))
     return ops.cast(num, out_dtype), (s, z)
 
 

@@ -39,7 +39,9 @@ from keras_linattn.ops.core import (
     _causal_chunked,
     _check_state,
     _guarded_denominator,
+    _has_keys,
     _heads_first,
+    _mark_underflow,
     _mask_keys,
     _matmul,
     _normalize,
@@ -119,6 +121,11 @@ def window_attention(
     Returns:
         ``[B, T, H, M]`` in ``v_all``'s dtype (and ``(S, z)`` if `return_state`).
         The new buffer is the last W entries of `k_all`, `v_all`, `valid_all`.
+
+    Raises:
+        KernelUnderflowError: eagerly, for a row with a real key (or a
+            carried state) whose every term underflowed float32 (in a graph
+            such rows are NaN), as `keras_linattn.ops.linear_attention`.
     """
     window = check_positive_int("window", window)
     check_rank("q", q, 4)
@@ -177,7 +184,12 @@ def window_attention(
     den_sm = ops.reshape(ops.sum(e, axis=-1), (batch, h, -1, 1))[:, :, :length]  # [B, H, T, 1]
 
     # The softmax terms are positive: they add to the denominator's magnitude as they are.
-    out = _normalize(qf, num + num_sm, den + den_sm, eps, den_abs + den_sm)  # [B, H, T, M]
+    den_abs = den_abs + den_sm  # [B, H, T, 1]
+    out = _normalize(qf, num + num_sm, den + den_sm, eps, den_abs)  # [B, H, T, M]
+    # The rule of `linear_attention`: a row with a real key that has left its window (or a carried state)
+    # and no term left raises eagerly, NaN in a graph. A row with a real key in its window has softmax
+    # terms (the largest is 1), so it is never flagged.
+    out = _mark_underflow(out, qf, den_abs, _has_keys(valid_all[:, :length], True, z0, qf, length))
     out = ops.cast(ops.transpose(out, (0, 2, 1, 3)), out_dtype)  # [B, T, H, M]
     if return_state:
         return out, state
@@ -249,6 +261,8 @@ def window_attention_step(
     den = den_sm + ops.sum(qf * z, axis=-1, keepdims=True)  # [B, H, 1]
     den_abs = den_sm + ops.sum(ops.abs(qf) * ops.abs(z), axis=-1, keepdims=True)  # [B, H, 1]
     out = _normalize(qf, num, den, eps, den_abs)  # [B, H, M]
+    # Keys that have left the window are known through the state only (as in a masked plain step).
+    out = _mark_underflow(out, qf, den_abs, ops.any(ops.not_equal(z, 0.0), axis=-1, keepdims=True))
     return ops.cast(out, out_dtype), (s, z), (keys, values, valid)
 
 

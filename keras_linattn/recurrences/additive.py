@@ -43,8 +43,7 @@ class AdditiveRecurrence(Recurrence):
         return [_state.StateSpec("S", (h, c, m), "float32"), _state.StateSpec("z", (h, c), "float32")]
 
     def call(self, q, k, v, gate_keys, key_mask, state, causal=True, training=None):
-        qf = self.features(q, True, causal, training)  # [B, T, H, C]
-        kf = self.features(k, False, causal, training, key_mask)  # [B, S, H, C]
+        qf, kf = self.feature_pair(q, k, causal, training, key_mask)  # [B, T, H, C], [B, S, H, C]
         out, (s, z) = la_ops.linear_attention(
             qf,
             kf,

@@ -45,6 +45,10 @@ class Recurrence:
             normalizer.
         contract_configs: a tuple of constructor-argument dicts, each run
             through the contract battery of tests/contracts.
+        key_scale_free: True if a positive per-key factor of the key
+            features cancels in the recurrence (the delta rule normalizes
+            them): then a feature map's capped key amplitude (favor_trig,
+            causal) changes nothing and is not flagged.
 
     Instance attributes:
         normalize: True if the readout divides by ``phi(q) . z``; False puts
@@ -53,6 +57,7 @@ class Recurrence:
 
     causal_only = True
     accepts_identity_map = False
+    key_scale_free = False
     # The constructor arguments the contract battery (tests/contracts) runs.
     contract_configs = ({},)
     normalize = True
@@ -151,6 +156,18 @@ class Recurrence:
         params = getattr(feature_map, "call_signature_parameters", ())
         masked = {"key_mask": key_mask} if key_mask is not None and "key_mask" in params else {}
         return feature_map(x, is_query=is_query, causal=causal, training=training, **masked)
+
+    def feature_pair(self, q, k, causal=True, training=None, key_mask=None):
+        """``(phi(q), phi(k))`` of one call.
+
+        Non-causal, a map with ``noncausal_pair`` (favor+) maps queries and
+        keys together (a stabilizer per feature that needs the keys'
+        statistics); otherwise `features` maps each on its own.
+        """
+        pair = getattr(self.layer.feature_map, "noncausal_pair", None)
+        if pair is not None and not causal:
+            return pair(q, k, key_mask=key_mask)
+        return self.features(q, True, causal, training), self.features(k, False, causal, training, key_mask)
 
     def call(self, q, k, v, gate_keys, key_mask, state, causal=True, training=None):
         """The chunkwise-parallel form over a piece.

@@ -41,6 +41,7 @@ class DeltaRecurrence(Recurrence):
     """
 
     accepts_identity_map = True
+    key_scale_free = True  # keys are L2-normalized after the map
     normalize = False
     contract_configs = ({"gate": None}, {"gate": "scalar"})
 
