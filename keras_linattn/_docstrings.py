@@ -21,12 +21,15 @@ def fill(**sections):
         doc = cls.__doc__
         for name, text in sections.items():
             placeholder = "{" + name + "}"
+            if placeholder not in doc:
+                raise ValueError(f"{cls.__name__}'s docstring has no {placeholder} placeholder.")
             match = re.search(r"^( *)" + re.escape(placeholder) + r"$", doc, flags=re.MULTILINE)
-            if match is None:
-                raise ValueError(f"{cls.__name__}'s docstring has no {placeholder} placeholder on a line of its own.")
-            # The sections are written for a placeholder at column 0; a formatter
-            # that indents the docstring (ruff format) indents the placeholder
-            # with it, and the section follows by the same amount.
+            if match is None:  # inside a line: replaced as is
+                doc = doc.replace(placeholder, text)
+                continue
+            # On a line of its own: the sections are written for a placeholder at
+            # column 0; a formatter that indents the docstring (ruff format)
+            # indents the placeholder with it, and the section follows by as much.
             indent = match.group(1)
             doc = doc.replace(indent + placeholder, textwrap.indent(text, indent))
         cls.__doc__ = doc

@@ -26,25 +26,25 @@ from keras_linattn.recurrences.config import MECHANISM_ARGS_DOC, AttentionConfig
 __all__ = []
 
 
-def gelu_approximate(x):
+def _gelu_approximate(x):
     """GELU in its tanh form (GPT-2's): ``keras.activations.gelu(x, approximate=True)``."""
     return keras.activations.gelu(x, approximate=True)
 
 
-def get_activation(activation):
+def _get_activation(activation):
     """`keras.activations.get`, plus the name ``"gelu_approximate"``."""
     if activation == "gelu_approximate":
-        return gelu_approximate
+        return _gelu_approximate
     return keras.activations.get(activation)
 
 
-def serialize_activation(activation):
-    if activation is gelu_approximate:
+def _serialize_activation(activation):
+    if activation is _gelu_approximate:
         return "gelu_approximate"
     return keras.activations.serialize(activation)
 
 
-def make_norm(kind, epsilon, dtype, name):
+def _make_norm(kind, epsilon, dtype, name):
     """A LayerNormalization or an RMSNormalization (``x / sqrt(mean(x^2) + eps) * scale``)."""
     if kind == "rms_norm":
         return keras.layers.RMSNormalization(epsilon=epsilon, dtype=dtype, name=name)
@@ -130,7 +130,7 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
         object.__setattr__(self, "feature_map", _get_map(feature_map))
         self.chunk_size = check_positive_int("chunk_size", chunk_size)
         self.dropout = check_rate("dropout", dropout)
-        self.activation = get_activation(activation)
+        self.activation = _get_activation(activation)
         self.normalization = check_one_of("normalization", normalization, ("layer_norm", "rms_norm"))
         self.feedforward = check_one_of("feedforward", feedforward, ("dense", "gated"))
         self.layer_norm_epsilon = check_epsilon("layer_norm_epsilon", layer_norm_epsilon)
@@ -165,7 +165,7 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
                 )
             key_dim = dim // self.num_heads
         self.hidden_dim = dim
-        self._attention_norm = make_norm(
+        self._attention_norm = _make_norm(
             self.normalization, self.layer_norm_epsilon, self.dtype_policy, "self_attention_layer_norm"
         )
         self._attention_norm.build(inputs_shape)
@@ -190,7 +190,7 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
         )
         self._self_attention.build(inputs_shape, inputs_shape)
         self._attention_dropout = keras.layers.Dropout(self.dropout, seed=self.seed, dtype=self.dtype_policy)
-        self._ffn_norm = make_norm(
+        self._ffn_norm = _make_norm(
             self.normalization, self.layer_norm_epsilon, self.dtype_policy, "feedforward_layer_norm"
         )
         self._ffn_norm.build(inputs_shape)
@@ -326,7 +326,7 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
                 "feature_map": _serialize_map(self.feature_map),
                 "chunk_size": self.chunk_size,
                 "dropout": self.dropout,
-                "activation": serialize_activation(self.activation),
+                "activation": _serialize_activation(self.activation),
                 "layer_norm_epsilon": self.layer_norm_epsilon,
                 "use_bias": self.use_bias,
                 "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),

@@ -204,9 +204,11 @@ def _relinearize(backbone, feature_map, window_size, attention_kwargs):
     student = LinearBackbone(**config)
     source = _weights_by_path(backbone)
     target = _weights_by_path(student)
-    maps = {id(w) for block in student.decoder_blocks for w in block.attention.feature_map.weights} if any(
-        block.attention.feature_map is not None for block in student.decoder_blocks
-    ) else set()
+    maps = (
+        {id(w) for block in student.decoder_blocks for w in block.attention.feature_map.weights}
+        if any(block.attention.feature_map is not None for block in student.decoder_blocks)
+        else set()
+    )
     missing = []
     for path, w in target.items():
         if id(w) in maps:

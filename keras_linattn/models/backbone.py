@@ -9,7 +9,7 @@ from keras_linattn import _validation
 from keras_linattn._docstrings import fill
 from keras_linattn._tracking import CheckpointTracked
 from keras_linattn.layers.linear_attention import _get_map, _serialize_map
-from keras_linattn.layers.transformer import make_norm
+from keras_linattn.layers.transformer import _make_norm
 from keras_linattn.layers.transformer_decoder import LinearTransformerDecoder
 from keras_linattn.models import generation
 from keras_linattn.recurrences.config import MECHANISM_ARGS_DOC, AttentionConfig
@@ -36,7 +36,7 @@ def _max_or_none(x):
     return int(ops.max(x)) if int(ops.size(x)) else None
 
 
-def unpack_inputs(inputs, padding_mask=None):
+def _unpack_inputs(inputs, padding_mask=None):
     """``(token_ids, padding_mask)`` from a tensor (and `padding_mask`) or keras-hub's dict.
 
     Raises:
@@ -203,7 +203,7 @@ class _DecoderStack(CheckpointTracked, keras.layers.Layer):
             )
             for i in range(num_layers)
         ]
-        self.final_norm = make_norm(normalization, layer_norm_epsilon, self.dtype_policy, "final_layer_norm")
+        self.final_norm = _make_norm(normalization, layer_norm_epsilon, self.dtype_policy, "final_layer_norm")
         self.build(None)
 
     def build(self, input_shape=None, padding_mask_shape=None):
@@ -219,6 +219,11 @@ class _DecoderStack(CheckpointTracked, keras.layers.Layer):
             block.build(seq_shape)
         self.final_norm.build(seq_shape)
         self.built = True
+
+    def compute_output_shape(self, inputs_shape, padding_mask_shape=None):
+        # Declared, so that building the functional `LinearBackbone` does not
+        # trace `call` (JAX cannot compare symbolic lengths with the chunk size).
+        return tuple(inputs_shape) + (self.hidden_dim,)
 
     # ------------------------------------------------------------ helpers
     def _check_token_ids(self, token_ids, name, rank):
@@ -348,7 +353,7 @@ class _DecoderStack(CheckpointTracked, keras.layers.Layer):
 
     # ----------------------------------------------------------- parallel
     def call(self, inputs, padding_mask=None, training=None):
-        token_ids, padding_mask = unpack_inputs(inputs, padding_mask)
+        token_ids, padding_mask = _unpack_inputs(inputs, padding_mask)
         hidden, _ = self._forward(token_ids, padding_mask, None, training, return_state=False)
         return hidden
 
@@ -559,7 +564,7 @@ class LinearBackbone(keras_hub.models.Backbone):
         self.input_spec = None
 
     def call(self, inputs, padding_mask=None, training=None):
-        token_ids, padding_mask = unpack_inputs(inputs, padding_mask)
+        token_ids, padding_mask = _unpack_inputs(inputs, padding_mask)
         return self.stack(token_ids, padding_mask=padding_mask, training=training)
 
     # The settings, layers and state methods are the stack's.

@@ -10,11 +10,29 @@ from keras_linattn import samplers as samplers_lib
 from keras_linattn._docstrings import fill
 from keras_linattn._tracking import CheckpointTracked
 from keras_linattn.models import generation
-from keras_linattn.models.backbone import LinearBackbone, unpack_inputs
+from keras_linattn.models.backbone import LinearBackbone, _unpack_inputs
 from keras_linattn.models.preprocessor import LinearCausalLMPreprocessor
 from keras_linattn.recurrences.config import MECHANISM_ARGS_DOC
 
 __all__ = ["LinearCausalLM"]
+
+
+# The round-2 constructor's positional arguments, in order.
+_FLAT_POSITIONAL = (
+    "vocabulary_size",
+    "num_layers",
+    "hidden_dim",
+    "num_heads",
+    "intermediate_dim",
+    "feature_map",
+    "key_dim",
+    "chunk_size",
+    "dropout",
+    "max_sequence_length",
+    "tie_embeddings",
+    "activation",
+    "layer_norm_epsilon",
+)
 
 
 class _FunctionCache:
@@ -142,7 +160,19 @@ class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
     backbone_cls = LinearBackbone
     preprocessor_cls = LinearCausalLMPreprocessor
 
-    def __init__(self, backbone=None, preprocessor=None, *, compile=True, **kwargs):
+    def __init__(self, backbone=None, preprocessor=None, *args, compile=True, **kwargs):
+        if backbone is not None and not isinstance(backbone, keras.Model):
+            # The round-2 positional call, LinearCausalLM(vocabulary_size, num_layers, ...).
+            positional = (backbone, preprocessor, *args)
+            if len(positional) > len(_FLAT_POSITIONAL):
+                raise TypeError(f"LinearCausalLM takes at most {len(_FLAT_POSITIONAL)} positional arguments.")
+            for name, value in zip(_FLAT_POSITIONAL, positional, strict=False):
+                if name in kwargs:
+                    raise TypeError(f"LinearCausalLM got multiple values for argument {name!r}")
+                kwargs[name] = value
+            backbone, preprocessor = None, None
+        elif args:
+            raise TypeError("LinearCausalLM(backbone, preprocessor) takes no further positional arguments.")
         if backbone is None:
             model_kwargs = {key: kwargs.pop(key) for key in ("name", "trainable") if key in kwargs}
             backbone = LinearBackbone(**kwargs)
@@ -192,7 +222,7 @@ class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
         return ops.cast(self.backbone.token_embedding(hidden, reverse=True), "float32")  # [..., V]
 
     def call(self, inputs, padding_mask=None, training=None):
-        token_ids, padding_mask = unpack_inputs(inputs, padding_mask)
+        token_ids, padding_mask = _unpack_inputs(inputs, padding_mask)
         return self._head(self.backbone.stack(token_ids, padding_mask=padding_mask, training=training))
 
     def _forward(self, token_ids, padding_mask, state, training, return_state):
@@ -408,7 +438,7 @@ class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
                     f"Received: max_length={max_length}"
                 )
         elif isinstance(inputs, dict):
-            inputs, padding_mask = unpack_inputs(inputs, padding_mask)
+            inputs, padding_mask = _unpack_inputs(inputs, padding_mask)
         if max_length is None:
             raise ValueError("`max_length` is required for token-id prompts.")
         if isinstance(stop_token_ids, str) and stop_token_ids == "auto":

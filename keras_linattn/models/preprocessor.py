@@ -42,8 +42,8 @@ class LinearCausalLMPreprocessor(keras_hub.models.CausalLMPreprocessor):
 
     Example:
 
-    >>> vocab = {c: i for i, c in enumerate(["<|endoftext|>", *"abcdefghijklmnopqrstuvwxyz", "Ġ"])}
-    >>> tokenizer = keras_hub.tokenizers.GPT2Tokenizer(vocabulary=vocab, merges=[])
+    >>> vocab = {c: i for i, c in enumerate(["<|endoftext|>", *"abcdefghijklmnopqrstuvwxyz", "Ġ", "Ġa"])}
+    >>> tokenizer = keras_hub.tokenizers.GPT2Tokenizer(vocabulary=vocab, merges=["Ġ a"])
     >>> pre = LinearCausalLMPreprocessor(tokenizer, sequence_length=8)
     >>> x, y, w = pre(["abc"])
     >>> x["token_ids"].numpy().tolist(), w.numpy().astype(int).tolist()
