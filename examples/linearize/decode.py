@@ -1,0 +1,78 @@
+"""Decode time per token: a linearized student against its keras-hub teacher's `generate`, in one process.
+
+python -m examples.linearize.decode --teacher-preset DIR --student-preset DIR \
+    --results benchmarks/results/linearize_llama.json
+
+Per-token time at a context c is ``(t(c, n1) - t(c, n0)) / (n1 - n0)``
+where ``t(c, n)`` is the median wall time of a greedy generate of n tokens
+after c tokens (for keras-hub: a padded input of c + n1 tokens whose first
+c + n1 - n are the prompt, so both runs have the same prefill). The
+measurements of all contexts are interleaved over the repeats.
+"""
+
+import argparse
+import json
+import time
+
+import keras_hub
+import numpy as np
+
+from examples.linearize import pipeline as P
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--teacher-preset", required=True)
+    p.add_argument("--student-preset", required=True)
+    p.add_argument("--contexts", default="256,1024,4096,16384")
+    p.add_argument("--teacher-contexts", default="4096,16384")
+    p.add_argument("--new", default="8,264", help="n0,n1 generated tokens")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--results", default=None, help="a results JSON whose 'decode' entry is replaced")
+    args = p.parse_args(argv)
+    n0, n1 = map(int, args.new.split(","))
+    teacher = keras_hub.models.CausalLM.from_preset(args.teacher_preset, preprocessor=None)
+    student = keras_hub.models.CausalLM.from_preset(args.student_preset)
+    P.compile_lm(teacher, 1e-3)
+    V = teacher.backbone.vocabulary_size
+    rng = np.random.default_rng(0)
+    runs = {}
+    for c in map(int, args.contexts.split(",")):
+        prompt = rng.integers(2, V, (1, c)).astype("int32")
+        for n in (n0, n1):
+            runs[("student", c, n)] = lambda prompt=prompt, c=c, n=n: student.generate(
+                prompt, max_length=c + n, stop_token_ids=None
+            )
+    for c in map(int, args.teacher_contexts.split(",")):
+        ids = rng.integers(2, V, (1, c + n1)).astype("int32")
+        for n in (n0, n1):
+            mask = np.zeros_like(ids)
+            mask[:, : c + n1 - n] = 1
+            runs[("teacher", c, n)] = lambda ids=ids, mask=mask: teacher.generate(
+                {"token_ids": ids, "padding_mask": mask}, stop_token_ids=None
+            )
+    for fn in runs.values():
+        fn()  # compile
+    times = {key: [] for key in runs}
+    for _ in range(args.repeats):
+        for key, fn in runs.items():
+            start = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - start)
+    out = {"student_ms_per_token": {}, "teacher_ms_per_token": {}, "new_tokens": [n0, n1], "repeats": args.repeats}
+    for (who, c, n), ts in times.items():
+        if n == n1:
+            ms = 1e3 * (np.median(ts) - np.median(times[(who, c, n0)])) / (n1 - n0)
+            out[f"{who}_ms_per_token"][str(c)] = round(float(ms), 3)
+    out["command"] = "python -m examples.linearize.decode " + " ".join(argv or __import__("sys").argv[1:])
+    print(json.dumps(out, indent=1))
+    if args.results:
+        with open(args.results) as f:
+            res = json.load(f)
+        res["decode"] = out
+        with open(args.results, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
