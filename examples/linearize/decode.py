@@ -32,7 +32,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     n0, n1 = map(int, args.new.split(","))
     teacher = keras_hub.models.CausalLM.from_preset(args.teacher_preset, preprocessor=None)
-    student = keras_hub.models.CausalLM.from_preset(args.student_preset)
+    student = keras_hub.models.CausalLM.from_preset(args.student_preset, preprocessor=None)
     P.compile_lm(teacher, 1e-3)
     V = teacher.backbone.vocabulary_size
     rng = np.random.default_rng(0)
