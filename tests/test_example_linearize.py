@@ -94,6 +94,11 @@ def test_run_help_and_bad_skip(capsys):
     assert "--teacher" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         run.parse_args(["--skip", "nothing"])
+    from examples.linearize import decode
+
+    with pytest.raises(SystemExit):
+        decode.main(["--help"])
+    assert "--student-preset" in capsys.readouterr().out
 
 
 @pytest.mark.slow
