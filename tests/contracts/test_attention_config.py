@@ -17,7 +17,7 @@ def test_round2_arguments_and_recurrence_give_the_same_layer_config():
 
 def test_the_lm_hands_one_config_to_every_block_and_layer():
     lm = LinearCausalLM(20, 2, 16, 2, 32, update="delta", normalize=False, decay="fixed", conv_size=2)
-    expected = lm.get_config()["recurrence"]
+    expected = lm.backbone.get_config()["recurrence"]  # the LM is a keras-hub task over its backbone
     assert expected["class_name"] == "DeltaRecurrence" and expected["config"] == {"gate": "fixed"}
     for block in lm.decoder_blocks:
         assert block.get_config()["recurrence"] == expected and block.get_config()["conv_size"] == 2
