@@ -4,8 +4,8 @@ Built once per run, across pytest-xdist workers, and read by the export tests
 too (tests/_shared_exports.py).
 
 Exporting an LM (SavedModel with its step/generate signatures, ONNX model and
-step graph) takes tens of seconds on a loaded CPU; tests/test_atomic_export.py,
-tests/test_corrupt_files.py and tests/test_concurrency.py all start from the
+step graph) takes tens of seconds on a loaded CPU; tests/export/test_atomic_export.py,
+tests/export/test_corrupt_files.py and tests/export/test_concurrency.py all start from the
 same one. Copy it (`copy_export`) before changing anything in it.
 """
 

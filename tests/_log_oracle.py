@@ -1,6 +1,6 @@
 """Exact kernel attention in float64 LOG SPACE, from the inputs and the map's weights.
 
-The oracle of the numerics sweep (`tests/test_numerics_sweep.py`). It never
+The oracle of the numerics sweep (`tests/ops/test_numerics_sweep.py`). It never
 looks at the layer's float32 features: it recomputes each registered map's
 features from the projected queries/keys and the map's own weights
 (projection, kernels, biases) in float64, as logarithms where the map is of

@@ -1,4 +1,4 @@
-"""A tiny training run that tests/test_resume.py kills and reruns.
+"""A tiny training run that tests/training/test_resume.py kills and reruns.
 
     python -m tests._resume_worker --feature-map favor+ --backup-dir DIR --out weights.npz --progress
 

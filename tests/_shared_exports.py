@@ -2,10 +2,10 @@
 
 Exporting the tiny causal LM (SavedModel with its step/generate signatures, ONNX
 model, step and generate graphs) takes 10-30 s on a quiet 2-core machine, and eight
-test files read the same one: `keras-linattn export` of `tests.test_export.tiny_lm()`
+test files read the same one: `keras-linattn export` of `tests.export.test_export.tiny_lm()`
 (seed 0), the layout users get (the Python export API on a freshly built LM is
-exercised by tests/test_verify.py, tests/test_generate_parity.py,
-tests/test_front_end_rules.py and tests/test_mechanisms_export.py).
+exercised by tests/export/test_verify.py, tests/export/test_generate_parity.py,
+tests/contracts/test_front_end_rules.py and tests/export/test_mechanisms_export.py).
 
 `shared_dir(name, build)` builds a directory once per pytest run, across
 pytest-xdist workers: the first worker to ask builds it under a file lock in the
@@ -67,8 +67,8 @@ def shared_dir(name, build):
 
 
 def built_lm(seed=0):
-    """`tests.test_export.tiny_lm(seed=seed)`, built, under the float32 policy."""
-    from tests.test_export import tiny_lm
+    """`tests.export.test_export.tiny_lm(seed=seed)`, built, under the float32 policy."""
+    from tests.export.test_export import tiny_lm
 
     keras.config.set_dtype_policy("float32")
     model = tiny_lm(seed=seed)

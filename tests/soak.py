@@ -10,7 +10,7 @@ next-token loss is ``log 4`` (from ``log V`` at the start). Recorded per map:
 the held-out loss before and after, the mean training loss of each block of
 100 steps, whether any loss or weight was NaN/Inf, the number of random
 feature redraws (favor+, every 100 steps) and the wall time.
-`tests/test_numerics_stress.py` wraps this in a slow test.
+`tests/ops/test_numerics_stress.py` wraps this in a slow test.
 """
 
 import argparse

@@ -13,7 +13,7 @@ Keras writes its examples as ``Example:`` followed by doctest lines at the docst
 - takes the docstring a class has at run time where its source has a ``{placeholder}`` that
   ``keras_linattn._docstrings.fill`` replaces when the class is defined.
 
-The source docstrings stay as they are (tests/test_doctests.py runs their examples).
+The source docstrings stay as they are (tests/contracts/test_doctests.py runs their examples).
 """
 
 import importlib

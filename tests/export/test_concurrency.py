@@ -7,7 +7,7 @@ with the answer of the same call made sequentially before. Logits are two
 runs of one float32 graph on the same input (``paths=2``); generated tokens
 must be identical.
 
-``python -m tests.test_concurrency [ROUNDS]`` runs the same workload for
+``python -m tests.export.test_concurrency [ROUNDS]`` runs the same workload for
 longer and prints the calls, errors, mismatches and RSS growth (the figures
 in docs/faults.md).
 """
@@ -25,7 +25,7 @@ from tests._fault_exports import NAME
 from tests.tolerance import assert_close
 
 THREADS = 8
-VOCAB, LAYERS, HIDDEN, HEADS, INTERMEDIATE = 40, 2, 16, 2, 32  # tests.test_export.tiny_lm
+VOCAB, LAYERS, HIDDEN, HEADS, INTERMEDIATE = 40, 2, 16, 2, 32  # tests.export.test_export.tiny_lm
 LENGTH = 6
 # Reductions on the way to a logit: per layer the q/k/v projections (HIDDEN), attention over
 # LENGTH keys and HIDDEN // HEADS features, the output projection (HIDDEN), the feedforward

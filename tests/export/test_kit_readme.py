@@ -37,10 +37,10 @@ import tensorflow as tf
 from keras_linattn import export
 from keras_linattn.models import LinearCausalLM
 from tests import _shared_exports
-from tests.test_export import DIM, encoder
-from tests.test_serving_kit import decode_rest_body, load_client
+from tests.export.test_export import DIM, encoder
+from tests.export.test_serving_kit import decode_rest_body, load_client
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KIT = os.path.join(ROOT, "export")
 BIN = os.path.dirname(sys.executable)
 NOT_RUN = {"pip install": "no network", "docker compose": "no Docker engine", "./serve.sh": "no Docker engine"}

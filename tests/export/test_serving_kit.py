@@ -17,10 +17,10 @@ from google.protobuf import text_format
 
 from keras_linattn import export
 from tests import _shared_exports
-from tests.test_export import DIM, encoder, encoder_tolerance
+from tests.export.test_export import DIM, encoder, encoder_tolerance
 from tests.tolerance import assert_close
 
-KIT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "export")
+KIT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "export")
 
 
 def load_client(name):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from keras_linattn import cli, export
-from tests.test_export import DIM, encoder, encoder_tolerance, tiny_lm
+from tests.export.test_export import DIM, encoder, encoder_tolerance, tiny_lm
 from tests.tolerance import assert_close
 
 

@@ -1,7 +1,7 @@
 """The README: its first lines are the two commands, its links resolve, its Python snippets run.
 
 The quick start runs here as written; the export snippet (SavedModel + ONNX conversion) is slow and runs
-under `make test-slow` (tests/test_export.py and tests/test_onnx.py cover the same functions fast).
+under `make test-slow` (tests/export/test_export.py and tests/export/test_onnx.py cover the same functions fast).
 """
 
 import os
@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
+ROOT = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir)
 README = os.path.join(ROOT, "README.md")
 
 

@@ -25,7 +25,7 @@ from keras_linattn import feature_maps
 from keras_linattn.callbacks import BackupAndRestore, RedrawRandomFeatures, batches_per_epoch
 from keras_linattn.layers import LinearAttention
 from tests.conftest import TEST_SEED
-from tests.test_resume import _assert_same_weights
+from tests.training.test_resume import _assert_same_weights
 
 STEPS, PER_EXECUTION, BATCH, LENGTH = 6, 4, 2, 8
 
@@ -75,7 +75,9 @@ def _weights(model):
     return [np.asarray(w) for w in model.weights]
 
 
-def _n(epochs):  # reduction length of a weight after all the batches trained (error model, tests/test_resume.py)
+def _n(
+    epochs,
+):  # reduction length of a weight after all the batches trained (error model, tests/training/test_resume.py)
     return epochs * batches_per_epoch(STEPS, PER_EXECUTION) * BATCH * LENGTH
 
 

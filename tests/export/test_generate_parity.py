@@ -157,7 +157,7 @@ def test_one_decode_loop_in_the_package():
     training sequence (the delta rule's state must pass from chunk to chunk),
     not over decoding steps.
     """
-    root = os.path.join(os.path.dirname(__file__), "..", "keras_linattn")
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "keras_linattn")
     hits = []
     for dirpath, _, files in os.walk(root):
         for f in files:
@@ -203,7 +203,7 @@ def test_jax_backend_generates_tensorflows_tokens(tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
-        cwd=os.path.join(os.path.dirname(__file__), ".."),
+        cwd=os.path.join(os.path.dirname(__file__), "..", ".."),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     greedy, top_k = np.load(tmp_path / "out.npy")

@@ -23,7 +23,7 @@ Where a map's output is not a well-conditioned function of its projections
 float32 exists: those cases are listed by name in `NOT_CLOSE_TO_FLOAT32`,
 with the reason, and keep the finiteness and replay checks.
 
-``python -m tests.test_numerics_stress`` prints the measured table that
+``python -m tests.ops.test_numerics_stress`` prints the measured table that
 docs/hardening.md records.
 
 Shape legend: B batch, T length, H heads, D key dim.
@@ -95,7 +95,7 @@ NOT_CLOSE_TO_FLOAT32 = {
 # (map, scale, causal) where the float32 layer's kernel underflows: real keys, but every
 # product phi(q).phi(k) of some row is below float32's range. Eagerly the layer raises
 # `KernelUnderflowError` (in a graph those rows are NaN), never a silent 0 (docs/hardening.md,
-# tests/test_numerics_sweep.py). Causal keys cannot be shifted (it would leak the future):
+# tests/ops/test_numerics_sweep.py). Causal keys cannot be shifted (it would leak the future):
 # favor+'s key exponent is ~ -|k'|^2/2 (with DIM=16 projections, ~-1e2 at x10); the others
 # meet a query whose few keys so far are all far below it at x1e3. Non-causal favor+ no longer
 # underflows at any scale (a shift per feature folded into the queries, `noncausal_pair`).

@@ -27,7 +27,7 @@ from tests import _resume_worker as worker
 from tests.conftest import TEST_SEED
 from tests.tolerance import assert_close
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOTAL_STEPS = worker.EPOCHS * worker.STEPS_PER_EPOCH
 N_WORKER = TOTAL_STEPS * worker.BATCH * worker.LENGTH
 

@@ -26,7 +26,7 @@ Each row with at least one key falls in exactly one class:
 A row with no key must be exactly 0. The test asserts: no ``wrong`` rows, no
 ``zero`` rows, everything finite except flagged rows.
 
-``python -m tests.test_numerics_sweep`` prints the table of
+``python -m tests.ops.test_numerics_sweep`` prints the table of
 docs/hardening.md (map x scale x causal -> row classes).
 
 Shape legend: B batch, T length, H heads, D key dim, M value dim.
@@ -152,7 +152,7 @@ def table(maps=MAPS, scales=SCALES):
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python -m tests.test_numerics_sweep [MAP ...]
+if __name__ == "__main__":  # python -m tests.ops.test_numerics_sweep [MAP ...]
     print(table(sys.argv[1:] or MAPS))
 
 

@@ -26,7 +26,7 @@ from keras_linattn.callbacks import BackupAndRestore
 from tests import _fault_exports
 from tests._fault_exports import NAME
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def truncate(path):

@@ -23,7 +23,7 @@ from keras_linattn.models import LinearCausalLM
 from tests._helpers import layer_conditioning
 from tests.tolerance import assert_close, bound
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _toy_regression(seed=0, batch=8, length=10, dim=8):

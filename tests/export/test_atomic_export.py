@@ -29,9 +29,9 @@ from keras_linattn.export import onnx_export, saved_model
 from tests import _fault_exports
 from tests._fault_exports import NAME
 from tests.conftest import TEST_SEED
-from tests.test_export import encoder
+from tests.export.test_export import encoder
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture

@@ -1284,7 +1284,7 @@ def test_nan_in_an_unused_query_never_reaches_the_state():
 
 # ----------------------------------------------------- the docs table in sync
 def _docs_rows():
-    path = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "hardening.md")
+    path = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "docs", "hardening.md")
     with open(path) as f:
         return {line.strip() for line in f if line.startswith("| `")}
 

@@ -101,7 +101,7 @@ def jax_run(tmp_path_factory):
         capture_output=True,
         text=True,
         timeout=900,
-        cwd=os.path.join(os.path.dirname(__file__), ".."),
+        cwd=os.path.join(os.path.dirname(__file__), "..", ".."),
     )
     assert done.returncode == 0, done.stderr[-4000:]
     return x, ids, layers, lm, dict(np.load(tmp / "out.npz"))

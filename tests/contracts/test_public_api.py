@@ -13,7 +13,7 @@ import pytest
 
 import keras_linattn
 
-ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
+ROOT = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir)
 
 
 def _public_modules():

@@ -20,7 +20,7 @@ from keras_linattn import export
 from keras_linattn.export import _providers
 from tests import _shared_exports
 from tests._helpers import export_once
-from tests.test_export import DIM, SHAPES, encoder, encoder_tolerance, lm_tolerance, map_params, tiny_lm
+from tests.export.test_export import DIM, SHAPES, encoder, encoder_tolerance, lm_tolerance, map_params, tiny_lm
 from tests.tolerance import assert_close
 
 
