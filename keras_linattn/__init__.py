@@ -47,6 +47,36 @@ __all__ = [
 ]
 
 
+def _register_model_loaders():
+    """Lets Keras load `.keras` files of the models before `keras_linattn.models` is imported.
+
+    The model classes register themselves when `keras_linattn.models` is
+    imported (which imports keras_hub). Until then, their registered names
+    point to a loader whose `from_config` imports the module and hands the
+    config to the real class; the real registration then replaces it.
+    """
+    import keras
+
+    def loader(module, name):
+        def from_config(cls, config):
+            # The class itself, not the registry: a load in progress may hold a copy of the registry with this loader.
+            return getattr(importlib.import_module(module), name).from_config(config)
+
+        return type(f"_Load{name}", (), {"from_config": classmethod(from_config), "get_config": lambda self: {}})
+
+    registry = keras.saving.get_custom_objects()
+    for module, name in (
+        ("keras_linattn.models.backbone", "LinearBackbone"),
+        ("keras_linattn.models.causal_lm", "LinearCausalLM"),
+        ("keras_linattn.models.causal_lm", "_Round2LinearCausalLM"),
+        ("keras_linattn.models.preprocessor", "LinearCausalLMPreprocessor"),
+    ):
+        registry.setdefault(f"keras_linattn>{name}", loader(module, name))
+
+
+_register_model_loaders()
+
+
 def __getattr__(name):
     # `keras_linattn.models` imports keras_hub (and tensorflow-text): loaded when first used.
     if name == "models":

@@ -238,11 +238,17 @@ def test_backbone_under_another_head():
 
 def test_import_keras_linattn_does_not_import_keras_hub():
     code = (
-        "import sys, keras_linattn, keras_linattn.layers, keras_linattn.ops, keras_linattn.export;"
+        "import sys, keras, keras_linattn, keras_linattn.layers, keras_linattn.ops, keras_linattn.export;"
         "assert 'keras_hub' not in sys.modules, 'keras_hub imported';"
-        "import keras_linattn.models;"
-        "assert 'keras_hub' in sys.modules"
+        # A saved LM loads without importing keras_linattn.models first (it is imported then).
+        "lm = keras.saving.load_model('tests/fixtures/round2/lm_based.keras');"
+        "assert 'keras_hub' in sys.modules;"
+        "from keras_linattn.models import LinearCausalLM;"
+        "assert isinstance(lm, LinearCausalLM), type(lm)"
     )
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    root = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, cwd=root
+    )
     assert result.returncode == 0, result.stderr[-2000:]
