@@ -178,7 +178,7 @@ def lora_teacher(teacher, ids, *, steps, sequence_length, batch_size, learning_r
     )
 
 
-@feature_maps.register("zero")
+@keras.saving.register_keras_serializable(package="examples.linearize")
 class ZeroFeatureMap(FeatureMap):
     """``phi(x) = 0``: in a window recurrence, only the softmax window is left (the linear part removed).
 
@@ -195,8 +195,18 @@ class ZeroFeatureMap(FeatureMap):
 
 
 def window_only(teacher, window_size):
-    """Control: the teacher's weights in a sliding-window softmax model (the linear part removed)."""
-    return keras_linattn.linearize(teacher, feature_map=ZeroFeatureMap(), window_size=window_size)
+    """Control: the teacher's weights in a sliding-window softmax model (the linear part removed).
+
+    The zero map is registered only while the model is built (each layer
+    deserializes its copy of the map): it is a control, not a feature map
+    that the package's own checks over every registered map should see.
+    """
+    registry = feature_maps.registry._REGISTRY._classes
+    registry["zero"] = ZeroFeatureMap
+    try:
+        return keras_linattn.linearize(teacher, feature_map=ZeroFeatureMap(), window_size=window_size)
+    finally:
+        registry.pop("zero", None)
 
 
 def max_errors(student, teacher, ids):

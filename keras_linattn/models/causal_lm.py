@@ -553,6 +553,10 @@ class _Round2LinearCausalLM(LinearCausalLM):
     round 2's flat one. Everything else is `LinearCausalLM`.
     """
 
+    # Not a preset target: keras-hub's `from_preset` picks the task class whose
+    # `backbone_cls` matches the preset's backbone, which must be LinearCausalLM.
+    backbone_cls = None
+
     def __dir__(self):
         return [name for name in super().__dir__() if name not in ("backbone", "_backbone")]
 

@@ -107,11 +107,25 @@ def test_llama_student_step_equals_parallel_with_rope_and_gqa():
 
 
 def test_linearized_student_round_trips_through_a_preset(tmp_path):
-    student = keras_linattn.linearize(_gpt2(), window_size=4)
-    student.save_to_preset(str(tmp_path / "p"))
+    from tests.models.test_keras_hub_shape import char_tokenizer
+
+    keras.utils.set_random_seed(0)
+    tokenizer = char_tokenizer()
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=tokenizer.vocabulary_size(),
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        max_sequence_length=32,
+    )
+    teacher = keras_hub.models.GPT2CausalLM(backbone, keras_hub.models.GPT2CausalLMPreprocessor(tokenizer, 16))
+    student = keras_linattn.linearize(teacher, window_size=4)
+    assert student.preprocessor.tokenizer is tokenizer
+    student.save_to_preset(str(tmp_path / "p"))  # config, weights and the tokenizer's assets
     loaded = keras_hub.models.CausalLM.from_preset(str(tmp_path / "p"))
     assert type(loaded) is LinearCausalLM
-    ids = _ids(60)
+    ids = _ids(tokenizer.vocabulary_size())
     np.testing.assert_array_equal(np.asarray(loaded(ids)), np.asarray(student(ids)))
 
 
