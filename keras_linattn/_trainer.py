@@ -23,7 +23,21 @@ import types
 import keras
 import tensorflow as tf
 
+from keras_linattn._validation import check_positive_int
+
 __all__ = []
+
+
+def as_dataset(data, batch_size):
+    """`data` as a batched `tf.data.Dataset`: a dataset as is, arrays (or a tuple/dict of them) batched."""
+    if isinstance(data, tf.data.Dataset):
+        return data
+    if isinstance(data, keras.utils.PyDataset):
+        raise ValueError(
+            f"Pass a tf.data.Dataset or arrays; a PyDataset is not supported. Received: data={type(data).__name__}"
+        )
+    batch_size = check_positive_int("batch_size", batch_size)
+    return tf.data.Dataset.from_tensor_slices(data).batch(batch_size)
 
 
 class ObjectiveTrainer(keras.Model):

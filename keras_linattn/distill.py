@@ -48,6 +48,7 @@ from keras import ops
 
 from keras_linattn._capture import CallHooks, walk_layers
 from keras_linattn._trainer import ObjectiveTrainer
+from keras_linattn._trainer import as_dataset as _as_dataset
 from keras_linattn._validation import check_bool, check_one_of, check_optional_positive_int, check_positive_int
 from keras_linattn.layers.linear_attention import LinearAttention
 from keras_linattn.ops import reference
@@ -192,17 +193,6 @@ def _per_layer_terms(layers, records, causal):
             f"inside a while_loop / RNN cell, is not supported). Received: layers={missing}"
         )
     return sums
-
-
-def _as_dataset(data, batch_size):
-    if isinstance(data, tf.data.Dataset):
-        return data
-    if isinstance(data, keras.utils.PyDataset):
-        raise ValueError(
-            f"Pass a tf.data.Dataset or arrays; a PyDataset is not supported. Received: data={type(data).__name__}"
-        )
-    batch_size = check_positive_int("batch_size", batch_size)
-    return tf.data.Dataset.from_tensor_slices(data).batch(batch_size)
 
 
 def _inputs_of(batch):

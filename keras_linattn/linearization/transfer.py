@@ -35,11 +35,11 @@ Shape legend: B batch, T query length, S key length.
 """
 
 import keras
-import tensorflow as tf
 from keras import ops
 
 from keras_linattn._capture import CallHooks, walk_layers
 from keras_linattn._trainer import ObjectiveTrainer
+from keras_linattn._trainer import as_dataset as _as_dataset
 from keras_linattn._validation import check_one_of, check_positive_int
 from keras_linattn.layers.linear_attention import LinearAttention
 from keras_linattn.linearization._generic import is_softmax_attention
@@ -222,17 +222,6 @@ def _transfer_objective(teacher, student, pairs, names):
         return logs
 
     return objective
-
-
-def _as_dataset(data, batch_size):
-    if isinstance(data, tf.data.Dataset):
-        return data
-    if isinstance(data, keras.utils.PyDataset):
-        raise ValueError(
-            f"Pass a tf.data.Dataset or arrays; a PyDataset is not supported. Received: data={type(data).__name__}"
-        )
-    batch_size = check_positive_int("batch_size", batch_size)
-    return tf.data.Dataset.from_tensor_slices(data).batch(batch_size)
 
 
 def attention_transfer(
