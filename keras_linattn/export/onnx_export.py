@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 import uuid
 
 import tensorflow as tf
@@ -89,24 +90,66 @@ def _check_path(path, name="path"):
     return path
 
 
-def _convert(fn, input_signature, opset, metadata):
-    """The checked ONNX `ModelProto` of a Python function of named tensors."""
-    import onnx
+# tf2onnx's optimizer deep-copies the whole graph before each of its ~12 passes, on
+# every round, so that a pass that raises can be undone ("catch errors"). On this
+# package's graphs that copying is ~40% of a conversion (the tiny LM's three graphs:
+# 18.7 -> 11.1 s) and no pass raises. tf2onnx turns the copies off when the
+# environment variable TF2ONNX_CATCH_ERRORS is set: `_convert` sets it for its own
+# call (under a lock: the environment is process-wide; a value the user set is left
+# alone) and, if the conversion raises, converts again the careful way, so a pass
+# that fails is still skipped as before. Same graphs either way (tested:
+# tests/export/test_onnx.py).
+_CATCH_ERRORS_ENV = "TF2ONNX_CATCH_ERRORS"
+_CONVERT_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _without_optimizer_copies():
+    with _CONVERT_LOCK:
+        if _CATCH_ERRORS_ENV in os.environ:
+            yield
+            return
+        os.environ[_CATCH_ERRORS_ENV] = "false"
+        try:
+            yield
+        finally:
+            os.environ.pop(_CATCH_ERRORS_ENV, None)
+
+
+def _from_function(tf_fn, input_signature, opset, fast=True):
     import tf2onnx
 
-    tf_fn = tf.function(fn, input_signature=input_signature, autograph=False)
     logger = logging.getLogger("tf2onnx")
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
-        proto, _ = tf2onnx.convert.from_function(
-            tf_fn,
-            input_signature=input_signature,
-            opset=opset,
-            custom_op_handlers=_CUSTOM_OP_HANDLERS,
-        )
+        with _without_optimizer_copies() if fast else contextlib.nullcontext():
+            proto, _ = tf2onnx.convert.from_function(
+                tf_fn,
+                input_signature=input_signature,
+                opset=opset,
+                custom_op_handlers=_CUSTOM_OP_HANDLERS,
+            )
     finally:
         logger.setLevel(level)
+    return proto
+
+
+def _convert(fn, input_signature, opset, metadata, fast=True):
+    """The checked ONNX `ModelProto` of a Python function of named tensors.
+
+    ``fast=False`` converts with tf2onnx's per-pass graph copies (what a failed fast
+    conversion falls back to).
+    """
+    import onnx
+
+    tf_fn = tf.function(fn, input_signature=input_signature, autograph=False)
+    try:
+        proto = _from_function(tf_fn, input_signature, opset, fast=fast)
+    except Exception:
+        if not fast:
+            raise
+        proto = _from_function(tf_fn, input_signature, opset, fast=False)
     try:
         onnx.checker.check_model(proto)
     except onnx.checker.ValidationError as e:

@@ -36,9 +36,7 @@ CONFIGS = {
         rope_max_wavelength=10000,
     ),
 }
-CONFIGS["based_pretrained"] = dict(
-    CONFIGS["based"], window_gamma=0.1, num_key_value_heads=1, rope_max_wavelength=10000
-)
+CONFIGS["based_pretrained"] = dict(CONFIGS["based"], window_gamma=0.1, num_key_value_heads=1, rope_max_wavelength=10000)
 # The combination in `make test`; each configuration alone in `make test-slow`.
 FAST = {"based_pretrained"}
 

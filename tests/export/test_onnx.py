@@ -63,6 +63,58 @@ def test_onnx_export_is_deterministic(tmp_path):
     assert_close(out_a, model(x).numpy(), paths=2, **encoder_tolerance(model, x, causal=True))
 
 
+def test_conversion_without_optimizer_copies_gives_the_same_graph(rng, monkeypatch):
+    """`_convert`'s default (tf2onnx's per-pass graph copies off) gives the careful conversion's graph.
+
+    Same op types, same counts, same initializers, bit-equal outputs; the environment variable that turns
+    the copies off is set only during the call; a value the user set is left alone; and a conversion that
+    raises on the fast path is converted again the careful way.
+    """
+    import onnxruntime as ort
+
+    from keras_linattn.export import onnx_export
+    from keras_linattn.export._specs import ModelSpecs
+
+    monkeypatch.delenv(onnx_export._CATCH_ERRORS_ENV, raising=False)
+    model = encoder("favor+", causal=True)
+    specs = ModelSpecs(model)
+
+    def convert(fast):
+        return onnx_export._convert(specs.serving_fn(), specs.input_specs, 17, None, fast=fast)
+
+    def ops(proto):
+        return sorted(n.op_type for n in proto.graph.node)
+
+    def weights(proto):
+        arrays = [onnx.numpy_helper.to_array(t) for t in proto.graph.initializer]
+        return sorted((str(w.dtype), w.shape, w.tobytes()) for w in arrays)
+
+    fast, careful = convert(True), convert(False)
+    assert onnx_export._CATCH_ERRORS_ENV not in os.environ
+    assert ops(fast) == ops(careful) and weights(fast) == weights(careful)
+    x = rng.standard_normal((2, 9, DIM)).astype("float32")
+    outs = [ort.InferenceSession(p.SerializeToString()).run(None, {"features": x})[0] for p in (fast, careful)]
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+    seen = []
+    real = onnx_export._from_function
+
+    def flaky(tf_fn, input_signature, opset, fast=True):
+        seen.append((fast, os.environ.get(onnx_export._CATCH_ERRORS_ENV)))
+        if fast:
+            raise RuntimeError("a tf2onnx pass failed")
+        return real(tf_fn, input_signature, opset, fast=False)
+
+    monkeypatch.setattr(onnx_export, "_from_function", flaky)
+    assert ops(convert(True)) == ops(careful)
+    assert seen == [(True, None), (False, None)]
+    monkeypatch.setattr(onnx_export, "_from_function", real)
+    monkeypatch.setenv(onnx_export._CATCH_ERRORS_ENV, "users-value")
+    with onnx_export._without_optimizer_copies():
+        assert os.environ[onnx_export._CATCH_ERRORS_ENV] == "users-value"
+    assert os.environ[onnx_export._CATCH_ERRORS_ENV] == "users-value"
+
+
 def test_causal_onnx_never_sees_the_future(tmp_path, rng):
     model = encoder("elu", causal=True)
     predictor = export.OnnxPredictor(export.export_onnx(model, tmp_path / "m.onnx")["model"], device="cpu")
