@@ -156,7 +156,9 @@ def _layer_terms(layer, arguments, causal):
     if key_mask is None:
         key_mask = arguments.get("value_mask")
     causal = _resolve_causal(arguments, causal)
-    q, k, _ = layer.project(query, value, key)  # [B, T, H, D], [B, S, H, D]
+    # What the feature map sees: projections, GQA's repeated heads, the short
+    # convolution and the rotary embeddings (not `project`, which stops before them).
+    q, k, _ = layer.attention_inputs(query, value, key, key_mask=key_mask, use_causal_mask=causal)  # [B,T|S,H,D]
     q = ops.stop_gradient(q)
     k = ops.stop_gradient(k)
     fm = layer.feature_map
