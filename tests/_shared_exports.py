@@ -139,8 +139,11 @@ def lm_export():
 LIMITED_VOCAB, LIMITED_HIDDEN, LIMITED_FFN, LIMIT = 24, 8, 16, 15
 
 
-def built_limited_lm():
+def built_limited_lm(feature_map="elu"):
     """A 1-layer `LinearCausalLM` with ``max_sequence_length=LIMIT``, seed 1234, under the float32 policy.
+
+    The shared export (`limited_export`) is the default ``feature_map``; tests of other maps export
+    their own with the same architecture.
 
     Weights are redrawn at scale 0.5 from a fixed generator: logits well apart, so that tokens can be
     compared exactly across runtimes (the default init gives near-ties that any rounding can flip).
@@ -157,6 +160,7 @@ def built_limited_lm():
         intermediate_dim=LIMITED_FFN,
         chunk_size=4,
         max_sequence_length=LIMIT,
+        feature_map=feature_map,
     )
     lm(np.zeros((1, 2), "int32"))
     rng = np.random.default_rng(7)
