@@ -128,3 +128,79 @@ def lm_export():
     version_dir = os.path.join(out, entry["saved_model"])
     onnx_paths = {kind: os.path.join(out, rel) for kind, rel in entry["onnx"].items()}
     return model, version_dir, onnx_paths
+
+
+# ------------------------------------------------------------ the limited LM
+# One LM with a position limit (max_sequence_length), read by tests/contracts/test_front_end_rules.py
+# (each request rule on every front end) and tests/export/test_verify.py (positions up to the limit,
+# every graph, damaged weights). LIMIT is below the SavedModel's default warmup length (16), so the
+# warmup requests must be clipped to it, and at least LIMIT - 2 = 13 (the longest of verify's old
+# fixed shapes), so that row LIMIT - 2 of the position table is reached only by a full-length input.
+LIMITED_VOCAB, LIMITED_HIDDEN, LIMITED_FFN, LIMIT = 24, 8, 16, 15
+
+
+def built_limited_lm(feature_map="elu"):
+    """A 1-layer `LinearCausalLM` with ``max_sequence_length=LIMIT``, seed 1234, under the float32 policy.
+
+    The shared export (`limited_export`) is the default ``feature_map``; tests of other maps export
+    their own with the same architecture.
+
+    Weights are redrawn at scale 0.5 from a fixed generator: logits well apart, so that tokens can be
+    compared exactly across runtimes (the default init gives near-ties that any rounding can flip).
+    """
+    from keras_linattn.models import LinearCausalLM
+
+    keras.config.set_dtype_policy("float32")
+    keras.utils.set_random_seed(1234)
+    lm = LinearCausalLM(
+        vocabulary_size=LIMITED_VOCAB,
+        num_layers=1,
+        hidden_dim=LIMITED_HIDDEN,
+        num_heads=2,
+        intermediate_dim=LIMITED_FFN,
+        chunk_size=4,
+        max_sequence_length=LIMIT,
+        feature_map=feature_map,
+    )
+    lm(np.zeros((1, 2), "int32"))
+    rng = np.random.default_rng(7)
+    for w in lm.trainable_weights:
+        w.assign((rng.standard_normal(w.shape) * 0.5).astype(w.dtype))
+    return lm
+
+
+def _build_limited_export(root):
+    """``limited.keras`` (+ .npz), ``exported/lm/1`` (`export_saved_model`, default warmup) and
+    ``exported/onnx/lm.onnx`` with its step and generate graphs (`export_onnx`)."""
+    from keras_linattn import export
+
+    model = built_limited_lm()
+    model.save(os.path.join(root, "limited.keras"))
+    _save_weights(model, os.path.join(root, "limited.npz"))
+    version_dir = export.export_saved_model(model, os.path.join(root, "exported", "lm"))
+    paths = export.export_onnx(model, os.path.join(root, "exported", "onnx", "lm.onnx"))
+    assert (version_dir, paths) == _limited_paths(root), (version_dir, paths)
+
+
+def _limited_paths(root):
+    out = os.path.join(root, "exported")
+    onnx_dir = os.path.join(out, "onnx")
+    kinds = {"model": "lm.onnx", "step": "lm_step.onnx", "generate": "lm_generate.onnx"}
+    return os.path.join(out, "lm", "1"), {kind: os.path.join(onnx_dir, name) for kind, name in kinds.items()}
+
+
+def limited_export_root():
+    """The folder holding ``limited.keras`` and ``exported/`` (built once per run)."""
+    return shared_dir("limited_lm_export", _build_limited_export)
+
+
+def limited_export():
+    """`built_limited_lm()` exported: ``(model, version_dir, onnx_paths)`` (``"model"``, ``"step"``, ``"generate"``).
+
+    ``model`` is a fresh build whose weights were checked, bit for bit, against the exported model's.
+    """
+    root = limited_export_root()
+    model = built_limited_lm()
+    check_same_weights(model, os.path.join(root, "limited.npz"))
+    version_dir, paths = _limited_paths(root)
+    return model, version_dir, paths

@@ -1,8 +1,9 @@
 """One rule set on every front end: max_sequence_length, padding masks, max_length, empty prompts, ids.
 
-One tiny LM (``max_sequence_length=8``) is exported once per module, to a
-SavedModel and to ONNX, and each rule is tried on every front end that
-takes the input:
+One tiny LM with a position limit (``max_sequence_length=15``), exported to a
+SavedModel and to ONNX once per run (`tests._shared_exports.limited_export`,
+which tests/export/test_verify.py reads too), and each rule is tried on every
+front end that takes the input:
 
 - Python front ends (Keras ``call`` / ``step`` / ``call_with_state`` /
   ``generate``, `OnnxGenerator.generate`) raise ``ValueError`` naming the
@@ -21,41 +22,27 @@ Each row: (rule, front end, call, expected) where expected is
 
 import os
 
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from keras_linattn import export
-from keras_linattn.models import LinearCausalLM
+from tests import _shared_exports
 from tests.tolerance import assert_close
 
 pytestmark = pytest.mark.tf_only("SavedModel and ONNX exports")
 
-V, LIMIT = 16, 8
+V, LIMIT = _shared_exports.LIMITED_VOCAB, _shared_exports.LIMIT
 N = 16  # the longest reduction of the tiny LM (its feed-forward width): the error model's n
 IAE = tf.errors.InvalidArgumentError
 
 
 class Env:
-    def __init__(self, tmp):
-        keras.utils.set_random_seed(1234)
-        self.lm = LinearCausalLM(
-            vocabulary_size=V,
-            num_layers=1,
-            hidden_dim=8,
-            num_heads=2,
-            intermediate_dim=16,
-            chunk_size=4,
-            max_sequence_length=LIMIT,
-        )
-        rng = np.random.default_rng(7)  # logits well apart: exact token comparisons across runtimes
-        for w in self.lm.trainable_weights:
-            w.assign((rng.standard_normal(w.shape) * 0.5).astype(w.dtype))
-        # Default warmup (length 16 > LIMIT): the requests must stay within the model's limit.
-        self.version_dir = export.export_saved_model(self.lm, os.path.join(tmp, "sm"))
+    def __init__(self):
+        # Weights at scale 0.5 (logits well apart: exact token comparisons across runtimes). The SavedModel
+        # has the default warmup (length 16 > LIMIT): the requests must stay within the model's limit.
+        self.lm, self.version_dir, self.paths = _shared_exports.limited_export()
         self.runner = export.SavedModelRunner(self.version_dir)
-        self.paths = export.export_onnx(self.lm, os.path.join(tmp, "lm.onnx"))
         self.generator = export.OnnxGenerator(self.paths["step"], device="cpu")
         self.raw = {kind: export.OnnxPredictor(path, device="cpu") for kind, path in self.paths.items()}
 
@@ -111,8 +98,8 @@ class Env:
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    return Env(str(tmp_path_factory.mktemp("front_end_rules")))
+def env():
+    return Env()
 
 
 def ids(batch, length, value=1):
@@ -135,59 +122,71 @@ def _graph_call(lm, x):
 
 # (rule, front end, call, expected)
 RAISES = [
-    # --- max_sequence_length: a row holds at most 8 tokens (state position + index in the piece)
-    ("length > limit", "Keras call", lambda e: e.lm(ids(1, 9)), ValueError, "max_sequence_length=8"),
+    # --- max_sequence_length: a row holds at most LIMIT tokens (state position + index in the piece)
+    ("length > limit", "Keras call", lambda e: e.lm(ids(1, LIMIT + 1)), ValueError, f"max_sequence_length={LIMIT}"),
     (
         "length > limit",
         "Keras call traced (fit/predict)",
-        lambda e: _graph_call(e.lm, ids(1, 9)),
+        lambda e: _graph_call(e.lm, ids(1, LIMIT + 1)),
         IAE,
-        "`token_ids` runs past max_sequence_length=8",
+        f"`token_ids` runs past max_sequence_length={LIMIT}",
     ),
     (
         "length > limit",
         "Keras step",
-        lambda e: e.lm.step(ids(1, 1)[:, 0], e.state_at(8)),
+        lambda e: e.lm.step(ids(1, 1)[:, 0], e.state_at(LIMIT)),
         ValueError,
-        "`token_t` runs past max_sequence_length=8",
+        f"`token_t` runs past max_sequence_length={LIMIT}",
     ),
     (
         "length > limit",
         "Keras call_with_state",
-        lambda e: e.lm.call_with_state(ids(1, 3), e.state_at(6)),
+        lambda e: e.lm.call_with_state(ids(1, 3), e.state_at(LIMIT - 2)),
         ValueError,
-        "`token_ids` runs past max_sequence_length=8",
+        f"`token_ids` runs past max_sequence_length={LIMIT}",
     ),
-    ("length > limit", "Keras generate", lambda e: e.lm.generate(ids(1, 2), 9), ValueError, "max_length=9"),
+    (
+        "length > limit",
+        "Keras generate",
+        lambda e: e.lm.generate(ids(1, 2), LIMIT + 1),
+        ValueError,
+        f"max_length={LIMIT + 1}",
+    ),
     (
         "length > limit",
         "SavedModel serving_default",
-        lambda e: e.runner.run("serving_default", {"token_ids": ids(1, 9)}),
+        lambda e: e.runner.run("serving_default", {"token_ids": ids(1, LIMIT + 1)}),
         IAE,
-        "`token_ids` runs past max_sequence_length=8",
+        f"`token_ids` runs past max_sequence_length={LIMIT}",
     ),
     (
         "length > limit",
         "SavedModel step",
-        lambda e: e.sm_step([1], e.state_at(8)),
+        lambda e: e.sm_step([1], e.state_at(LIMIT)),
         IAE,
-        "`token_t` runs past max_sequence_length=8",
+        f"`token_t` runs past max_sequence_length={LIMIT}",
     ),
     (
         "length > limit",
         "SavedModel generate",
-        lambda e: e.sm_generate(ids(1, 2), ones(1, 2), 9),
+        lambda e: e.sm_generate(ids(1, 2), ones(1, 2), LIMIT + 1),
         IAE,
-        "`max_length` must be <= max_sequence_length=8",
+        f"`max_length` must be <= max_sequence_length={LIMIT}",
     ),
     (
         "length > limit",
         "SavedModel generate_sampled",
-        lambda e: e.sm_generate_sampled(ids(1, 2), ones(1, 2), 9),
+        lambda e: e.sm_generate_sampled(ids(1, 2), ones(1, 2), LIMIT + 1),
         IAE,
-        "`max_length` must be <= max_sequence_length=8",
+        f"`max_length` must be <= max_sequence_length={LIMIT}",
     ),
-    ("length > limit", "OnnxGenerator", lambda e: e.generator.generate(ids(1, 2), 9), ValueError, "max_length=9"),
+    (
+        "length > limit",
+        "OnnxGenerator",
+        lambda e: e.generator.generate(ids(1, 2), LIMIT + 1),
+        ValueError,
+        f"max_length={LIMIT + 1}",
+    ),
     # --- padding_mask: left padding, at least one real token per row
     (
         "right-padded mask",
@@ -265,34 +264,34 @@ RAISES = [
         "prompt_ids.shape=(1, 0)",
     ),
     # --- ids in [0, V)
-    ("id >= V", "Keras call", lambda e: e.lm(ids(1, 3, V)), ValueError, "`token_ids` must be in [0, 16)"),
+    ("id >= V", "Keras call", lambda e: e.lm(ids(1, 3, V)), ValueError, f"`token_ids` must be in [0, {V})"),
     (
         "id >= V",
         "Keras predict",
         lambda e: e.lm.predict(ids(2, 3, V), verbose=0),
         IAE,
-        "`token_ids` must be in [0, 16)",
+        f"`token_ids` must be in [0, {V})",
     ),
     (
         "id < 0",
         "Keras call traced (fit/predict)",
         lambda e: _graph_call(e.lm, ids(1, 3, -1)),
         IAE,
-        "`token_ids` must be in [0, 16)",
+        f"`token_ids` must be in [0, {V})",
     ),
     (
         "id >= V",
         "SavedModel serving_default",
         lambda e: e.runner.run("serving_default", {"token_ids": ids(1, 3, V)}),
         IAE,
-        "`token_ids` must be in [0, 16)",
+        f"`token_ids` must be in [0, {V})",
     ),
     (
         "id >= V",
         "SavedModel generate",
         lambda e: e.sm_generate(ids(1, 3, V), ones(1, 3), 5),
         IAE,
-        "`prompt_ids` must be in [0, 16)",
+        f"`prompt_ids` must be in [0, {V})",
     ),
     (
         "id >= V",

@@ -1,5 +1,10 @@
 """One decode contract: Keras `generate`, the SavedModel signatures and the ONNX
-generate graph give the same tokens, greedy and seeded, from the same weights."""
+generate graph give the same tokens, greedy and seeded, from the same weights.
+
+The LM is the limited LM of tests/_shared_exports.py (elu: its export is built
+once per run and shared with other files; the other maps: their own export of
+the same architecture), weights at scale 0.5 so that logits are well apart.
+"""
 
 import os
 import subprocess
@@ -12,9 +17,11 @@ import pytest
 
 from keras_linattn import export, samplers
 from keras_linattn.models import LinearCausalLM, generation
+from tests import _shared_exports
 from tests._helpers import step_test_feature_map
 
-VOCAB = 48
+VOCAB = 48  # of the JAX test's LM
+EXPORTED_VOCAB, LIMIT = _shared_exports.LIMITED_VOCAB, _shared_exports.LIMIT
 FEATURE_MAPS = ["elu", "favor+", "oglu"]
 SAMPLERS = [
     ("greedy", samplers.get("greedy")),
@@ -41,24 +48,26 @@ def _lm(feature_map):
     return lm
 
 
-# elu in `make test`; the random (favor+) and trainable (oglu) maps in `make test-slow`
-# (the decode contract does not depend on the map: one export per map costs ~20 s).
+# elu in `make test` (the shared export); the random (favor+) and trainable (oglu) maps in
+# `make test-slow` (the decode contract does not depend on the map: one export per map costs ~20 s).
 @pytest.fixture(
     scope="module",
     params=[pytest.param(name, marks=() if name == "elu" else pytest.mark.slow) for name in FEATURE_MAPS],
 )
 def exported(request, tmp_path_factory):
-    keras.utils.set_random_seed(1234)
-    lm = _lm(request.param)
-    out = tmp_path_factory.mktemp(f"gen_{request.param.replace('+', 'p')}")
-    version_dir = export.export_saved_model(lm, str(out / "sm"))
-    paths = export.export_onnx(lm, str(out / "lm.onnx"))
+    if request.param == "elu":
+        lm, version_dir, paths = _shared_exports.limited_export()
+    else:
+        lm = _shared_exports.built_limited_lm(step_test_feature_map(request.param))
+        out = tmp_path_factory.mktemp(f"gen_{request.param.replace('+', 'p')}")
+        version_dir = export.export_saved_model(lm, str(out / "sm"))
+        paths = export.export_onnx(lm, str(out / "lm.onnx"))
     return lm, export.SavedModelRunner(version_dir), export.OnnxGenerator(paths["step"], device="cpu"), paths
 
 
-def _prompts():
+def _prompts(vocab=EXPORTED_VOCAB):
     rng = np.random.default_rng(3)
-    prompt = rng.integers(1, VOCAB, size=(3, 5)).astype("int32")
+    prompt = rng.integers(1, vocab, size=(3, 5)).astype("int32")
     mask = np.ones_like(prompt)
     mask[1, :2] = 0  # a left-padded row
     prompt[1, :2] = 0
@@ -81,9 +90,9 @@ def test_keras_saved_model_and_onnx_give_identical_tokens(exported, name, sample
     lm, runner, generator, _ = exported
     prompt, mask = _prompts()
     for seed in (0, 11):
-        keras_ids = lm.generate(prompt, max_length=14, sampler=sampler, seed=seed, padding_mask=mask)
-        sm_ids = _saved_model_tokens(runner, prompt, mask, 14, sampler, seed)
-        onnx_ids = generator.generate(prompt, max_length=14, sampler=sampler, seed=seed, padding_mask=mask)
+        keras_ids = lm.generate(prompt, max_length=LIMIT, sampler=sampler, seed=seed, padding_mask=mask)
+        sm_ids = _saved_model_tokens(runner, prompt, mask, LIMIT, sampler, seed)
+        onnx_ids = generator.generate(prompt, max_length=LIMIT, sampler=sampler, seed=seed, padding_mask=mask)
         np.testing.assert_array_equal(keras_ids[:, :5], prompt)
         np.testing.assert_array_equal(sm_ids, keras_ids, err_msg=f"SavedModel, seed {seed}")
         np.testing.assert_array_equal(onnx_ids, keras_ids, err_msg=f"ONNX, seed {seed}")
@@ -95,9 +104,9 @@ def test_seeded_sampling_differs_between_seeds_and_repeats_for_one(exported):
     lm, _, generator, _ = exported
     prompt, mask = _prompts()
     sampler = samplers.get("random", temperature=1.5)
-    a = generator.generate(prompt, 20, sampler=sampler, seed=1, padding_mask=mask)
-    b = generator.generate(prompt, 20, sampler=sampler, seed=1, padding_mask=mask)
-    c = generator.generate(prompt, 20, sampler=sampler, seed=2, padding_mask=mask)
+    a = generator.generate(prompt, LIMIT, sampler=sampler, seed=1, padding_mask=mask)
+    b = generator.generate(prompt, LIMIT, sampler=sampler, seed=1, padding_mask=mask)
+    c = generator.generate(prompt, LIMIT, sampler=sampler, seed=2, padding_mask=mask)
     np.testing.assert_array_equal(a, b)
     assert (a[:, 5:] != c[:, 5:]).any()
 
@@ -192,7 +201,7 @@ def test_jax_backend_generates_tensorflows_tokens(tmp_path):
     lm = _lm("elu")
     weights = str(tmp_path / "lm.weights.h5")
     lm.save_weights(weights)
-    prompt, _ = _prompts()
+    prompt, _ = _prompts(VOCAB)
     np.save(tmp_path / "prompt.npy", prompt)
     script = tmp_path / "run.py"
     script.write_text(JAX_SCRIPT.format(vocab=VOCAB))

@@ -22,36 +22,32 @@ import keras_linattn as kla
 from keras_linattn import _tolerance, export
 from keras_linattn import feature_maps as fmaps
 from keras_linattn.models import LinearCausalLM
-from tests import tolerance
+from tests import _shared_exports, tolerance
 from tests._helpers import export_once
 
 verify_module = importlib.import_module("keras_linattn.export.verify")
-LIMIT = 16  # max_sequence_length of the LM under test
-
-
-def limited_lm():
-    keras.utils.set_random_seed(0)
-    lm = LinearCausalLM(
-        vocabulary_size=24,
-        num_layers=1,
-        hidden_dim=8,
-        num_heads=2,
-        intermediate_dim=16,
-        chunk_size=4,
-        max_sequence_length=LIMIT,
-    )
-    lm(np.zeros((1, 2), "int32"))
-    return lm
-
-
-def export_both(model, path):
-    base = os.path.dirname(path)
-    return export.export_saved_model(model, os.path.join(base, "lm")), export.export_onnx(model, path)
+# max_sequence_length of the LM under test: past 13 (the longest of the old fixed shapes)
+LIMIT = _shared_exports.LIMIT
+HIDDEN = _shared_exports.LIMITED_HIDDEN
 
 
 @pytest.fixture(scope="module")
-def limited_export(tmp_path_factory):
-    return export_once(tmp_path_factory, limited_lm, export_both, "lm.onnx")
+def limited_export():
+    """`tests._shared_exports.limited_export` (SavedModel + ONNX model, step and generate graphs, built once
+    per run): ``(model, (version_dir, onnx_paths))``."""
+    lm, version_dir, paths = _shared_exports.limited_export()
+    return lm, (version_dir, paths)
+
+
+@pytest.fixture(scope="module")
+def limited_cli_export(tmp_path_factory):
+    """`keras-linattn export limited.keras --format saved_model`, once for the module's CLI tests (read only)."""
+    from keras_linattn import cli
+
+    out = tmp_path_factory.mktemp("limited_cli") / "exported"
+    keras_file = os.path.join(_shared_exports.limited_export_root(), "limited.keras")
+    assert cli.main(["export", keras_file, "--out", str(out), "--name", "lm", "--format", "saved_model"]) == 0
+    return out
 
 
 def signatures(report):
@@ -65,7 +61,7 @@ def test_model_limit_is_taken_and_every_position_row_is_reached(limited_export):
     lengths = {r.shape[1] for r in report.rows if r.signature.startswith("serving_default")}
     assert lengths == {7, 13, LIMIT}  # 70 is clipped to the limit, which reaches row LIMIT - 1
     assert {r.shape for r in report.rows if r.signature == "step:logits"} == {(3, LIMIT)}
-    with pytest.raises(ValueError, match=r"`shapes` has lengths past the model's max_sequence_length=16"):
+    with pytest.raises(ValueError, match=rf"`shapes` has lengths past the model's max_sequence_length={LIMIT}"):
         export.verify(lm, onnx_path=paths["model"], shapes=[(1, LIMIT + 1)])
     # explicit shapes short of the limit get one of the full length
     report = export.verify(lm, onnx_path=paths["model"], shapes=[(1, 5)], check_weights=False, decode_steps=2)
@@ -101,7 +97,7 @@ def damage(src_paths, folder, kind, row, value=1.36e37):
         graph = graphs.pop()
         for tensor in graph.initializer:
             array = numpy_helper.to_array(tensor)
-            if array.shape == (LIMIT, 8) and array.dtype == np.float32:  # the position table
+            if array.shape == (LIMIT, HIDDEN) and array.dtype == np.float32:  # the position table
                 array = array.copy()
                 array[row, 3] = value
                 tensor.CopyFrom(numpy_helper.from_array(array, tensor.name))
@@ -170,8 +166,22 @@ def trained_scale_favor_trig_lm():
     return lm
 
 
+def export_logits_graphs(model, path):
+    """The graphs that give logits: ``serving_default`` and ``step`` (no generate signatures), the ONNX model.
+
+    The tolerance is what the trained-scale test is about; the generate graphs (tokens) are exported
+    and checked on `limited_export` (above) and in tests/export/test_mechanisms_export.py.
+    """
+    base = os.path.dirname(path)
+    version_dir = export.export_saved_model(model, os.path.join(base, "lm"), include_generate=False, warmup=False)
+    return version_dir, export.export_onnx(model, path, include_step=False)
+
+
 def test_correct_trained_scale_favor_trig_export_passes(tmp_path_factory):
-    lm, (version_dir, paths) = export_once(tmp_path_factory, trained_scale_favor_trig_lm, export_both, "lm.onnx")
+    lm, (version_dir, paths) = export_once(
+        tmp_path_factory, trained_scale_favor_trig_lm, export_logits_graphs, "lm.onnx"
+    )
+    assert sorted(paths) == ["model"]
     # At x6 (before the amplitude flag) the ONNX model differed from Keras by 4.4e-4 at length 70, past
     # the old fixed 1e-4; at x3 the normalizer's conditioning still lifts the bound past 1e-5 (below).
     report = export.verify(lm, saved_model_dir=version_dir, onnx_path=paths["model"])
@@ -218,20 +228,17 @@ def test_subclassed_model_is_verified_with_its_input_signature(tmp_path):
         export.verify(model, saved_model_dir=version_dir, shapes=[(2, 9)])
 
 
-def test_cli_verifies_a_model_with_a_position_limit(tmp_path, capsys):
+def test_cli_verifies_a_model_with_a_position_limit(limited_cli_export, capsys):
     from keras_linattn import cli
 
-    path = tmp_path / "lm.keras"
-    limited_lm().save(path)
-    out = tmp_path / "exported"
-    assert cli.main(["export", str(path), "--out", str(out), "--name", "lm", "--format", "saved_model"]) == 0
+    out = limited_cli_export
     capsys.readouterr()
     assert cli.main(["verify", str(out), "--decode-steps", "3"]) == 0  # the old default shapes gave exit 2
     text = capsys.readouterr().out
     print(text)
     assert re.search(rf"saved_model +serving_default:logits +2x{LIMIT} ", text) and "checks passed" in text
     assert cli.main(["verify", str(out), "--shapes", f"1x{LIMIT + 1}"]) == 2
-    assert "max_sequence_length=16" in capsys.readouterr().err
+    assert f"max_sequence_length={LIMIT}" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- a check that compares nothing
@@ -278,13 +285,10 @@ def test_verify_reports_a_check_it_could_not_compare(tmp_path, monkeypatch):
         export.verify(model, saved_model_dir=version_dir, input_signature=signature, shapes=shapes)
 
 
-def test_cli_exits_3_when_a_check_could_not_be_verified(tmp_path, capsys, monkeypatch):
+def test_cli_exits_3_when_a_check_could_not_be_verified(limited_cli_export, capsys, monkeypatch):
     from keras_linattn import cli
 
-    path = tmp_path / "lm.keras"
-    limited_lm().save(path)
-    out = tmp_path / "exported"
-    assert cli.main(["export", str(path), "--out", str(out), "--name", "lm", "--format", "saved_model"]) == 0
+    out = limited_cli_export
     capsys.readouterr()
     monkeypatch.setattr(verify_module, "_row_conditioning", _ill_conditioned_for_batch(3))
     assert cli.main(["verify", str(out), "--shapes", "1x5,3x5", "--decode-steps", "2"]) == 3
