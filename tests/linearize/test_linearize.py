@@ -97,6 +97,9 @@ def test_nested_functional_model_and_shared_attention():
     assert_close(student(x), teacher(x), n=2 * _ATTENTION_N, paths=2)
 
 
+# `make test` runs the same check in the subprocess of
+# tests/models/test_keras_hub_shape.py::test_import_keras_linattn_does_not_import_keras_hub.
+@pytest.mark.slow
 def test_import_does_not_load_keras_hub():
     code = textwrap.dedent(
         """

@@ -25,15 +25,25 @@ def _ids(length=10):
     return np.random.default_rng(0).integers(0, 40, (4, length)).astype("int32")
 
 
-def test_only_the_adapters_train_and_the_kernel_is_w_plus_scaled_ab():
+@pytest.fixture(scope="module")
+def lora_trained():
+    """A student with rank-2 adapters after 2 epochs of fit: ``(student, weights before, adapters,
+    trainable variables right after enable_lora, ids)``. The tests below only read it (merge_lora
+    returns a new model), so it is built, compiled and fitted once."""
     student = _student()
     before = {v.path: np.asarray(v) for v in student.weights}
     adapters = enable_lora(student, rank=2, alpha=4)
-    assert len(adapters) == 2 * 2 * 4  # A and B, on q/k/v/o, in 2 blocks
-    assert {id(v) for v in student.trainable_variables} == {id(v) for v in adapters}
+    trainable = list(student.trainable_variables)
     student.compile(optimizer=keras.optimizers.Adam(1e-2), loss=keras.losses.SparseCategoricalCrossentropy(True))
     ids = _ids()
     student.fit(ids[:, :-1], ids[:, 1:], epochs=2, verbose=0)
+    return student, before, adapters, trainable, ids
+
+
+def test_only_the_adapters_train_and_the_kernel_is_w_plus_scaled_ab(lora_trained):
+    student, before, adapters, trainable, _ = lora_trained
+    assert len(adapters) == 2 * 2 * 4  # A and B, on q/k/v/o, in 2 blocks
+    assert {id(v) for v in trainable} == {id(v) for v in adapters}
     lora_paths = {v.path for v in adapters}
     for v in student.weights:
         if v.path not in lora_paths:  # everything but the adapters is frozen (maps and gamma included)
@@ -45,12 +55,8 @@ def test_only_the_adapters_train_and_the_kernel_is_w_plus_scaled_ab():
     assert_close(np.asarray(dense.kernel), want, paths=2, n=2)
 
 
-def test_merged_model_has_no_adapters_and_the_same_logits():
-    student = _student()
-    enable_lora(student, rank=2, alpha=4)
-    student.compile(optimizer=keras.optimizers.Adam(1e-2), loss=keras.losses.SparseCategoricalCrossentropy(True))
-    ids = _ids()
-    student.fit(ids[:, :-1], ids[:, 1:], epochs=2, verbose=0)
+def test_merged_model_has_no_adapters_and_the_same_logits(lora_trained):
+    student, _, _, _, ids = lora_trained
     merged = merge_lora(student)
     assert type(merged) is type(student)
     with pytest.raises(ValueError, match="no LinearAttention|no LoRA"):

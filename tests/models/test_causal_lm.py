@@ -17,6 +17,17 @@ pytestmark = pytest.mark.numeric
 
 VOCAB = 23
 FEATURE_MAPS = feature_maps.available()
+# The per-map grids below run these maps in `make test` (a positive map, a
+# signed one, a random projection, a trainable kernel; for save/load the maps
+# that carry weights or a projection), every map in `make test-slow`. Each
+# map's step-vs-parallel path also runs in `make test` at the layer level
+# (tests/layers/test_cell.py, tests/layers/test_transformer.py).
+FAST_STEP_MAPS = {"elu", "taylor", "favor+", "hedgehog"}
+FAST_SAVE_MAPS = {"favor+", "hedgehog", "aoglu"}
+
+
+def _maps(fast):
+    return [pytest.param(name, marks=() if name in fast else pytest.mark.slow) for name in FEATURE_MAPS]
 
 
 def _lm(feature_map="elu", **kwargs):
@@ -71,7 +82,7 @@ def _parallel_greedy(lm, prompt, max_length):
     return seq
 
 
-@pytest.mark.parametrize("feature_map", FEATURE_MAPS)
+@pytest.mark.parametrize("feature_map", _maps(FAST_STEP_MAPS))
 def test_step_matches_parallel_for_every_feature_map(rng, feature_map):
     ids = _ids(rng)
     lm = _lm(feature_map)
@@ -211,6 +222,9 @@ def test_save_and_load(rng, tmp_path):
     assert restored.get_config() == lm.get_config()
 
 
+# The XLA fit of the LM runs in `make test` as
+# tests/training/test_training.py::test_fit_jit_compile_causal_lm.
+@pytest.mark.slow
 def test_xla_fit_reduces_loss(rng):
     lm = _lm()
     ids = rng.integers(1, VOCAB, size=(16, 9)).astype("int32")
@@ -281,7 +295,7 @@ def test_mixed_precision_keeps_float32_state(rng):
     assert_close(stepped, parallel, n=n, dtype="mixed_bfloat16", paths=2, what="logits")
 
 
-@pytest.mark.parametrize("feature_map", FEATURE_MAPS)
+@pytest.mark.parametrize("feature_map", _maps(FAST_SAVE_MAPS))
 def test_save_and_load_every_feature_map(rng, tmp_path, feature_map):
     lm = _lm(feature_map, num_layers=1)
     ids = _ids(rng)

@@ -109,11 +109,25 @@ def roundtrip(make, ids, directory, optimizer=False, manager=False):
     return same, total, sorted(set(saved) - set(same))
 
 
-LM_CASES = (
-    [(name, "model") for name in sorted(LM_CONFIGS)]
-    + [(name, "manager+optimizer") for name in sorted(LM_CONFIGS)]
-    + [("favor+", "model+optimizer")]
-)
+# Every configuration and every mode once in `make test`: each configuration's
+# variables are restored in one mode, and each mode (model only, checkpoint +
+# optimizer, CheckpointManager + optimizer) runs for at least one configuration.
+# The rest of the configuration x mode grid runs in `make test-slow`.
+FAST_LM_CASES = {
+    ("favor+", "model+optimizer"),
+    ("favor_trig", "model"),
+    ("window", "model"),
+    ("gated delta + conv", "manager+optimizer"),
+    ("hedgehog + positions + dropout", "manager+optimizer"),
+}
+LM_CASES = [
+    pytest.param(name, mode, marks=() if (name, mode) in FAST_LM_CASES else pytest.mark.slow)
+    for name, mode in (
+        [(name, "model") for name in sorted(LM_CONFIGS)]
+        + [(name, "manager+optimizer") for name in sorted(LM_CONFIGS)]
+        + [("favor+", "model+optimizer")]
+    )
+]
 
 
 @pytest.mark.parametrize("name,mode", LM_CASES)

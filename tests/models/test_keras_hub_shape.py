@@ -13,6 +13,7 @@ import keras
 import keras_hub
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from keras_linattn.models import LinearBackbone, LinearCausalLM, LinearCausalLMPreprocessor
 from tests.tolerance import assert_close
@@ -141,7 +142,7 @@ def test_search_samplers_are_refused_clearly():
 
 
 def test_fit_takes_keras_hub_dicts_and_padding_masks():
-    lm = _lm()
+    lm = _lm(num_layers=1)  # one block: the fit path is the same, its trace half as long
     lm.compile(optimizer=keras.optimizers.Adam(1e-2), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     ids = _ids(batch=4, length=10)
     mask = np.ones_like(ids)
@@ -164,10 +165,13 @@ def test_a_tuple_input_gets_a_clear_error():
 
 def test_fit_on_strings_through_the_preprocessor():
     pre = LinearCausalLMPreprocessor(char_tokenizer(), sequence_length=16)
-    lm = _lm(preprocessor=pre)
+    lm = _lm(preprocessor=pre, num_layers=1)  # one block: the fit path is the same, its trace half as long
     lm.compile(optimizer=keras.optimizers.Adam(1e-2))
     text = ["def f(x):\n    return x", "import os", "for i in range(3):", "x = 1"]
-    history = lm.fit(text, batch_size=2, epochs=3, verbose=0)
+    # A repeated string dataset with steps_per_epoch: fit maps the preprocessor over it and makes its
+    # iterator once (a list of strings gets a new iterator, and the tokenizer's set-up, every epoch).
+    strings = tf.data.Dataset.from_tensor_slices(text).batch(2).repeat()
+    history = lm.fit(strings, steps_per_epoch=2, epochs=3, verbose=0)
     assert history.history["loss"][-1] < history.history["loss"][0]
 
 
@@ -188,7 +192,7 @@ def test_preprocessor_pads_on_the_left_and_weights_real_targets_only():
 
 
 def test_keras_reload_restores_compile_and_fit_continues_with_the_same_loss(tmp_path):
-    lm = _lm()
+    lm = _lm(num_layers=1)  # one block: the fit path is the same, its trace half as long
     lm.compile(
         optimizer=keras.optimizers.Adam(1e-2),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -240,6 +244,12 @@ def test_import_keras_linattn_does_not_import_keras_hub():
     code = (
         "import sys, keras, keras_linattn, keras_linattn.layers, keras_linattn.ops, keras_linattn.export;"
         "assert 'keras_hub' not in sys.modules, 'keras_hub imported';"
+        # Linearizing a plain Keras model does not import it either (as
+        # tests/linearize/test_linearize.py::test_import_does_not_load_keras_hub, one process for both).
+        "inputs = keras.Input((4, 8));"
+        "mha = keras.Model(inputs, keras.layers.MultiHeadAttention(2, 4)(inputs, inputs, use_causal_mask=True));"
+        "keras_linattn.linearize(mha, window_size=4);"
+        "assert 'keras_hub' not in sys.modules, 'keras_hub imported by linearize';"
         # A saved LM loads without importing keras_linattn.models first (it is imported then).
         "lm = keras.saving.load_model('tests/fixtures/round2/lm_based.keras');"
         "assert 'keras_hub' in sys.modules;"
