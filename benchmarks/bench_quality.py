@@ -180,6 +180,11 @@ def parse_args(argv=None):
     p.add_argument("--out-dir", default=RESULTS_DIR)
     p.add_argument("--prefix", default=None, help="output file prefix (default quality_<task>)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument(
+        "--no-jit",
+        action="store_true",
+        help="train without XLA (graph mode): quicker to start for tiny smoke runs; the published tables use XLA",
+    )
     args = p.parse_args(argv)
     args.command = "python -m benchmarks.bench_quality" + "".join(" " + shlex.quote(a) for a in (argv or sys.argv[1:]))
     lm = args.task == "lm"
@@ -233,7 +238,7 @@ def log_line(*parts):
     print(*parts, flush=True)
 
 
-def compile_model(model, steps, lr, weighted):
+def compile_model(model, steps, lr, weighted, jit_compile=True):
     model.compile(
         optimizer=keras.optimizers.AdamW(warmup_cosine_schedule(steps, lr), weight_decay=0.01, clipnorm=1.0),
         # Masked MQAR positions carry weight 0; the loss is the mean over query positions.
@@ -242,7 +247,7 @@ def compile_model(model, steps, lr, weighted):
         ),
         weighted_metrics=["accuracy"] if weighted else None,
         metrics=None if weighted else ["accuracy"],
-        jit_compile=True,
+        jit_compile=jit_compile,
     )
 
 
@@ -293,7 +298,7 @@ def run_mqar(contender, setting, lr, seed, args, data, log=log_line):
     keras.utils.clear_session()
     keras.utils.set_random_seed(seed)
     model = qm.build_model(kwargs, v, t, e, num_heads=args.num_heads, seed=seed)
-    compile_model(model, steps, lr, weighted=True)
+    compile_model(model, steps, lr, weighted=True, jit_compile=not getattr(args, "no_jit", False))
     (x_tr, y_tr), (x_te, y_te) = data
     train_ds = _mqar_dataset(x_tr, y_tr, args.batch_size, shuffle_seed=seed)
     test_ds = _mqar_dataset(x_te, y_te, 250)
@@ -319,7 +324,7 @@ def run_lm(contender, lr, seed, args, data, log=log_line):
     keras.utils.set_random_seed(seed)
     t, steps = args.lm_sequence_length, steps_for(args, args.lm_sequence_length)
     model = qm.build_model(kwargs, vocab_size, t, args.lm_width, num_heads=args.num_heads, seed=seed)
-    compile_model(model, steps, lr, weighted=False)
+    compile_model(model, steps, lr, weighted=False, jit_compile=not getattr(args, "no_jit", False))
     train_ds = lm_data.windows(train_ids, t, args.batch_size, shuffle=True, seed=seed).repeat()
     val_ds = lm_data.windows(val_ids, t, args.batch_size).take(args.lm_validation_steps)
     curve, seconds = _fit(

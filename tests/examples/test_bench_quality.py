@@ -143,7 +143,9 @@ def _table_cells(markdown, title):
 )
 def test_quick_run_softmax_recalls_and_resume_reuses_runs(tmp_path, capsys, contenders):
     out = str(tmp_path)
-    extra = ["--contenders", contenders] if contenders else []
+    # make test: softmax alone without XLA (a tiny run's XLA compile is most of its time; every XLA fit
+    # path is tested in tests/training); make test-slow: the quick run as published, with XLA.
+    extra = ["--contenders", contenders, "--no-jit"] if contenders else []
     assert bench.main(["--quick", "--out-dir", out, *extra]) == 0
     with open(tmp_path / "quality_mqar.json") as f:
         results = json.load(f)
@@ -195,6 +197,7 @@ def test_lm_run_reports_bits_per_character(tmp_path):
         "32",
         "--lm-width",
         "32",
+        "--no-jit",
         "--out-dir",
         out,
     ]
