@@ -20,10 +20,9 @@ demo: $(STAMP)
 
 # Two pytest workers (pytest-xdist), one file each at a time: most test time is
 # single-threaded Python and tracing, so two workers use both cores of a small
-# machine. -rs lists every skip with its reason. --no-loadscope-reorder: files go out in
-# the order tests/conftest.py gives them (long files first), not by their number of tests.
+# machine. -rs lists every skip with its reason.
 TEST_WORKERS ?= 2
-PYTEST := TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q -rs --durations=25 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+PYTEST := TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m pytest -q -rs --durations=25 -n $(TEST_WORKERS) --dist loadfile
 
 test: $(STAMP)
 	$(PYTEST) tests

@@ -53,30 +53,14 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
-# The order in which pytest-xdist hands out test files (`make test` runs `--dist loadfile
-# --no-loadscope-reorder`): the folders whose files are few but long (exports, example
-# scripts, training) first, the many short files last, so that both workers finish
-# together. xdist's default hands out files by their number of tests, most first, which
-# left the longest files (one export each) for the end with one worker idle.
-_FOLDER_ORDER = ("examples", "export", "training", "linearize", "models", "contracts", "layers", "ops")
-
-
-def _folder_rank(item):
-    parts = item.nodeid.split("/")
-    folder = parts[1] if len(parts) > 2 and parts[0] == "tests" else ""
-    return _FOLDER_ORDER.index(folder) if folder in _FOLDER_ORDER else len(_FOLDER_ORDER)
-
-
 def pytest_collection_modifyitems(config, items):
-    """Orders test files by folder (`_FOLDER_ORDER`, a stable sort), skips `slow` tests without
-    --runslow, and `tf_only` tests on a backend other than TensorFlow.
+    """Skips `slow` tests without --runslow, and `tf_only` tests on a backend other than TensorFlow.
 
     ``@pytest.mark.tf_only("reason")`` marks a test of something only
     TensorFlow has (a SavedModel, `tf.data`...): under `KERAS_BACKEND=jax` it
     is skipped with ``tf_only: reason``, which `-rs` prints. The reason is
     required: a bare marker is an error, not a silent skip.
     """
-    items.sort(key=_folder_rank)
     runslow = config.getoption("--runslow")
     slow = pytest.mark.skip(reason="slow: run `make test-slow` (pytest --runslow)")
     backend = keras.backend.backend()
