@@ -217,8 +217,11 @@ class KernelUnderflowError(ValueError):
     """Raised (eagerly) where float32 features cannot represent the attention kernel of a row.
 
     A row with at least one real key, nonzero query features and
-    ``|phi(q)| . |z| = 0`` has a kernel that underflowed: every product of
-    its query's and its keys' features is below float32's range, so the
+    ``|phi(q)| . |z| <= 2^-103`` has a kernel that float32 cannot hold: its
+    products sum to less than ``1 / eps32 = 2^23`` times float32's smallest
+    normal number (2^-126), where products are flushed to 0 (CPU and XLA
+    flush subnormals), so a single term lost at that edge moves the output
+    by more than float32's rounding; at 0 every product underflowed. The
     exact ratio ``phi(q)^T S / phi(q)^T z`` cannot be formed. The same
     error is raised by `keras_linattn.layers.LinearAttention` for causal rows
     that attend to a favor_trig key whose amplitude ``exp(|k'|^2/2)`` is past
@@ -265,18 +268,26 @@ def _step_has_keys(z, key_mask_t):
     return ops.logical_or(has_keys, ops.cast(key_mask_t, "bool")[:, None, None])
 
 
+# A row whose kernel magnitude |phi(q)|.|z| is at most this is not representable in float32 (see
+# `KernelUnderflowError`): 2^-126 (the smallest normal float32, below which CPU and XLA flush to 0)
+# over eps32 = 2^-23, so that one flushed term changes the output by more than float32's rounding.
+KERNEL_FLOOR = 2.0**-103
+
+
 def _mark_underflow(out, q, den_abs, has_keys):
     """NaN rows where the kernel underflowed (`KernelUnderflowError`); raises instead when eager."""
-    underflow = ops.logical_and(den_abs <= 0, ops.sum(ops.abs(q), axis=-1, keepdims=True) > 0)  # [..., 1]
+    floor = ops.cast(KERNEL_FLOOR, den_abs.dtype)
+    underflow = ops.logical_and(den_abs <= floor, ops.sum(ops.abs(q), axis=-1, keepdims=True) > 0)  # [..., 1]
     if has_keys is not None:
         underflow = ops.logical_and(underflow, has_keys)
     if _is_eager(underflow):
         count = int(ops.convert_to_numpy(ops.sum(ops.cast(underflow, "int32"))))
         if count:
             raise KernelUnderflowError(
-                f"{count} attention row(s) have real keys but a kernel that underflows float32: every "
-                "product phi(q) . phi(k) is below the float32 range, so the output is not representable "
-                "(it would be 0). Scale the queries/keys down (e.g. a LayerNorm before attention) or use "
+                f"{count} attention row(s) have real keys but a kernel that underflows float32: the "
+                "products phi(q) . phi(k) sum to at most 2^-103, at the edge of float32's range where "
+                "products flush to 0, so the output is not representable (it would be 0 or wrong). Scale "
+                "the queries/keys down (e.g. a LayerNorm before attention) or use "
                 f"a map that stabilizes them. Received: {count} underflowed row(s) of shape {tuple(out.shape)}"
             )
         return out

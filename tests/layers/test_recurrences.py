@@ -674,12 +674,43 @@ def test_gated_tiny_decayed_state_is_not_an_underflow(rng, width):
     expected = _gated_oracle(q, k, v, g, mask)
     out = lops.gated_linear_attention(q, k, v, g, key_mask=mask, chunk_size=4)
     assert_close(out, expected, n=t + C, conditioning=_decay_conditioning(g, 4, mask), what="strong decay")
-    tiny = (np.full((B, H, C, M), 1e-35, "float32"), np.full((B, H, C), 1e-35, "float32"))
+    tiny = (np.full((B, H, C, M), 1e-25, "float32"), np.full((B, H, C), 1e-25, "float32"))
     none = np.zeros((B, t), bool)  # every key padded: only the carried state
     out = np.asarray(lops.gated_linear_attention(q, k, v, g, key_mask=none, chunk_size=4, initial_state=tiny))
-    np.testing.assert_allclose(out, 1.0, rtol=1e-5)  # S / z = 1e-35 / 1e-35 in every row
+    np.testing.assert_allclose(out, 1.0, rtol=1e-5)  # S / z = 1e-25 / 1e-25 in every row
     o, _ = lops.gated_linear_attention_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], tiny, none[:, 0])
     np.testing.assert_allclose(np.asarray(o), 1.0, rtol=1e-5)
+
+
+def test_state_at_the_edge_of_float32_is_flagged(rng):
+    # |phi(q)|.|z| at most 2^-103 (within 1/eps32 of the smallest normal float, where products flush to 0): the
+    # row is reported (eagerly: raised; in a graph: NaN), in the plain and gated forms, parallel and step.
+    # Just above the floor it is the exact ratio.
+    from keras_linattn.ops.core import KERNEL_FLOOR, KernelUnderflowError
+
+    t = 5
+    q, k, v = _features(rng, t)
+    q = np.abs(q) / np.abs(q).sum(-1, keepdims=True)  # sum |phi(q)| = 1: |phi(q)|.|z| = the state's value
+    g = np.full((B, t, H, 1), -1.0, "float32")
+    none = np.zeros((B, t), bool)
+    for value, flagged in ((KERNEL_FLOOR / 2, True), (KERNEL_FLOOR * 4, False)):
+        state = (np.full((B, H, C, M), value, "float32"), np.full((B, H, C), value, "float32"))
+        runs = {
+            "plain": lambda s=state: lops.linear_attention(q, k, v, causal=True, key_mask=none, initial_state=s),
+            "gated": lambda s=state: lops.gated_linear_attention(q, k, v, g, key_mask=none, initial_state=s),
+            "plain step": lambda s=state: lops.linear_attention_step(q[:, 0], k[:, 0], v[:, 0], s, none[:, 0])[0],
+            "gated step": lambda s=state: lops.gated_linear_attention_step(
+                q[:, 0], k[:, 0], v[:, 0], g[:, 0], s, none[:, 0]
+            )[0],
+        }
+        for what, run in runs.items():
+            if flagged:
+                with pytest.raises(KernelUnderflowError, match="2\\^-103"):
+                    run()
+                graph, _ = _modes(run)
+                assert np.isnan(np.asarray(graph())).all(), what
+            else:
+                np.testing.assert_allclose(np.asarray(run()), 1.0, rtol=1e-5, err_msg=what)
 
 
 def test_window_underflow_raises_eagerly_and_is_nan_in_graphs(rng):
