@@ -150,8 +150,12 @@ def table(maps=MAPS, scales=SCALES):
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python -m tests.ops.test_numerics_sweep [MAP ...]
-    print(table(sys.argv[1:] or MAPS))
+if __name__ == "__main__":  # python -m tests.ops.test_numerics_sweep [--scales 1,3,10] [MAP ...]
+    args = sys.argv[1:]
+    scales = SCALES
+    if args[:1] == ["--scales"]:
+        scales, args = tuple(float(x) for x in args[1].split(",")), args[2:]
+    print(table(args or MAPS, scales))
 
 
 def _small_keys_case(rng, causal):
