@@ -364,7 +364,7 @@ def linear_attention(
             or there are none). For non-negative features that is
             ``phi(q).z = 0`` only. A query with no (unmasked) key gets 0; a
             row whose kernel underflowed float32 (real keys, nonzero query
-            features, every product 0) raises `KernelUnderflowError` when
+            features, kernel magnitude at most `KERNEL_FLOOR` = 2^-103) raises `KernelUnderflowError` when
             eager and is NaN in a graph, never a silent 0.
         normalize: if False, return the numerator ``phi(q)^T S`` without the
             denominator (the caller normalizes the output some other way).

@@ -140,7 +140,7 @@ def gated_linear_attention(
         out = _normalize(q, num, den, eps, den_abs)  # [B, H, T, M]
         # The rule of `linear_attention`: a row with a real key (or a carried state) whose every term
         # underflowed raises eagerly, NaN in a graph. The query's latest real key enters its row undecayed
-        # (padded steps do not decay), so decay alone never empties a row: |phi(q)|.|z| = 0 is underflow.
+        # (padded steps do not decay), so decay alone never empties a row: |phi(q)|.|z| <= KERNEL_FLOOR is underflow.
         num_keys = k.shape[2] if k.shape[2] is not None else ops.shape(k)[2]  # T
         out = _mark_underflow(out, q, den_abs, _has_keys(key_mask, True, z0, q, num_keys))
     else:
