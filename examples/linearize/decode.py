@@ -3,11 +3,15 @@
 python -m examples.linearize.decode --teacher-preset DIR --student-preset DIR \
     --results benchmarks/results/linearize_llama.json
 
-Per-token time at a context c is ``(t(c, n1) - t(c, n0)) / (n1 - n0)``
-where ``t(c, n)`` is the median wall time of a greedy generate of n tokens
-after c tokens (for keras-hub: a padded input of c + n1 tokens whose first
-c + n1 - n are the prompt, so both runs have the same prefill). The
-measurements of all contexts are interleaved over the repeats.
+Per-token time at a context c: each repeat times a greedy generate of n0
+and of n1 tokens after c tokens (for keras-hub: a padded input of c + n1
+tokens whose first c + n1 - n are the prompt, so both runs have the same
+prefill) and takes ``(t(c, n1) - t(c, n0)) / (n1 - n0)``; the figure is the
+median over the repeats, with the lowest and highest beside it. The
+measurements of all contexts are interleaved over the repeats. The student
+generates more tokens per run than the teacher (``--new`` vs
+``--teacher-new``): its per-token time is ~100x smaller, and a difference of
+a few ms between two runs would otherwise be noise.
 """
 
 import argparse
@@ -26,11 +30,12 @@ def main(argv=None):
     p.add_argument("--student-preset", required=True)
     p.add_argument("--contexts", default="256,1024,4096,16384")
     p.add_argument("--teacher-contexts", default="4096,16384")
-    p.add_argument("--new", default="8,264", help="n0,n1 generated tokens")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--new", default="8,1032", help="n0,n1 tokens the student generates")
+    p.add_argument("--teacher-new", default="8,264", help="n0,n1 tokens the teacher generates")
+    p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--results", default=None, help="a results JSON whose 'decode' entry is replaced")
     args = p.parse_args(argv)
-    n0, n1 = map(int, args.new.split(","))
+    new = {"student": tuple(map(int, args.new.split(","))), "teacher": tuple(map(int, args.teacher_new.split(",")))}
     teacher = keras_hub.models.CausalLM.from_preset(args.teacher_preset, preprocessor=None)
     student = keras_hub.models.CausalLM.from_preset(args.student_preset, preprocessor=None)
     P.compile_lm(teacher, 1e-3)
@@ -39,13 +44,14 @@ def main(argv=None):
     runs = {}
     for c in map(int, args.contexts.split(",")):
         prompt = rng.integers(2, V, (1, c)).astype("int32")
-        for n in (n0, n1):
+        for n in new["student"]:
             runs[("student", c, n)] = lambda prompt=prompt, c=c, n=n: student.generate(
                 prompt, max_length=c + n, stop_token_ids=None
             )
     for c in map(int, args.teacher_contexts.split(",")):
+        n1 = new["teacher"][1]
         ids = rng.integers(2, V, (1, c + n1)).astype("int32")
-        for n in (n0, n1):
+        for n in new["teacher"]:
             mask = np.zeros_like(ids)
             mask[:, : c + n1 - n] = 1
             runs[("teacher", c, n)] = lambda ids=ids, mask=mask: teacher.generate(
@@ -59,11 +65,25 @@ def main(argv=None):
             start = time.perf_counter()
             fn()
             times[key].append(time.perf_counter() - start)
-    out = {"student_ms_per_token": {}, "teacher_ms_per_token": {}, "new_tokens": [n0, n1], "repeats": args.repeats}
+    out = {
+        "student_ms_per_token": {},
+        "teacher_ms_per_token": {},
+        "range_ms_per_token": {},
+        "new_tokens": {who: list(n) for who, n in new.items()},
+        "repeats": args.repeats,
+    }
     for (who, c, n), ts in times.items():
+        n0, n1 = new[who]
         if n == n1:
-            ms = 1e3 * (np.median(ts) - np.median(times[(who, c, n0)])) / (n1 - n0)
-            out[f"{who}_ms_per_token"][str(c)] = round(float(ms), 3)
+            per_token = 1e3 * (np.asarray(ts) - np.asarray(times[(who, c, n0)])) / (n1 - n0)  # one per repeat
+            out[f"{who}_ms_per_token"][str(c)] = round(float(np.median(per_token)), 4)
+            out["range_ms_per_token"][f"{who} {c}"] = [
+                round(float(per_token.min()), 4),
+                round(float(per_token.max()), 4),
+            ]
+    student = out["student_ms_per_token"]
+    if student:
+        out["student_spread"] = round(max(student.values()) / min(student.values()), 3)
     out["command"] = "python -m examples.linearize.decode " + " ".join(argv or __import__("sys").argv[1:])
     print(json.dumps(out, indent=1))
     if args.results:

@@ -39,10 +39,20 @@ def tables(res):
             "| context | student ms/token | teacher (keras-hub generate) ms/token | ratio |",
             "|---:|---:|---:|---:|",
         ]
+        spans = d.get("range_ms_per_token", {})
+
+        def cell(ms, key):
+            lo_hi = spans.get(key)
+            return f"{ms:.4f}" + ("" if lo_hi is None else f" [{lo_hi[0]:.4f}, {lo_hi[1]:.4f}]")
+
         for c, ms in d["student_ms_per_token"].items():
             t = d["teacher_ms_per_token"].get(c)
+            teacher = "" if t is None else cell(t, f"teacher {c}")
+            out.append(f"| {c} | {cell(ms, f'student {c}')} | {teacher} | {'' if t is None else f'{t / ms:.1f}x'} |")
+        if "student_spread" in d:
             out.append(
-                f"| {c} | {ms:.3f} | {'' if t is None else f'{t:.3f}'} | {'' if t is None else f'{t / ms:.1f}x'} |"
+                f"\nStudent per-token time, highest / lowest median over the contexts: {d['student_spread']:.2f}x "
+                f"(medians of {d['repeats']} repeats; the lowest and highest repeat in brackets)."
             )
     if "export" in res:
         x = res["export"]

@@ -50,6 +50,12 @@ def parse_args(argv=None):
     p.add_argument("--teacher", default=None, help="a keras-hub CausalLM preset (name or directory) instead")
     p.add_argument("--sequence-length", type=int, default=512)
     p.add_argument("--window-size", type=int, default=32)
+    p.add_argument(
+        "--window-gamma",
+        type=float,
+        default=0.9,
+        help="initial weight of the window's softmax terms (LoLCATs: 0.1; 0.9 measured better here, docs/linearize.md)",
+    )
     p.add_argument("--hidden-dim", type=int, default=64)
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--num-heads", type=int, default=2)
@@ -71,6 +77,12 @@ def parse_args(argv=None):
     p.add_argument("--results", default=None, help="JSON path (default benchmarks/results/linearize_<family>.json)")
     p.add_argument("--log", default=None, help="also append progress lines to this file")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--reuse-teacher",
+        action="store_true",
+        help="load the teacher preset a previous run with the same teacher settings saved (its results JSON "
+        "names it) instead of training it again",
+    )
     args = p.parse_args(argv)
     unknown = set(filter(None, args.skip.split(","))) - set(STAGES)
     if unknown:
@@ -119,7 +131,18 @@ def run(args):
     train_text, val_text = text[: int(0.95 * len(text))], text[int(0.95 * len(text)) :]
     lin_kw = dict(sequence_length=T, batch_size=args.linearize_batch_size)
 
-    if args.teacher is None:
+    previous = _reusable_teacher(args, results_path) if args.reuse_teacher else None
+    if args.teacher is None and previous is not None:
+        vocab = CharVocabulary.from_text(train_text)
+        ids, val_ids = vocab.encode(train_text), vocab.encode(val_text)
+        V, chars_per_token = vocab.size, 1.0
+        teacher = keras_hub.models.CausalLM.from_preset(previous["teacher_preset"], preprocessor=None)
+        teacher_tokens = previous["teacher_tokens"]
+        for key in ("teacher_preset", "teacher_train_seconds"):
+            res[key] = previous[key]
+        res["teacher_reused_from"] = previous["command"]
+        log(f"teacher {args.family}: reused {previous['teacher_preset']} ({teacher_tokens} tokens)")
+    elif args.teacher is None:
         vocab = CharVocabulary.from_text(train_text)
         ids, val_ids = vocab.encode(train_text), vocab.encode(val_text)
         V, chars_per_token = vocab.size, 1.0
@@ -172,7 +195,7 @@ def run(args):
     log(f"exactness (window {T} at T={T}): max abs {abs_err:.3g}, rel {rel_err:.3g}")
     del exact
 
-    student = keras_linattn.linearize(teacher, window_size=W)
+    student = keras_linattn.linearize(teacher, window_size=W, window_gamma=args.window_gamma)
     row(f"linearized (hedgehog + window {W}), weights copied", bpc(student), tokens=0)
     window_only = P.window_only(teacher, W)
     row(f"control: sliding-window softmax alone (window {W}, linear part 0)", bpc(window_only), tokens=0)
@@ -287,6 +310,7 @@ def run(args):
                 seed=args.seed + 1,
             ),
             window_size=W,
+            window_gamma=args.window_gamma,
         )
         s_tokens = P.train(
             scratch,
@@ -300,6 +324,36 @@ def run(args):
         row("control: the same linear model trained from scratch (teacher's tokens)", bpc(scratch), tokens=s_tokens)
     log("done")
     return res
+
+
+_TEACHER_SETTINGS = (
+    "family",
+    "sequence_length",
+    "hidden_dim",
+    "num_layers",
+    "num_heads",
+    "teacher_steps",
+    "batch_size",
+    "teacher_lr",
+    "max_chars",
+    "seed",
+)
+
+
+def _reusable_teacher(args, results_path):
+    """The previous results of `results_path` if they trained this teacher and its preset exists, else None."""
+    try:
+        with open(results_path) as f:
+            previous = json.load(f)
+    except (OSError, ValueError):
+        return None
+    config = previous.get("config", {})
+    same = all(config.get(k) == getattr(args, k) for k in _TEACHER_SETTINGS) and config.get("teacher") is None
+    preset = previous.get("teacher_preset")
+    if not same or not preset or not os.path.isdir(preset) or not previous.get("teacher_tokens"):
+        print(f"--reuse-teacher: no reusable teacher in {results_path}; training one", flush=True)
+        return None
+    return previous
 
 
 def main(argv=None):
