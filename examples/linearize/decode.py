@@ -24,6 +24,17 @@ import numpy as np
 from examples.linearize import pipeline as P
 
 
+def per_token_ms(times_n0, times_n1, n0, n1):
+    """``(median, lowest, highest)`` ms per token from paired wall times (s) of n0- and n1-token runs."""
+    if len(times_n0) != len(times_n1) or not times_n0 or n1 <= n0:
+        raise ValueError(
+            "per_token_ms takes one n0 and one n1 time per repeat, with n1 > n0. "
+            f"Received: {len(times_n0)} and {len(times_n1)} times, n0={n0}, n1={n1}"
+        )
+    per_token = 1e3 * (np.asarray(times_n1, "float64") - np.asarray(times_n0, "float64")) / (n1 - n0)
+    return float(np.median(per_token)), float(per_token.min()), float(per_token.max())
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--teacher-preset", required=True)
@@ -75,12 +86,9 @@ def main(argv=None):
     for (who, c, n), ts in times.items():
         n0, n1 = new[who]
         if n == n1:
-            per_token = 1e3 * (np.asarray(ts) - np.asarray(times[(who, c, n0)])) / (n1 - n0)  # one per repeat
-            out[f"{who}_ms_per_token"][str(c)] = round(float(np.median(per_token)), 4)
-            out["range_ms_per_token"][f"{who} {c}"] = [
-                round(float(per_token.min()), 4),
-                round(float(per_token.max()), 4),
-            ]
+            median, lowest, highest = per_token_ms(times[(who, c, n0)], ts, n0, n1)
+            out[f"{who}_ms_per_token"][str(c)] = round(median, 4)
+            out["range_ms_per_token"][f"{who} {c}"] = [round(lowest, 4), round(highest, 4)]
     student = out["student_ms_per_token"]
     if student:
         out["student_spread"] = round(max(student.values()) / min(student.values()), 3)

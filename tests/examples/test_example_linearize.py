@@ -101,6 +101,44 @@ def test_run_help_and_bad_skip(capsys):
     assert "--student-preset" in capsys.readouterr().out
 
 
+def test_decode_per_token_time_is_the_median_of_paired_differences():
+    from examples.linearize import decode
+
+    n0, n1 = 8, 1032
+    t0 = [0.50, 0.52, 0.70]  # the third n0 run hit a hiccup
+    t1 = [0.54, 0.57, 0.56]
+    per_token = sorted(1e3 * (b - a) / (n1 - n0) for a, b in zip(t0, t1, strict=True))
+    median, lowest, highest = decode.per_token_ms(t0, t1, n0, n1)
+    np.testing.assert_allclose([median, lowest, highest], [per_token[1], per_token[0], per_token[2]], rtol=1e-12)
+    with pytest.raises(ValueError, match="n1 > n0"):
+        decode.per_token_ms([0.1], [0.2], 8, 8)
+    with pytest.raises(ValueError, match="one n0 and one n1 time per repeat"):
+        decode.per_token_ms([0.1, 0.2], [0.2], 8, 16)
+
+
+def test_reuse_teacher_takes_a_previous_run_only_with_the_same_teacher(tmp_path):
+    from examples.linearize import run
+
+    def args(*extra):
+        return run.parse_args(["--family", "llama", "--teacher-steps", "7", "--reuse-teacher", *extra])
+
+    preset = tmp_path / "preset"
+    preset.mkdir()
+    results = str(tmp_path / "r.json")
+    assert run._reusable_teacher(args(), results) is None  # no previous run
+    config = {k: v for k, v in vars(args()).items() if k not in ("log", "results")}
+    previous = {"config": config, "teacher_preset": str(preset), "teacher_tokens": 123}
+    with open(results, "w") as f:
+        json.dump(previous, f)
+    assert run._reusable_teacher(args(), results)["teacher_tokens"] == 123
+    # Another transfer setting does not matter; another teacher setting does, and so does a missing preset.
+    assert run._reusable_teacher(args("--transfer-steps", "3"), results) is not None
+    assert run._reusable_teacher(args("--teacher-steps", "8"), results) is None
+    assert run._reusable_teacher(args("--family", "gpt2"), results) is None
+    preset.rmdir()
+    assert run._reusable_teacher(args(), results) is None
+
+
 @pytest.mark.slow
 def test_whole_example_runs_and_exports_the_same_tokens(tmp_path):
     from examples.linearize import run
