@@ -107,8 +107,9 @@ def _write_out(archive, export_dir, verbose=False):
     outside (the context's variable policy is part of TensorFlow's cache
     key). Listing the variables inside the same kind of save context lets
     the save reuse that trace (the limited test LM: 3.55 -> 2.43 s an
-    export; same graphs). Where those internals are missing (another Keras
-    or TensorFlow), or a save is already in progress, it writes out as is.
+    export; same graphs). On another backend, where those internals are
+    missing (another Keras or TensorFlow), or while a save is in progress, it
+    writes out as is.
     """
     import tensorflow as tf
 
@@ -118,7 +119,8 @@ def _write_out(archive, export_dir, verbose=False):
         from tensorflow.python.saved_model import save_context
     except ImportError:  # pragma: no cover - other TensorFlow layouts
         save_context = None
-    if track is None or save_context is None or save_context.in_save_context():
+    tensorflow_backend = keras.backend.backend() == "tensorflow"
+    if not tensorflow_backend or track is None or save_context is None or save_context.in_save_context():
         archive.write_out(export_dir, options=options, verbose=verbose)
         return
     with save_context.save_context(options):
