@@ -41,7 +41,7 @@ test-onednn-off: $(STAMP)
 
 # Tests run a second time on the JAX backend (run by .ci/run): the files marked
 # `pytest.mark.jax`. `make test` already compares TensorFlow with JAX in
-# subprocesses (tests/contracts/test_jax_backend.py, tests/export/test_generate_parity.py).
+# one subprocess (tests/contracts/test_jax_backend.py: the layers, the LM and its generate).
 # Gradients go through tests/_backend.py (tape on TensorFlow,
 # jax.value_and_grad on JAX); tests/conftest.py turns on JAX's 64-bit mode so
 # that the float64 oracles are float64. -rsx prints every skip (tf_only) and

@@ -204,3 +204,36 @@ def limited_export():
     check_same_weights(model, os.path.join(root, "limited.npz"))
     version_dir, paths = _limited_paths(root)
     return model, version_dir, paths
+
+
+def _build_limited_cli_export(root):
+    """`keras-linattn export limited.keras --out <root>/exported --name lm --format saved_model`.
+
+    What the command printed goes to ``<root>/export.log``.
+    """
+    import contextlib
+    import io
+
+    from keras_linattn import cli
+
+    keras_file = os.path.join(limited_export_root(), "limited.keras")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        args = ["export", keras_file, "--out", os.path.join(root, "exported"), "--name", "lm"]
+        code = cli.main(args + ["--format", "saved_model"])
+    with open(os.path.join(root, "export.log"), "w") as f:
+        f.write(printed.getvalue())
+    assert code == 0, printed.getvalue()
+
+
+def limited_cli_export():
+    """`keras-linattn export` of ``limited.keras`` (`limited_export_root`), SavedModel only, built once per run.
+
+    Returns ``(out, printed)``: the ``--out`` folder (read only) and what the export command printed.
+    Read by tests/export/test_verify.py (the CLI's verify of a model with a position limit) and
+    tests/export/test_cli.py (export then verify of an LM's step and generate signatures).
+    """
+    root = shared_dir("limited_cli_export", _build_limited_cli_export)
+    with open(os.path.join(root, "export.log")) as f:
+        printed = f.read()
+    return os.path.join(root, "exported"), printed

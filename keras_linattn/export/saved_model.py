@@ -98,6 +98,37 @@ def _build_archive(specs, include_generate=True):
     return archive
 
 
+def _write_out(archive, export_dir, verbose=False):
+    """``archive.write_out(export_dir)``, with each endpoint traced once instead of twice.
+
+    `ExportArchive.write_out` first lists the variables each endpoint uses
+    (tracing it), then calls `tf.saved_model.save`, which traces it again: a
+    function traced inside a save context is cached apart from one traced
+    outside (the context's variable policy is part of TensorFlow's cache
+    key). Listing the variables inside the same kind of save context lets
+    the save reuse that trace (the limited test LM: 3.55 -> 2.43 s an
+    export; same graphs). On another backend, where those internals are
+    missing (another Keras or TensorFlow), or while a save is in progress, it
+    writes out as is.
+    """
+    import tensorflow as tf
+
+    options = tf.saved_model.SaveOptions()
+    track = getattr(archive, "_filter_and_track_resources", None)
+    try:
+        from tensorflow.python.saved_model import save_context
+    except ImportError:  # pragma: no cover - other TensorFlow layouts
+        save_context = None
+    tensorflow_backend = keras.backend.backend() == "tensorflow"
+    if not tensorflow_backend or track is None or save_context is None or save_context.in_save_context():
+        archive.write_out(export_dir, options=options, verbose=verbose)
+        return
+    with save_context.save_context(options):
+        track()
+    archive._filter_and_track_resources = lambda: None  # done above; `write_out` would trace again
+    archive.write_out(export_dir, options=options, verbose=verbose)
+
+
 def export_saved_model(
     model,
     base_dir,
@@ -169,7 +200,7 @@ def export_saved_model(
         with _atomic.staging_dir(base_dir) as tmp_dir:  # also removes what killed exports left
             export_dir = os.path.join(tmp_dir, "export")
             archive = _build_archive(specs, include_generate=include_generate)
-            archive.write_out(export_dir, verbose=verbose)
+            _write_out(archive, export_dir, verbose=verbose)
             _atomic.fault_point("saved_model:written")
             extra = os.path.join(export_dir, "assets.extra")
             os.makedirs(extra, exist_ok=True)

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from keras_linattn import cli, export
-from tests.export.test_export import DIM, encoder, encoder_tolerance, tiny_lm
+from tests import _shared_exports
+from tests.export.test_export import DIM, encoder, encoder_tolerance
 from tests.tolerance import assert_close
 
 
@@ -60,14 +61,12 @@ def test_export_then_verify_encoder(tmp_path, encoder_file, capsys, rng):
     assert sorted(os.listdir(out / name)) == ["1", "2"]
 
 
-def test_export_lm_saved_model_and_verify(tmp_path, capsys):
-    model = tiny_lm()
-    path = tmp_path / "lm.keras"
-    model.save(path)
-    out = tmp_path / "exported"
-    assert cli.main(["export", str(path), "--out", str(out), "--name", "lm", "--format", "saved_model"]) == 0
-    text = capsys.readouterr().out
-    assert "serving_default,step,generate,generate_sampled" in text
+def test_export_lm_saved_model_and_verify(capsys):
+    # `keras-linattn export <LM>.keras --format saved_model`, run once per pytest run and shared with
+    # tests/export/test_verify.py (tests/_shared_exports.py): the limited LM, one block, elu.
+    out, printed = _shared_exports.limited_cli_export()
+    assert "serving_default,step,generate,generate_sampled" in printed, printed
+    capsys.readouterr()
     assert cli.main(["verify", str(out), "--name", "lm", "--shapes", "2x6"]) == 0
     text = capsys.readouterr().out
     assert "step:logits" in text and "generate:output_ids" in text and "checks passed" in text

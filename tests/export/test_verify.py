@@ -40,13 +40,10 @@ def limited_export():
 
 
 @pytest.fixture(scope="module")
-def limited_cli_export(tmp_path_factory):
-    """`keras-linattn export limited.keras --format saved_model`, once for the module's CLI tests (read only)."""
-    from keras_linattn import cli
-
-    out = tmp_path_factory.mktemp("limited_cli") / "exported"
-    keras_file = os.path.join(_shared_exports.limited_export_root(), "limited.keras")
-    assert cli.main(["export", keras_file, "--out", str(out), "--name", "lm", "--format", "saved_model"]) == 0
+def limited_cli_export():
+    """`keras-linattn export limited.keras --format saved_model`, once per run (read only; shared with
+    tests/export/test_cli.py): the ``--out`` folder."""
+    out, _ = _shared_exports.limited_cli_export()
     return out
 
 
