@@ -107,7 +107,9 @@ def soak(feature_map, steps=2000, policy="mixed_bfloat16", seed=0):
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             jit_compile=True,
         )
-        loss_before = float(model.evaluate(held_out[:, :-1], held_out[:, 1:], batch_size=64, verbose=0))
+        loss_before = float(
+            model.evaluate(held_out[:, :-1], held_out[:, 1:], batch_size=64, verbose=0, return_dict=True)["loss"]
+        )
         watch = _Watch()
         callbacks = [watch]
         redraw = None
@@ -117,7 +119,9 @@ def soak(feature_map, steps=2000, policy="mixed_bfloat16", seed=0):
         t0 = time.perf_counter()
         model.fit(dataset, epochs=steps // BLOCK, steps_per_epoch=BLOCK, callbacks=callbacks, verbose=0)
         seconds = time.perf_counter() - t0
-        loss_after = float(model.evaluate(held_out[:, :-1], held_out[:, 1:], batch_size=64, verbose=0))
+        loss_after = float(
+            model.evaluate(held_out[:, :-1], held_out[:, 1:], batch_size=64, verbose=0, return_dict=True)["loss"]
+        )
         weights_finite = all(np.isfinite(np.asarray(w, dtype="float32")).all() for w in model.weights)
         return {
             "feature_map": feature_map,

@@ -57,8 +57,11 @@ def test_quick_start_runs(capsys):
 
 @pytest.mark.slow
 def test_export_snippet_runs(tmp_path, monkeypatch, capsys):
-    quick_start, export_snippet = _python_blocks()[:2]
-    assert "export_saved_model" in export_snippet
+    blocks = _python_blocks()
+    quick_start = blocks[0]
+    exports = [block for block in blocks if "export_saved_model" in block]
+    assert len(exports) == 1, "one README block exports the quick start's model"
+    export_snippet = exports[0]
     monkeypatch.chdir(tmp_path)
     namespace = {}
     exec(compile(quick_start, "README.md (quick start)", "exec"), namespace)
