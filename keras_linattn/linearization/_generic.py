@@ -80,6 +80,9 @@ def _fresh_feature_map(feature_map):
 
 class _Converter:
     def __init__(self, feature_map, window_size, attention_kwargs):
+        attention_kwargs = dict(attention_kwargs)
+        # `dtype` is the student's policy: every rebuilt layer's, not the attention's alone.
+        self.dtype = attention_kwargs.pop("dtype", None)
         self.feature_map = feature_map
         self.window_size = window_size
         self.attention_kwargs = attention_kwargs
@@ -90,7 +93,10 @@ class _Converter:
         if is_softmax_attention(layer):
             _check_attention_config(layer)
             return layer  # a placeholder: `call_function` builds its replacement
-        new = layer.__class__.from_config(layer.get_config())
+        config = layer.get_config()
+        if self.dtype is not None and "dtype" in config and not isinstance(layer, keras.layers.InputLayer):
+            config["dtype"] = self.dtype
+        new = layer.__class__.from_config(config)
         if isinstance(layer, keras.layers.Layer):  # not a bare operation (e.g. `x + y` in the graph)
             self.rebuilt.append((layer, new))
         return new
@@ -154,7 +160,7 @@ class _Converter:
         return LinearAttention(
             feature_map=_fresh_feature_map(self.feature_map),
             name=layer.name,
-            dtype=layer.dtype_policy,
+            dtype=layer.dtype_policy if self.dtype is None else self.dtype,
             trainable=layer.trainable,
             **kwargs,
             **mechanism,
@@ -176,6 +182,17 @@ class _Converter:
                     w_target.assign(w_source)
 
 
+def _nested_attention(model):
+    """``[(layer of the graph, MultiHeadAttention inside it)]``: attention no graph node exposes."""
+    found = []
+    for layer in model.layers:
+        if isinstance(layer, keras.Model) and hasattr(layer, "outputs"):  # a nested functional model
+            found.extend(_nested_attention(layer))
+        elif not is_softmax_attention(layer):
+            found.extend((layer, inner) for inner in walk_layers(layer)[1:] if is_softmax_attention(inner))
+    return found
+
+
 def linearize_functional(teacher, feature_map, window_size, attention_kwargs):
     """`keras_linattn.linearize` for a functional or Sequential model (see the module docstring)."""
     converter = _Converter(feature_map, window_size, attention_kwargs)
@@ -186,6 +203,19 @@ def linearize_functional(teacher, feature_map, window_size, attention_kwargs):
         teacher, clone_function=converter.clone_function, call_function=call_function, recursive=True
     )
     if not converter.attention:
+        nested = _nested_attention(teacher)
+        if nested:
+            found = ", ".join(
+                f"{outer.name!r} ({type(outer).__name__}) holds {inner.name!r} ({type(inner).__name__})"
+                for outer, inner in nested
+            )
+            raise ValueError(
+                "The model calls no keras.layers.MultiHeadAttention in its functional graph; its attention sits "
+                f"inside other layers, which `linearize` cannot rewire: {found}. Supported: MultiHeadAttention "
+                "layers called as nodes of a functional model, and keras-hub GPT-2 / Llama CausalLM or Backbone "
+                "models (rebuild the model from MultiHeadAttention layers, or use one of those). "
+                f"Received: teacher={teacher.name!r}"
+            )
         raise ValueError(
             "The model has no keras.layers.MultiHeadAttention in its graph to linearize. "
             f"Received: teacher={teacher.name!r}"

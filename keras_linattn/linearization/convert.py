@@ -93,14 +93,18 @@ def linearize(teacher, *, feature_map="hedgehog", window_size=64, **attention_kw
             ``chunk_size``, ``conv_size``, ``epsilon``). With a window,
             ``window_gamma`` defaults to LoLCATs' 0.1 (the learnable
             per-head weight of the softmax terms; it cancels when the window
-            covers the sequence).
+            covers the sequence). ``dtype=`` is the student's dtype policy
+            (every rebuilt layer's, e.g. ``"mixed_bfloat16"``); by default
+            each layer keeps its teacher layer's.
 
     Returns:
         A new Keras model of the teacher's kind.
 
     Raises:
         TypeError: for a teacher no adapter supports (e.g. a subclassed model).
-        ValueError: for a model without MultiHeadAttention, attention this
+        ValueError: for a model without MultiHeadAttention (attention held
+            inside another layer, e.g. keras-hub's `TransformerDecoder`, is
+            named with what is supported), attention this
             layer cannot reproduce (an ``attention_mask``, attention scores
             returned, ``attention_axes`` other than the sequence,
             ``use_gate``, ``sliding_window``), or a window on non-causal

@@ -80,7 +80,7 @@ def _family(backbone):
     )
 
 
-def _gpt2_config(config):
+def _gpt2_config(config, backbone):
     return dict(
         vocabulary_size=config["vocabulary_size"],
         num_layers=config["num_layers"],
@@ -95,7 +95,7 @@ def _gpt2_config(config):
     )
 
 
-def _llama_config(config):
+def _llama_config(config, backbone):
     if config.get("rope_frequency_adjustment_factor") is not None:
         raise TypeError(
             "Llama 3.1-style RoPE frequency adjustment (rope_frequency_adjustment_factor) is not supported yet. "
@@ -110,7 +110,9 @@ def _llama_config(config):
         intermediate_dim=config["intermediate_dim"],
         dropout=config.get("dropout", 0.0),
         max_sequence_length=None,
-        tie_embeddings=config.get("tie_word_embeddings", False),
+        # keras-hub's Llama `get_config` omits `tie_word_embeddings` (Llama 3.2 ties them): the embedding
+        # layer knows.
+        tie_embeddings=bool(config.get("tie_word_embeddings", backbone.token_embedding.tie_weights)),
         activation="silu",
         layer_norm_epsilon=config.get("layer_norm_epsilon", 1e-6),
         normalization="rms_norm",
@@ -236,7 +238,9 @@ def linearize_keras_hub(teacher, *, feature_map="hedgehog", window_size=64, **at
     attention (`feature_map`, a softmax window of `window_size` tokens and
     `attention_kwargs`) in each attention slot. A `CausalLM` teacher gives a
     `LinearCausalLM` whose preprocessor is a `LinearCausalLMPreprocessor`
-    over the teacher's tokenizer. The teacher is not changed.
+    over the teacher's tokenizer. The teacher is not changed. A ``dtype``
+    in `attention_kwargs` is the student's dtype policy (default: the
+    teacher's).
 
     Raises:
         TypeError: for a keras-hub family that is not supported (named,
@@ -253,10 +257,11 @@ def linearize_keras_hub(teacher, *, feature_map="hedgehog", window_size=64, **at
     else:
         family = _family(backbone)
         make_config, copy_weights = _ADAPTERS[family]
-        config = make_config(backbone.get_config())
-        config.update(attention_kwargs)
+        config = make_config(backbone.get_config(), backbone)
+        config["dtype"] = backbone.dtype_policy.name
+        config.update(attention_kwargs)  # a `dtype` there is the student's policy
         config.setdefault("window_size", window_size)
-        student = LinearBackbone(feature_map=feature_map, dtype=backbone.dtype_policy.name, **config)
+        student = LinearBackbone(feature_map=feature_map, **config)
         copier = _Copier(backbone)
         copy_weights(copier, student)
         copier.check_all_used()

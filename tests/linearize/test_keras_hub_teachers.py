@@ -138,3 +138,28 @@ def test_own_lm_is_relinearized_with_another_attention():
         np.asarray(student.backbone.decoder_blocks[1]._ffn_output.kernel),
         np.asarray(teacher.backbone.decoder_blocks[1]._ffn_output.kernel),
     )
+
+
+def test_llama_with_tied_embeddings_gives_the_teachers_logits():
+    """Llama 3.2's own config ties the embeddings; keras-hub's `get_config` omits the flag."""
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=60,
+        num_layers=2,
+        num_query_heads=4,
+        num_key_value_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        tie_word_embeddings=True,
+    )
+    teacher = keras_hub.models.LlamaCausalLM(backbone, preprocessor=None)
+    student = keras_linattn.linearize(teacher, window_size=T)
+    assert student.backbone.tie_embeddings
+    ids = _ids(60)
+    assert_close(np.asarray(student(ids)), _teacher_logits(teacher, ids), paths=8, n=32)
+
+
+def test_hub_teacher_dtype_argument_sets_the_students_policy():
+    student = keras_linattn.linearize(_gpt2(), window_size=T, dtype="mixed_bfloat16")
+    assert student.backbone.dtype_policy.name == "mixed_bfloat16"
+    assert student.backbone.decoder_blocks[0].attention.dtype_policy.name == "mixed_bfloat16"

@@ -165,3 +165,25 @@ def test_linearized_model_saves_and_loads_as_itself(tmp_path):
     x = data(2)
     # The same float32 computation on the same weights: identical.
     np.testing.assert_array_equal(np.asarray(loaded(x)), np.asarray(student(x)))
+
+
+def test_dtype_argument_sets_the_students_policy():
+    """``linearize(..., dtype=...)`` is the student's dtype policy (it was passed twice to each attention)."""
+    teacher, _ = causal_teacher()
+    student = keras_linattn.linearize(teacher, window_size=T, dtype="mixed_float16")
+    policies = {layer.name: layer.dtype_policy.name for layer in student.layers if layer.weights}
+    assert set(policies.values()) == {"mixed_float16"}, policies
+    x = data(4)
+    # The teacher's function (W >= T), computed in float16.
+    assert_close(student(x), teacher(x), n=FEATURES + 2 * _ATTENTION_N + DIM, paths=2, dtype="float16")
+
+
+def test_attention_nested_in_a_layer_is_named_with_what_is_supported():
+    """A functional model around keras-hub's TransformerDecoder: its attention sits inside the layer."""
+    keras_hub = pytest.importorskip("keras_hub")
+    ids = keras.Input((T,), dtype="int32")
+    hidden = keras.layers.Embedding(50, DIM)(ids)
+    hidden = keras_hub.layers.TransformerDecoder(32, HEADS, name="decoder")(hidden)
+    teacher = keras.Model(ids, keras.layers.Dense(50)(hidden))
+    with pytest.raises(ValueError, match=r"decoder.*TransformerDecoder.*CachedMultiHeadAttention.*Supported"):
+        keras_linattn.linearize(teacher, window_size=T)
