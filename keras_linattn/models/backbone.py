@@ -11,7 +11,7 @@ from keras_linattn._tracking import CheckpointTracked
 from keras_linattn.layers.linear_attention import _get_map, _serialize_map
 from keras_linattn.layers.transformer import _make_norm
 from keras_linattn.layers.transformer_decoder import LinearTransformerDecoder
-from keras_linattn.models import generation
+from keras_linattn.models import _presets, generation
 from keras_linattn.recurrences.config import MECHANISM_ARGS_DOC, AttentionConfig
 
 __all__ = ["LinearBackbone"]
@@ -124,6 +124,7 @@ class _DecoderStack(CheckpointTracked, keras.layers.Layer):
         normalization="layer_norm",
         feedforward="dense",
         use_bias=True,
+        lora=None,
         **kwargs,
     ):
         attention_config = AttentionConfig.pop(kwargs, feature_map=feature_map)
@@ -205,6 +206,13 @@ class _DecoderStack(CheckpointTracked, keras.layers.Layer):
         ]
         self.final_norm = _make_norm(normalization, layer_norm_epsilon, self.dtype_policy, "final_layer_norm")
         self.build(None)
+        # LoRA adapters (`keras_linattn.linearization.enable_lora` sets these
+        # and `get_config` records them, so that saved copies keep them).
+        self.lora_rank = self.lora_alpha = None
+        if lora is not None:
+            from keras_linattn.linearization import lora as lora_lib
+
+            lora_lib.restore_lora(self, lora)
 
     def build(self, input_shape=None, padding_mask_shape=None):
         # Built in __init__ (the input shape never changes the weights); a
@@ -458,7 +466,30 @@ class _DecoderStack(CheckpointTracked, keras.layers.Layer):
                 **self.attention_config.get_config(),
             }
         )
+        from keras_linattn.linearization import lora as lora_lib
+
+        lora = lora_lib.lora_config(self)
+        if lora is not None:  # only then: configs without adapters are unchanged
+            config["lora"] = lora
         return config
+
+
+def _layout_patterns(model, data):
+    """``{path regex: axes}`` of `LinearBackbone.get_layout_map` (mesh axis names `model`, `data`).
+
+    Each regex starts with ``.*``: `LayoutMap` matches with `re.fullmatch`,
+    and a backbone's paths start with its stack's name (``decoder_stack/``).
+    """
+    block = r".*decoder_block_\d+"
+    return {
+        r".*token_embedding/embeddings": (model, data),
+        r".*token_embedding/reverse_embeddings": (data, model),
+        r".*position_embedding/embeddings": (None, data),
+        block + r"/self_attention/(query|key|value)/kernel": (data, model, None),
+        block + r"/self_attention/attention_output/kernel": (model, None, data),
+        block + r"/feedforward_(intermediate|gate)_dense/kernel": (data, model),
+        block + r"/feedforward_output_dense/kernel": (model, data),
+    }
 
 
 @keras.saving.register_keras_serializable(package="keras_linattn")
@@ -566,6 +597,88 @@ class LinearBackbone(keras_hub.models.Backbone):
     def call(self, inputs, padding_mask=None, training=None):
         token_ids, padding_mask = _unpack_inputs(inputs, padding_mask)
         return self.stack(token_ids, padding_mask=padding_mask, training=training)
+
+    # Presets: stale weight files removed and a sha256 manifest written at save, checked at load
+    # (`keras_linattn.models._presets`).
+    def save_to_preset(self, preset_dir, max_shard_size=10):
+        with _presets.saving(preset_dir):
+            super().save_to_preset(preset_dir, max_shard_size=max_shard_size)
+
+    @classmethod
+    def from_preset(cls, preset, load_weights=True, **kwargs):
+        with _presets.loading(preset):
+            return super().from_preset(preset, load_weights=load_weights, **kwargs)
+
+    def load_weights(self, filepath, *args, **kwargs):
+        _presets.verify_weights_path(filepath)
+        super().load_weights(filepath, *args, **kwargs)
+        _presets.check_weights_consumed(self, filepath)
+
+    @staticmethod
+    def get_layout_map(device_mesh, model_parallel_dim_name="model", data_parallel_dim_name="batch"):
+        """A `keras.distribution.LayoutMap` sharding the backbone's kernels, for `ModelParallel` (JAX).
+
+        keras-hub's convention (`LlamaBackbone.get_layout_map`), with the
+        Megatron split: attention is sharded by heads and the feed-forward
+        by its intermediate units over the model axis, so each device
+        computes whole heads; the other dimension of each kernel is sharded
+        over the data axis (FSDP-style). Variable paths of this backbone
+        (``decoder_stack/...``; the same inside a `LinearCausalLM`):
+
+            token_embedding/embeddings            [V, d]      (model, data)
+            token_embedding/reverse_embeddings    [d, V]      (data, model)   untied only
+            position_embedding/embeddings         [L, d]      (None, data)    max_sequence_length only
+            decoder_block_i/self_attention/
+                query|key|value/kernel            [d, H, D]   (data, model, None)
+                attention_output/kernel           [H, D, d]   (model, None, data)
+            decoder_block_i/
+                feedforward_intermediate_dense/kernel, feedforward_gate_dense/kernel
+                                                  [d, F]      (data, model)
+                feedforward_output_dense/kernel   [F, d]      (model, data)
+
+        Everything else (biases, norms, feature-map and recurrence weights,
+        LoRA factors) is replicated. `LayoutMap` matches a path with
+        `re.fullmatch`, so each pattern starts with ``.*``. A sharded
+        dimension must be divisible by the size of its mesh axis (e.g.
+        `num_heads` and `intermediate_dim` by the model axis).
+
+        Example (2 devices, e.g. ``XLA_FLAGS=--xla_force_host_platform_device_count=2``):
+
+        ```python
+        mesh = keras.distribution.DeviceMesh((1, 2), ("batch", "model"), keras.distribution.list_devices())
+        layout_map = LinearBackbone.get_layout_map(mesh)
+        keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
+        lm = LinearCausalLM(vocabulary_size=256, num_layers=2, hidden_dim=64, num_heads=4, intermediate_dim=128)
+        ```
+
+        Args:
+            device_mesh: a `keras.distribution.DeviceMesh`.
+            model_parallel_dim_name: the mesh axis the heads and feed-forward
+                units are sharded over.
+            data_parallel_dim_name: the mesh axis of the data (the batch).
+
+        Returns:
+            `keras.distribution.LayoutMap`.
+        """
+        if not isinstance(device_mesh, keras.distribution.DeviceMesh):
+            raise ValueError(
+                "`device_mesh` must be a `keras.distribution.DeviceMesh`. "
+                f"Received: device_mesh={type(device_mesh).__name__}"
+            )
+        for arg, name in (
+            ("model_parallel_dim_name", model_parallel_dim_name),
+            ("data_parallel_dim_name", data_parallel_dim_name),
+        ):
+            if name not in device_mesh.axis_names:
+                raise ValueError(
+                    f"`{arg}` must be an axis of the device mesh {list(device_mesh.axis_names)}. "
+                    f"Received: {arg}={name!r}"
+                )
+        model, data = model_parallel_dim_name, data_parallel_dim_name
+        layout_map = keras.distribution.LayoutMap(device_mesh)
+        for pattern, axes in _layout_patterns(model, data).items():
+            layout_map[pattern] = axes
+        return layout_map
 
     # The settings, layers and state methods are the stack's.
     for _name in (

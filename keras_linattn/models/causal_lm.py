@@ -9,7 +9,7 @@ from keras_linattn import _validation
 from keras_linattn import samplers as samplers_lib
 from keras_linattn._docstrings import fill
 from keras_linattn._tracking import CheckpointTracked
-from keras_linattn.models import generation
+from keras_linattn.models import _presets, generation
 from keras_linattn.models.backbone import LinearBackbone, _unpack_inputs
 from keras_linattn.models.preprocessor import LinearCausalLMPreprocessor
 from keras_linattn.recurrences.config import MECHANISM_ARGS_DOC
@@ -69,6 +69,15 @@ class _HubSampler:
         return f"_HubSampler({type(self.sampler).__name__}@{id(self.sampler):x})"
 
 
+# Samplers whose ids are in [0, V) for finite logits (an invalid id can only mean non-finite logits).
+_BUILT_IN_SAMPLERS = (
+    samplers_lib.GreedySampler,
+    samplers_lib.RandomSampler,
+    samplers_lib.TopKSampler,
+    samplers_lib.TopPSampler,
+)
+
+
 def _get_sampler(sampler):
     """A `keras_linattn.samplers.Sampler`, or a keras-hub `Sampler` (name or instance)."""
     if isinstance(sampler, keras_hub.samplers.Sampler):
@@ -82,6 +91,62 @@ def _serialize_sampler(sampler):
     if isinstance(sampler, keras_hub.samplers.Sampler):
         return keras.saving.serialize_keras_object(sampler)
     return samplers_lib.serialize(sampler)
+
+
+def _integer_inputs(data_batch, model_inputs):
+    """`data_batch` (``x``, ``(x, y)`` or ``(x, y, sample_weight)``) with ``x`` cast to the model's input dtypes.
+
+    Only floating entries of ``x`` whose model input is an integer are cast
+    (token ids, padding mask); ``y`` and sample weights are left alone. For
+    `LinearCausalLM._symbolic_build` (see there).
+    """
+
+    def restore(value, spec):
+        if value is None or spec is None or "int" not in str(spec.dtype):
+            return value
+        if "float" not in str(getattr(value, "dtype", "")):
+            return value
+        return ops.cast(value, spec.dtype)
+
+    def restore_x(x):
+        if isinstance(x, dict) and isinstance(model_inputs, dict):
+            return {key: restore(value, model_inputs.get(key)) for key, value in x.items()}
+        if isinstance(x, (dict, list, tuple)):
+            return x
+        spec = model_inputs.get("token_ids") if isinstance(model_inputs, dict) else model_inputs
+        return restore(x, spec)
+
+    if isinstance(data_batch, tuple):
+        return (restore_x(data_batch[0]), *data_batch[1:]) if data_batch else data_batch
+    if isinstance(data_batch, list):
+        return [restore_x(data_batch[0]), *data_batch[1:]] if data_batch else data_batch
+    return restore_x(data_batch)
+
+
+# `generate_jit_compile="auto"` on a CPU: XLA below this many bytes of weights (see `_generate_uses_xla`).
+XLA_CPU_WEIGHT_BYTES = 64 * 2**20
+
+
+def _generate_uses_xla(model):
+    """Whether `generate` XLA-compiles its prefill and decoding loop (TensorFlow).
+
+    ``model.generate_jit_compile``: True or False, or ``"auto"`` (default):
+    XLA on a GPU; on a CPU, XLA only while the weights are small
+    (`XLA_CPU_WEIGHT_BYTES`). Measured on a 2-core CPU
+    (benchmarks/bench_linearized_decode.py, docs/linearize.md): XLA's fused
+    loop wins where per-op overhead dominates (width 64: the round-3
+    figures), and loses where matrix-vector products over large weights do
+    (XLA's CPU dot is slower than TensorFlow's oneDNN kernels).
+    """
+    choice = getattr(model, "generate_jit_compile", "auto")
+    if choice != "auto":
+        return bool(choice)
+    import tensorflow as tf
+
+    if tf.config.list_physical_devices("GPU"):
+        return True
+    weight_bytes = sum(int(np.prod(v.shape)) * np.dtype(str(v.dtype)).itemsize for v in model.weights)
+    return weight_bytes <= XLA_CPU_WEIGHT_BYTES
 
 
 def _is_text(inputs):
@@ -217,6 +282,29 @@ class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
     def token_embedding(self):
         return self.backbone.token_embedding
 
+    # Presets: stale weight files removed and a sha256 manifest written at save, checked at load
+    # (`keras_linattn.models._presets`); the tokenizer must fit the embedding.
+    @property
+    def preprocessor(self):
+        return getattr(self, "_preprocessor", None)
+
+    @preprocessor.setter
+    def preprocessor(self, value):
+        _presets.check_tokenizer_fits(value, getattr(self, "backbone", None))
+        self._preprocessor = value
+
+    def save_to_preset(self, preset_dir, max_shard_size=10):
+        with _presets.saving(preset_dir):
+            super().save_to_preset(preset_dir, max_shard_size=max_shard_size)
+
+    @classmethod
+    def from_preset(cls, preset, load_weights=True, **kwargs):
+        with _presets.loading(preset):
+            task = super().from_preset(preset, load_weights=load_weights, **kwargs)
+        if isinstance(task, LinearCausalLM):  # the tokenizer's vocabulary is loaded by now
+            _presets.check_tokenizer_fits(task.preprocessor, task.backbone)
+        return task
+
     # ----------------------------------------------------------- parallel
     def _head(self, hidden):
         return ops.cast(self.backbone.token_embedding(hidden, reverse=True), "float32")  # [..., V]
@@ -322,13 +410,33 @@ class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
         if getattr(self, "optimizer", None) is not None:
             self.optimizer.build(self.trainable_variables)
 
+    def _symbolic_build(self, iterator=None, data_batch=None):
+        # Under a `tf.distribute` strategy, Keras' TensorFlow trainer builds
+        # the compiled loss and metrics before the first `fit` / `evaluate`
+        # step from the first distributed batch *mean-reduced over the
+        # replicas* (`_maybe_symbolic_build` in
+        # keras/src/backend/tensorflow/trainer.py): integer token ids arrive
+        # here as float32 means (3 and 4 on two replicas give 3.5). That batch
+        # only supplies shapes and dtypes for a symbolic pass; no value of it
+        # is ever trained or evaluated on. So the ids' integer dtype is
+        # restored here, for that pass and under a strategy only. The strict
+        # dtype check of `LinearBackbone` stays as it is: the real step
+        # receives the per-replica ids as the user gave them, and float ids
+        # from a user are still refused there (accepting integral-valued
+        # floats instead would not cover this case: a mean of ids is not
+        # integral, and it would let users' float arrays through everywhere).
+        if data_batch is not None and getattr(self, "_distribute_strategy", None) is not None:
+            data_batch = _integer_inputs(data_batch, self.input)
+        return super()._symbolic_build(iterator=iterator, data_batch=data_batch)
+
     # --------------------------------------------------------- generation
     def _compile(self, fn):
-        """XLA on TensorFlow; plain calls elsewhere (the loop is a `keras.ops.while_loop`)."""
+        """A `tf.function` on TensorFlow, XLA-compiled or not (`generate_jit_compile`); plain calls elsewhere."""
         if keras.backend.backend() == "tensorflow":
             import tensorflow as tf
 
-            return tf.function(fn, jit_compile=True, reduce_retracing=True, autograph=False)
+            jit = _generate_uses_xla(self)
+            return tf.function(fn, jit_compile=jit, reduce_retracing=True, autograph=False)
         return fn
 
     def make_generate_function(self, sampler=None, stop_token_ids=None, pad_token_id=0):
@@ -404,7 +512,8 @@ class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
             padding_mask: optional ``[B, P]``, 1 for real prompt tokens; each
                 row must be left-padded (zeros, then ones) with >= 1 real token.
             pad_token_id: id written after a row's stop token (default: the
-                tokenizer's pad id with a preprocessor, else 0).
+                tokenizer's pad id with a preprocessor, else 0); not -1,
+                which marks positions without a token.
             verbose: show a progress bar (decoding then runs in blocks).
             block_size: tokens decoded per compiled call; default: all at once
                 (32 when `verbose`).
@@ -414,6 +523,13 @@ class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
             For token ids, a ``[B, max_length]`` int32 numpy array. For
             strings, the prompt and its completion as a string (one prompt)
             or a list of strings.
+
+        Raises:
+            generation.NonFiniteLogitsError: (a `FloatingPointError` and a
+                `ValueError`) where the logits that predict a position hold
+                a NaN or +inf or are all -inf (no token can be drawn: NaN
+                weights, a kernel underflow, overflow); the message names
+                the row and position. Nothing is returned in that case.
         """
         text = _is_text(inputs)
         if strip_prompt and not text:
@@ -442,9 +558,11 @@ class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
         if max_length is None:
             raise ValueError("`max_length` is required for token-id prompts.")
         if isinstance(stop_token_ids, str) and stop_token_ids == "auto":
-            stop_token_ids = None if tokenizer is None else [tokenizer.end_token_id]
+            # A tokenizer without an end or pad token (keras-hub's ByteTokenizer): no stop, pad 0.
+            end = getattr(tokenizer, "end_token_id", None)
+            stop_token_ids = None if end is None else [end]
         if pad_token_id is None:
-            pad_token_id = 0 if tokenizer is None or tokenizer.pad_token_id is None else tokenizer.pad_token_id
+            pad_token_id = getattr(tokenizer, "pad_token_id", None) or 0
         tokens = self._generate_ids(
             inputs, max_length, sampler, seed, stop_token_ids, padding_mask, pad_token_id, verbose, block_size
         )
@@ -474,6 +592,11 @@ class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
         batch, prompt_length = prompt.shape
         if stop_token_ids is not None:
             stop_token_ids = tuple(int(t) for t in np.atleast_1d(stop_token_ids))
+        if int(pad_token_id) == generation.INVALID_TOKEN:
+            raise ValueError(
+                f"`pad_token_id` must not be {generation.INVALID_TOKEN}: generate marks positions without a token "
+                f"(non-finite logits) with it. Received: pad_token_id={pad_token_id!r}"
+            )
         if sampler is None:
             sampler = getattr(self, "sampler", None) or "greedy"
         sampler = _get_sampler(sampler)
@@ -517,7 +640,8 @@ class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
                     progbar.update(max_length - prompt_length, finalize=True)
                 break
             index = new_index
-        return np.asarray(ops.convert_to_numpy(tokens))
+        custom = type(sampler) not in _BUILT_IN_SAMPLERS
+        return generation.check_output_tokens(np.asarray(ops.convert_to_numpy(tokens)), custom_sampler=custom)
 
     # ------------------------------------------------------------- config
     def get_config(self):

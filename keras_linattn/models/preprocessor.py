@@ -6,8 +6,23 @@ import numpy as np
 from keras import ops
 
 from keras_linattn import _validation
+from keras_linattn.models import _presets
 
 __all__ = ["LinearCausalLMPreprocessor"]
+
+
+def _is_token_ids(x):
+    """Whether `x` is already tokenized: an integer array / tensor, or keras-hub's ``{"token_ids", ...}`` dict."""
+    if isinstance(x, dict):
+        return "token_ids" in x
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return False
+    try:
+        dtype = keras.backend.standardize_dtype(dtype)
+    except ValueError:
+        return False
+    return dtype.startswith(("int", "uint"))
 
 
 @keras.saving.register_keras_serializable(package="keras_linattn")
@@ -27,6 +42,17 @@ class LinearCausalLMPreprocessor(keras_hub.models.CausalLMPreprocessor):
     sample weight of 1 where both the input token and its target are real
     (with left padding, the first real token is the target of a padding
     position, which must not count).
+
+    Already-tokenized input passes through (so `fit` on a model with a
+    preprocessor takes token ids too): an integer array ``[B, T]`` or a
+    ``{"token_ids", "padding_mask"}`` dict, given with labels, is returned
+    unchanged; without labels it becomes next-token data like strings do
+    (``x`` the first ``T - 1`` ids, ``y`` the last ``T - 1``, weights 1 where
+    both are real).
+
+    Any keras-hub tokenizer works: a tokenizer without a padding, start or
+    end token (`ByteTokenizer`) pads with id 0 and packs without the
+    missing special tokens, as keras-hub's own preprocessors do.
 
     `generate_preprocess` packs prompts without an end token, left-padded to
     the longest prompt of the batch; `generate_postprocess` drops padding and
@@ -62,11 +88,29 @@ class LinearCausalLMPreprocessor(keras_hub.models.CausalLMPreprocessor):
             **kwargs,
         )
 
+    # Presets: a manifest of digests written at save, checked at load (`keras_linattn.models._presets`).
+    def save_to_preset(self, preset_dir):
+        with _presets.saving(preset_dir, clean=False):  # beside a model's files: they stay
+            super().save_to_preset(preset_dir)
+
+    @classmethod
+    def from_preset(cls, preset, *args, **kwargs):
+        with _presets.loading(preset, weights=False):
+            return super().from_preset(preset, *args, **kwargs)
+
+    def load_preset_assets(self, preset):
+        _presets.verify(preset, weights=False)
+        super().load_preset_assets(preset)
+
+    def _special_id(self, name):
+        """The tokenizer's ``<name>_token_id``, or None for a tokenizer without one (e.g. `ByteTokenizer`)."""
+        return getattr(self.tokenizer, f"{name}_token_id", None)
+
     def build(self, input_shape):
-        pad = self.tokenizer.pad_token_id
+        pad = self._special_id("pad")
         self.packer = keras_hub.layers.StartEndPacker(
-            start_value=self.tokenizer.start_token_id,
-            end_value=self.tokenizer.end_token_id,
+            start_value=self._special_id("start"),
+            end_value=self._special_id("end"),
             pad_value=0 if pad is None else pad,
             sequence_length=self.sequence_length,
             return_padding_mask=True,
@@ -77,6 +121,8 @@ class LinearCausalLMPreprocessor(keras_hub.models.CausalLMPreprocessor):
     def call(self, x, y=None, sample_weight=None, sequence_length=None):
         if not self.built:
             self.build(None)
+        if _is_token_ids(x):
+            return self._token_ids_call(x, y, sample_weight)
         sequence_length = sequence_length or self.sequence_length
         token_ids, padding_mask = self.packer(
             self.tokenizer(x),
@@ -88,6 +134,18 @@ class LinearCausalLMPreprocessor(keras_hub.models.CausalLMPreprocessor):
         labels = token_ids[..., 1:]
         weight = ops.logical_and(ops.cast(padding_mask[..., 1:], "bool"), ops.cast(padding_mask[..., :-1], "bool"))
         return keras.utils.pack_x_y_sample_weight(inputs, labels, weight)
+
+    def _token_ids_call(self, x, y, sample_weight):
+        """Already-tokenized input: with labels unchanged, without them next-token data as for strings."""
+        if y is not None:
+            return keras.utils.pack_x_y_sample_weight(x, y, sample_weight)
+        token_ids = ops.convert_to_tensor(x["token_ids"] if isinstance(x, dict) else x)
+        padding_mask = x.get("padding_mask") if isinstance(x, dict) else None
+        padding_mask = ops.ones_like(token_ids, "bool") if padding_mask is None else ops.convert_to_tensor(padding_mask)
+        padding_mask = ops.cast(padding_mask, "bool")
+        inputs = {"token_ids": token_ids[..., :-1], "padding_mask": padding_mask[..., :-1]}
+        weight = ops.logical_and(padding_mask[..., 1:], padding_mask[..., :-1])
+        return keras.utils.pack_x_y_sample_weight(inputs, token_ids[..., 1:], weight)
 
     def generate_preprocess(self, x, sequence_length=None):
         """Prompts -> ``{"token_ids": [B, P], "padding_mask": [B, P]}``, left-padded to the longest one.
@@ -104,18 +162,14 @@ class LinearCausalLMPreprocessor(keras_hub.models.CausalLMPreprocessor):
             self.build(None)
         tokens = self.tokenizer(x)
         rows = tokens.to_list() if hasattr(tokens, "to_list") else [list(np.asarray(r)) for r in tokens]
-        start = (
-            [self.tokenizer.start_token_id]
-            if self.add_start_token and self.tokenizer.start_token_id is not None
-            else []
-        )
+        start = [self._special_id("start")] if self.add_start_token and self._special_id("start") is not None else []
         rows = [start + [int(t) for t in row] for row in rows]
         if sequence_length is not None:
             rows = [row[-sequence_length:] for row in rows]
         if any(len(row) == 0 for row in rows):
             raise ValueError(f"Every prompt needs at least one token. Received: x={x!r}")
         width = max(len(row) for row in rows)
-        pad = self.tokenizer.pad_token_id or 0
+        pad = self._special_id("pad") or 0
         token_ids = np.full((len(rows), width), pad, "int32")
         padding_mask = np.zeros((len(rows), width), bool)
         for i, row in enumerate(rows):
