@@ -2,9 +2,25 @@
 
 `tf2onnx.convert.from_keras` does not work on Keras 3 models; instead the
 model's inference call is wrapped in a `tf.function` with a dynamic
-(``None``) batch and length input signature and converted from there. The
-weights, including frozen random features, become ONNX initializers, so an
-export is deterministic.
+(``None``) batch and length input signature and converted from there.
+
+Weights are converted as *inputs*, not constants: the function takes every
+weight as an extra argument and reads it through a `keras.StatelessScope`,
+so the converted TensorFlow graph holds no weight values. tf2onnx freezes,
+optimizes and folds only the small graph (at GPT-2 base, freezing the
+weights into the graph made each conversion pass 17 GB: every pass kept
+its own copies, and constant folding stored kernels in two or three
+layouts). The weight inputs then become ONNX initializers named by the
+weight's Keras path, one tensor per weight, so the file holds exactly one
+copy of each weight (`verify` checks each by name) and an export is
+deterministic, frozen random features included. onnxruntime folds what
+depends on weights alone (a transposed kernel, ``exp`` of a decay
+parameter) once, when a session is created.
+
+Models whose weights pass `EXTERNAL_DATA_THRESHOLD` bytes (or
+``external_data=True``) keep them in one external data file per directory,
+``<model file>.data``, shared by the model, step and generate graphs; a
+4 KiB header names the export it belongs to.
 
 tf2onnx and onnx are imported inside the functions: importing
 `keras_linattn.export` stays cheap.
@@ -14,9 +30,11 @@ import contextlib
 import json
 import logging
 import os
+import re
 import threading
 import uuid
 
+import numpy as np
 import tensorflow as tf
 
 from keras_linattn import _atomic
@@ -116,6 +134,161 @@ def _without_optimizer_copies():
             os.environ.pop(_CATCH_ERRORS_ENV, None)
 
 
+# --------------------------------------------------------------- weights
+# Weights larger than this (bytes, all weights together) go to an external data
+# file. ONNX files are protobufs, which cannot pass 2 GiB; a margin leaves room
+# for the graph itself.
+EXTERNAL_DATA_THRESHOLD = 1 << 30
+_WEIGHT_INPUT = "kla_weight_{}"
+# External data: each tensor starts at a multiple of this (page size: onnxruntime
+# can map aligned tensors instead of copying them), after a header of this size.
+_ALIGN = 4096
+_DATA_MAGIC = b"keras_linattn external data\n"
+
+
+def _export_variables(model):
+    """The model's variables, each once (a variable shared by layers is one weight)."""
+    seen, out = set(), []
+    for variable in model.variables:
+        if id(variable) not in seen:
+            seen.add(id(variable))
+            out.append(variable)
+    return out
+
+
+def weight_names(variables):
+    """ONNX initializer name of each variable: its Keras path (made unique if two paths clash)."""
+    names, used = [], set()
+    for i, variable in enumerate(variables):
+        name = str(getattr(variable, "path", None) or variable.name)
+        if name in used:
+            name = f"{name}_{i}"
+        used.add(name)
+        names.append(name)
+    return names
+
+
+def _with_weights_as_inputs(fn, input_signature, variables):
+    """``fn`` as a function of its inputs and then every weight, with that signature.
+
+    The weights are read through a `keras.StatelessScope`, so the traced graph
+    captures no variable: tf2onnx converts a graph that holds no weight values.
+    """
+    import keras
+
+    n = len(input_signature)
+    weight_specs = [
+        tf.TensorSpec(tuple(v.shape), tf.as_dtype(v.dtype), name=_WEIGHT_INPUT.format(i))
+        for i, v in enumerate(variables)
+    ]
+
+    def stateless(*args):
+        with keras.StatelessScope(state_mapping=list(zip(variables, args[n:], strict=True))):
+            return fn(*args[:n])
+
+    return stateless, list(input_signature) + weight_specs
+
+
+def _rename_inputs(graph, mapping):
+    """Renames every use of the names in `mapping`, subgraphs (Loop and If bodies) included."""
+    import onnx
+
+    for node in graph.node:
+        for j, name in enumerate(node.input):
+            if name in mapping:
+                node.input[j] = mapping[name]
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                _rename_inputs(attribute.g, mapping)
+            elif attribute.type == onnx.AttributeProto.GRAPHS:
+                for sub in attribute.graphs:
+                    _rename_inputs(sub, mapping)
+    for output in graph.output:
+        if output.name in mapping:
+            output.name = mapping[output.name]
+
+
+def _weight_inputs(proto):
+    """``{graph input name: variable index}`` of the weight inputs left in a converted graph."""
+    pattern = re.compile(re.escape(_WEIGHT_INPUT).replace(r"\{\}", r"(\d+)") + "$")
+    out = {}
+    for graph_input in proto.graph.input:
+        match = pattern.match(graph_input.name)
+        if match:
+            out[graph_input.name] = int(match.group(1))
+    return out
+
+
+def _name_weight_inputs(proto, names):
+    """Renames the weight inputs to the weights' names; returns the variable indices the graph uses."""
+    used = _weight_inputs(proto)
+    _rename_inputs(proto.graph, {key: names[i] for key, i in used.items()})
+    for graph_input in proto.graph.input:
+        if graph_input.name in used:
+            graph_input.name = names[used[graph_input.name]]
+    return sorted(used.values())
+
+
+def _attach_weights(proto, used, variables, names, layout=None):
+    """Moves the used weights from the graph's inputs into initializers.
+
+    With `layout` (``{index: (offset, length)}`` into the external data file
+    ``layout["__file__"]``) the initializers point into that file; otherwise
+    they hold the values.
+    """
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight_set = {names[i] for i in used}
+    kept = [graph_input for graph_input in proto.graph.input if graph_input.name not in weight_set]
+    del proto.graph.input[:]
+    proto.graph.input.extend(kept)
+    for i in used:
+        variable = variables[i]
+        if layout is None:
+            tensor = numpy_helper.from_array(np.ascontiguousarray(variable.numpy()), names[i])
+        else:
+            offset, length = layout[i]
+            tensor = TensorProto(name=names[i], dims=list(variable.shape))
+            tensor.data_type = helper.np_dtype_to_tensor_dtype(np.dtype(str(variable.dtype)))
+            tensor.data_location = TensorProto.EXTERNAL
+            for key, value in (("location", layout["__file__"]), ("offset", str(offset)), ("length", str(length))):
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key, value
+        proto.graph.initializer.append(tensor)
+
+
+def _write_external_data(path, variables, used, export_id):
+    """Writes the used weights, aligned, after a header naming the export; returns ``{index: (offset, length)}``."""
+    import numpy as np
+
+    layout = {}
+    with open(path, "wb") as f:
+        header = _DATA_MAGIC + f"export_id={export_id}\n".encode()
+        f.write(header.ljust(_ALIGN, b"\0"))
+        for i in used:
+            value = np.ascontiguousarray(variables[i].numpy())
+            offset = f.tell()
+            f.write(value.tobytes())
+            layout[i] = (offset, value.nbytes)
+            pad = -f.tell() % _ALIGN
+            f.write(b"\0" * pad)
+            del value
+        f.flush()
+        os.fsync(f.fileno())
+    return layout
+
+
+def read_data_header(path):
+    """The export id in an external data file's header, or None if it has none."""
+    with open(path, "rb") as f:
+        head = f.read(_ALIGN)
+    if not head.startswith(_DATA_MAGIC):
+        return None
+    line = head[len(_DATA_MAGIC) :].split(b"\n", 1)[0].decode(errors="replace")
+    return line.split("=", 1)[1] if line.startswith("export_id=") else None
+
+
 def _from_function(tf_fn, input_signature, opset, fast=True):
     import tf2onnx
 
@@ -135,14 +308,21 @@ def _from_function(tf_fn, input_signature, opset, fast=True):
     return proto
 
 
-def _convert(fn, input_signature, opset, metadata, fast=True):
+def _convert(fn, input_signature, opset, metadata, fast=True, variables=None):
     """The checked ONNX `ModelProto` of a Python function of named tensors.
+
+    With `variables`, the weights are extra inputs of the converted graph
+    (`_with_weights_as_inputs`), named ``kla_weight_<i>`` after the index of
+    the variable: `_name_weight_inputs` and `_attach_weights` turn them into
+    initializers. Without, tf2onnx freezes whatever the function reads.
 
     ``fast=False`` converts with tf2onnx's per-pass graph copies (what a failed fast
     conversion falls back to).
     """
     import onnx
 
+    if variables is not None:
+        fn, input_signature = _with_weights_as_inputs(fn, input_signature, variables)
     tf_fn = tf.function(fn, input_signature=input_signature, autograph=False)
     try:
         proto = _from_function(tf_fn, input_signature, opset, fast=fast)
@@ -203,6 +383,9 @@ def export_onnx(
     step_path=None,
     include_step=True,
     generate_path=None,
+    external_data="auto",
+    overwrite=False,
+    progress=None,
 ):
     """Exports a Keras model to ONNX.
 
@@ -238,14 +421,32 @@ def export_onnx(
             causal LMs.
         generate_path: where the generate graph goes; default
             ``<path>_generate.onnx``.
+        external_data: ``"auto"`` (default) keeps the weights inside each
+            file unless they pass `EXTERNAL_DATA_THRESHOLD` bytes (1 GiB;
+            a protobuf cannot pass 2 GiB), ``True`` always writes them to
+            ``<file>.data`` beside the graphs (one file per directory,
+            shared by the graphs there), ``False`` never does.
+        overwrite: replace files that already exist at the paths; without
+            it an existing file is an error, as for `export_saved_model`.
+        progress: optional ``callable(str)`` called before each long step
+            (each graph's conversion, the weights' write-out); the CLI
+            prints these lines.
+
+    Every weight is stored once per file, as an initializer named by its
+    Keras path (``variable.path``); the graphs read no weight that is not
+    one of these (module docstring).
 
     Returns:
         dict: ``{"model": path}`` plus ``"step"`` and ``"generate"`` for
-        causal LMs.
+        causal LMs, and ``"data"`` (a list of external data files) when the
+        weights are stored outside the graphs.
     """
     import onnx
 
     path = _check_path(path)
+    if external_data not in ("auto", True, False):
+        raise ValueError(f"`external_data` must be 'auto', True or False. Received: external_data={external_data!r}")
+    say = progress or (lambda message: None)
     specs = _specs.ModelSpecs(model, input_signature=input_signature)
     if step_path is not None:
         _check_path(step_path, "step_path")
@@ -254,41 +455,85 @@ def export_onnx(
     description = specs.describe()
     export_id = uuid.uuid4().hex
     with_step = bool(specs.causal_lm and include_step)
-    model_meta = dict(description, graph=_specs.SERVING_DEFAULT, export_id=export_id)
     companions = {}  # kind -> path
     if with_step:
         companions["step"] = os.fspath(step_path or _default_step_path(path))
         companions["generate"] = os.fspath(generate_path or _default_generate_path(path))
-        for kind, companion in companions.items():
-            model_meta[f"{kind}_file"] = _relative(companion, path)
-    model_proto = _convert(specs.serving_fn(), specs.input_specs, opset, model_meta)
-    protos = {}
+    targets = {"model": path, **companions}
+    if len({os.path.abspath(p) for p in targets.values()}) != len(targets):
+        raise ValueError(f"The exported graphs need distinct paths. Received: {targets}")
+    if not overwrite:
+        existing = [p for p in targets.values() if os.path.exists(p)]
+        if existing:
+            raise ValueError(
+                f"{existing[0]!r} already exists: pass `overwrite=True` (CLI: --overwrite) to replace it, "
+                f"or choose another path. Received: path={path!r}"
+            )
+    variables = _export_variables(model)
+    names = weight_names(variables)
+    weight_bytes = sum(int(np.prod(v.shape)) * np.dtype(str(v.dtype)).itemsize for v in variables)
+    external = weight_bytes > EXTERNAL_DATA_THRESHOLD if external_data == "auto" else bool(external_data)
+    weights_meta = {"weights": "named", "weight_bytes": weight_bytes, "external_data": external}
+    model_meta = dict(description, graph=_specs.SERVING_DEFAULT, export_id=export_id, **weights_meta)
+    for kind, companion in companions.items():
+        model_meta[f"{kind}_file"] = _relative(companion, path)
+    jobs = [("model", specs.serving_fn(), specs.input_specs, opset, model_meta)]
     if with_step:
         links = {f"{kind}_file": _relative(p, companions["step"]) for kind, p in companions.items() if kind != "step"}
-        step_meta = dict(description, graph=_specs.STEP, export_id=export_id, **links)
-        protos["step"] = _convert(specs.step_fn(), specs.step_signature(), opset, step_meta)
-        generate_meta = dict(description, graph=_specs.GENERATE_SAMPLED, export_id=export_id)
-        protos["generate"] = _convert(
-            specs.generate_fn(sampled=True, check_lengths=False),
-            specs.generate_signature(sampled=True),
-            max(opset, _GENERATE_MIN_OPSET),
-            generate_meta,
+        step_meta = dict(description, graph=_specs.STEP, export_id=export_id, **links, **weights_meta)
+        jobs.append(("step", specs.step_fn(), specs.step_signature(), opset, step_meta))
+        generate_meta = dict(description, graph=_specs.GENERATE_SAMPLED, export_id=export_id, **weights_meta)
+        jobs.append(
+            (
+                "generate",
+                specs.generate_fn(sampled=True, check_lengths=False),
+                specs.generate_signature(sampled=True),
+                max(opset, _GENERATE_MIN_OPSET),
+                generate_meta,
+            )
         )
+    protos, used = {}, {}
+    for kind, fn, signature, graph_opset, meta in jobs:
+        say(f"converting the {kind} graph to ONNX (opset {graph_opset})")
+        protos[kind] = _convert(fn, signature, graph_opset, meta, variables=variables)
+        used[kind] = _name_weight_inputs(protos[kind], names)
+    written = dict(targets)
     with contextlib.ExitStack() as stack:
-        staged_model = os.path.join(stack.enter_context(_atomic.staging_dir(_parent(path))), "model.onnx")
-        onnx.save(model_proto, staged_model)
-        _atomic.fault_point("onnx:model_staged")
+        staging = {}  # parent directory -> staging directory
+        for kind in ("model", *companions):
+            parent = _parent(targets[kind])
+            if parent not in staging:
+                staging[parent] = stack.enter_context(_atomic.staging_dir(parent))
+        layouts, data_files = {}, {}
+        if external:
+            for parent, tmp in staging.items():
+                kinds = [kind for kind in protos if _parent(targets[kind]) == parent]
+                owner = "model" if "model" in kinds else kinds[0]
+                data_name = os.path.basename(targets[owner]) + ".data"
+                union = sorted(set().union(*(used[kind] for kind in kinds)))
+                say(f"writing {len(union)} weights to {os.path.join(parent, data_name)}")
+                layout = _write_external_data(os.path.join(tmp, data_name), variables, union, export_id)
+                layout["__file__"] = data_name
+                layouts[parent] = layout
+                data_files[parent] = (os.path.join(tmp, data_name), os.path.join(parent, data_name))
+                _atomic.fault_point("onnx:data_staged")
+            for staged, target in data_files.values():
+                _atomic.publish(staged, target)
+            written["data"] = [target for _, target in data_files.values()]
+        staged_files = {}
         for kind, proto in protos.items():
-            target = companions[kind]
-            staged = os.path.join(stack.enter_context(_atomic.staging_dir(_parent(target))), f"{kind}.onnx")
-            onnx.save(proto, staged)
+            parent = _parent(targets[kind])
+            _attach_weights(proto, used[kind], variables, names, layouts.get(parent))
+            staged_files[kind] = os.path.join(staging[parent], f"{kind}.onnx")
+            onnx.save(proto, staged_files[kind])
+            del proto.graph.initializer[:]  # the values, when inside: free them before the next graph
             _atomic.fault_point(f"onnx:{kind}_staged")
-            _atomic.publish(staged, target)
+        protos.clear()
+        for kind in companions:
+            _atomic.publish(staged_files[kind], targets[kind])
             _atomic.fault_point(f"onnx:{kind}_published")
-        _atomic.publish(staged_model, path)
+        _atomic.publish(staged_files["model"], path)
         _atomic.fault_point("onnx:model_published")
-    written = {"model": path}
-    written.update(companions)
     return written
 
 
@@ -331,7 +576,39 @@ def check_pair(model_path, step_path=None):
             path = os.path.join(_parent(model_path), *expected.split("/"))
         _check_companion(model_path, model_meta, kind, expected, path)
         checked[kind] = path
+    if model_meta.get("external_data"):
+        for path in (model_path, *checked.values()):
+            _check_external_data(path, model_meta.get("export_id"))
     return checked.get("step")
+
+
+def _check_external_data(path, export_id):
+    """The external data files a graph reads exist and come from its export."""
+    import onnx
+
+    proto = onnx.load(os.fspath(path), load_external_data=False)
+    locations = {
+        entry.value
+        for tensor in proto.graph.initializer
+        if tensor.data_location == onnx.TensorProto.EXTERNAL
+        for entry in tensor.external_data
+        if entry.key == "location"
+    }
+    for location in sorted(locations):
+        data = os.path.join(_parent(path), location)
+        if not os.path.isfile(data):
+            raise ValueError(
+                f"The ONNX graph {path!r} keeps its weights in {location!r}, which is missing (a killed or "
+                f"partly copied export?): export again, or copy the .data file beside the graph. "
+                f"Received: path={path!r}"
+            )
+        found = read_data_header(data)
+        if found != export_id:
+            raise ValueError(
+                f"The external data {data!r} comes from another export than the graph {path!r} (export ids "
+                f"{found} and {export_id}): an export was interrupted or files were mixed; export again. "
+                f"Received: path={path!r}"
+            )
 
 
 def _check_companion(model_path, model_meta, kind, expected, path):

@@ -1,14 +1,13 @@
 """Checks that exported artifacts compute what the Keras model computes."""
 
 import contextlib
-import hashlib
 import math
 import os
 
 import numpy as np
 
 from keras_linattn import _tolerance
-from keras_linattn.export import _specs
+from keras_linattn.export import _specs, _verify_weights
 
 __all__ = ["VerificationError", "VerificationReport", "differences", "verify"]
 
@@ -334,117 +333,25 @@ def _compare(backend, signature, shape, got, expected, bound):
 
 
 # ---------------------------------------------------------------- weights
-def _value_key(array):
-    """Size, dtype and sorted values: equal for a weight stored transposed, reshaped or split nowhere."""
-    array = np.asarray(array)
-    return array.size, array.dtype.str, hashlib.sha256(np.sort(array, axis=None).tobytes()).hexdigest()
-
-
-def _model_weights(model):
-    """``{path: array}`` of the model's float weights that are not constant (a constant may be folded away)."""
-    out = {}
-    for variable in model.weights:
-        if "float" not in str(variable.dtype):
-            continue
-        value = np.asarray(variable.numpy())
-        if value.size == 0 or float(value.max()) == float(value.min()):
-            continue
-        out[getattr(variable, "path", variable.name)] = value
-    return out
-
-
-def _saved_model_tensors(version_dir):
-    import tensorflow as tf
-
-    reader = tf.train.load_checkpoint(os.path.join(version_dir, "variables", "variables"))
-    for name in reader.get_variable_to_shape_map():
-        if "OBJECT_GRAPH" not in name:
-            yield reader.get_tensor(name)
-
-
-def _onnx_tensors(path):
-    """Every initializer and constant of an ONNX file, subgraphs (Loop bodies) included."""
-    import onnx
-    from onnx import numpy_helper
-
-    proto = onnx.load(path)
-
-    def walk(graph):
-        for tensor in graph.initializer:
-            yield numpy_helper.to_array(tensor)
-        for node in graph.node:
-            for attribute in node.attribute:
-                if attribute.type == onnx.AttributeProto.TENSOR:
-                    yield numpy_helper.to_array(attribute.t)
-                elif attribute.type == onnx.AttributeProto.GRAPH:
-                    yield from walk(attribute.g)
-                elif attribute.type == onnx.AttributeProto.GRAPHS:
-                    for sub in attribute.graphs:
-                        yield from walk(sub)
-
-    yield from walk(proto.graph)
-
-
-def _check_weights(report, backend, what, weights, tensors, say, allow_folded=False):
-    """Every Keras weight must be stored in the file with exactly its values.
-
-    With ``allow_folded`` (ONNX), a weight that reaches the outputs only
-    through input-independent ops (``log_sigmoid(decay_logit)``,
-    ``exp(a_log)``) is stored by the converter as the folded result, not as
-    itself: a weight none of whose values appear in any tensor of its size is
-    reported as folded and left to the output checks, which every input
-    reaches. A tensor that holds at least half of a weight's values but not
-    all of them is that weight, damaged: it fails.
-    """
-    stored = {}
-    for tensor in tensors:
-        tensor = np.asarray(tensor)
-        if tensor.dtype.kind == "f":
-            stored.setdefault(tensor.size, []).append(tensor)
-    keys = {_value_key(t) for group in stored.values() for t in group}
-    missing, folded = [], []
-    for path, value in weights.items():
-        if _value_key(value) in keys:
-            continue
-        same_size = stored.get(value.size, [])
-        closest = min(
-            (
-                float(np.max(np.abs(np.sort(t.astype(np.float64), axis=None) - np.sort(value, axis=None))))
-                for t in same_size
-            ),
-            default=None,
-        )
-        overlap = max(
-            (float(np.mean(np.isin(value.ravel(), t.astype(value.dtype).ravel()))) for t in same_size), default=0.0
-        )
-        if allow_folded and overlap < 0.5:
-            folded.append(path)
-            continue
-        missing.append((path, closest, overlap))
-    detail = ""
-    if missing:
-        path, closest, overlap = missing[0]
-        detail = f"{path}: " + (
-            "no tensor of its size"
-            if closest is None
-            else f"values differ (max {closest:.3g}; {1 - overlap:.2%} of its values changed)"
-        )
-        if len(missing) > 1:
-            detail += f", and {len(missing) - 1} more"
-    if folded:
-        detail += ("; " if detail else "") + (
-            f"{len(folded)} folded by the converter, checked through the outputs ({', '.join(folded[:3])}"
-            + (", ..." if len(folded) > 3 else "")
-            + ")"
-        )
-    row = report.add(
-        _Check(backend, f"{what}:weights", (len(weights),), len(missing), len(missing), 0, exact=True, detail=detail)
-    )
+def _check_weights(report, backend, what, check, say):
+    """A report row for a `_verify_weights.WeightCheck`."""
+    detail = check.detail()
+    missing = len(check.missing)
+    row = report.add(_Check(backend, f"{what}:weights", (check.total,), missing, missing, 0, exact=True, detail=detail))
     say(
-        f"{backend:12s} {what} weights: {len(weights) - len(missing) - len(folded)}/{len(weights)} stored exactly"
-        + (f" ({detail})" if detail else "")
+        f"{backend:12s} {what} weights: {check.exact}/{check.total} stored exactly" + (f" ({detail})" if detail else "")
     )
     return row
+
+
+def _check_onnx_weights(report, model, path, say):
+    if _verify_weights.onnx_has_named_weights(path):
+        check = _verify_weights.check_by_name(_verify_weights.model_weights(model, skip_constant=False), path)
+    else:  # an older export: weights folded into constants, matched by value
+        check = _verify_weights.check_by_value(
+            _verify_weights.model_weights(model), _verify_weights.onnx_tensors(path), allow_folded=True
+        )
+    return _check_weights(report, "onnx", os.path.basename(path), check, say)
 
 
 # ----------------------------------------------------------------- inputs
@@ -633,14 +540,14 @@ def verify(
         predictor = OnnxPredictor(onnx_path, device=onnx_device)
     try:
         if check_weights:
-            weights = _model_weights(model)
             if runner is not None:
-                _check_weights(report, "saved_model", "variables", weights, _saved_model_tensors(saved_model_dir), say)
-            for _what, path in (("model", onnx_path), ("step", onnx_step_path), ("generate", onnx_generate_path)):
+                check = _verify_weights.check_by_value(
+                    _verify_weights.model_weights(model), _verify_weights.saved_model_tensors(saved_model_dir)
+                )
+                _check_weights(report, "saved_model", "variables", check, say)
+            for path in (onnx_path, onnx_step_path, onnx_generate_path):
                 if path is not None:
-                    _check_weights(
-                        report, "onnx", os.path.basename(path), weights, _onnx_tensors(path), say, allow_folded=True
-                    )
+                    _check_onnx_weights(report, model, path, say)
         for k, (batch, length) in enumerate(shapes):
             feeds = _specs.example_inputs(desc["inputs"], batch, length, specs.vocabulary_size, seed=seed + k)
             expected, conditioning = _keras_outputs(specs, feeds)

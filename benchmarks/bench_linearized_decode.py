@@ -1,0 +1,370 @@
+"""Linearized models at real size: time and peak memory of each step, decode beside keras-hub.
+
+A keras-hub teacher is built from a config with random weights (nothing is
+downloaded), linearized (hedgehog + window 64), and each step of the recipe
+runs in a process of its own, so that its peak resident memory is its own:
+
+    python -m benchmarks.bench_linearized_decode --family gpt2 --size base
+    python -m benchmarks.bench_linearized_decode --family llama --size 1b --stages build,export_onnx,verify_onnx
+
+Steps (``--stages``, in this order by default):
+
+- ``build``: the teacher from its config, `linearize`, the student saved as
+  ``student.keras`` in the work directory (every later step loads it).
+- ``export_saved_model`` / ``export_onnx``: the exports, into the work directory.
+- ``verify_saved_model`` / ``verify_onnx``: `keras_linattn.export.verify` with
+  its defaults, on those exports.
+- ``decode``: time per new token at batch 1, prefill timed apart, for the
+  student (`LinearCausalLM.generate`) and the teacher (keras-hub
+  ``CausalLM.generate``, KV cache), interleaved, at each ``--contexts``;
+  beside the weights-read floor (weight bytes / the memory bandwidth measured
+  here with a large matrix-vector product).
+
+Each step reports wall time, the peak RSS of its process (``VmHWM``) and the
+RSS after loading the model (so that the step's own share is the
+difference). The table goes to stdout; ``--out`` writes the JSON (default
+``benchmarks/results/linearized_<family>_<size>.json``).
+
+Sizes: ``gpt2 base`` is GPT-2 base (124M); ``llama 1b`` is Llama 3.2 1B's
+shape (vocabulary 128,256, 16 layers, hidden 2048, 32/8 heads, tied
+embeddings, 1.24B parameters); ``llama 1b8`` the same with 8 layers and
+untied embeddings (1.01B); ``medium`` (4 layers, width 256, vocabulary 5k)
+and ``tiny`` for quick checks.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+FAMILIES = ("gpt2", "llama")
+STAGES = ("build", "export_saved_model", "export_onnx", "verify_saved_model", "verify_onnx", "decode")
+
+CONFIGS = {
+    ("gpt2", "base"): dict(
+        vocabulary_size=50257,
+        num_layers=12,
+        num_heads=12,
+        hidden_dim=768,
+        intermediate_dim=3072,
+        max_sequence_length=1024,
+    ),
+    ("gpt2", "medium"): dict(
+        vocabulary_size=5000, num_layers=4, num_heads=4, hidden_dim=256, intermediate_dim=1024, max_sequence_length=1024
+    ),
+    ("gpt2", "tiny"): dict(
+        vocabulary_size=500, num_layers=2, num_heads=2, hidden_dim=64, intermediate_dim=128, max_sequence_length=256
+    ),
+    ("llama", "1b"): dict(
+        vocabulary_size=128256,
+        num_layers=16,
+        num_query_heads=32,
+        num_key_value_heads=8,
+        hidden_dim=2048,
+        intermediate_dim=8192,
+        rope_max_wavelength=500000,
+        tie_word_embeddings=True,
+    ),
+    ("llama", "1b8"): dict(
+        vocabulary_size=128256,
+        num_layers=8,
+        num_query_heads=32,
+        num_key_value_heads=8,
+        hidden_dim=2048,
+        intermediate_dim=8192,
+        rope_max_wavelength=500000,
+        tie_word_embeddings=False,
+    ),
+    ("llama", "medium"): dict(
+        vocabulary_size=5000,
+        num_layers=4,
+        num_query_heads=4,
+        num_key_value_heads=2,
+        hidden_dim=256,
+        intermediate_dim=512,
+    ),
+    ("llama", "tiny"): dict(
+        vocabulary_size=500, num_layers=2, num_query_heads=2, num_key_value_heads=1, hidden_dim=64, intermediate_dim=128
+    ),
+}
+DEFAULT_CONTEXTS = {"gpt2": (128, 512, 960), "llama": (128, 1024, 4096, 16384)}
+WINDOW = 64
+
+
+def _gib(n):
+    return None if n is None else round(n / 2**30, 3)
+
+
+def _rss():
+    from benchmarks import _common
+
+    return _common.proc_status_bytes("VmRSS"), _common.proc_status_bytes("VmHWM")
+
+
+def build_teacher(family, size, seed=0):
+    """The keras-hub causal LM of a configuration, random weights, no preprocessor."""
+    import keras
+    import keras_hub
+
+    keras.utils.set_random_seed(seed)
+    config = dict(CONFIGS[(family, size)])
+    if family == "gpt2":
+        return keras_hub.models.GPT2CausalLM(keras_hub.models.GPT2Backbone(**config), preprocessor=None)
+    return keras_hub.models.LlamaCausalLM(keras_hub.models.LlamaBackbone(**config), preprocessor=None)
+
+
+def weight_bytes(model):
+    import numpy as np
+
+    return int(sum(int(np.prod(v.shape)) * np.dtype(str(v.dtype)).itemsize for v in model.weights))
+
+
+# ------------------------------------------------------------------ stages
+def stage_build(args):
+    import gc
+
+    import keras_linattn
+
+    t = time.perf_counter()
+    teacher = build_teacher(args.family, args.size)
+    build_s = time.perf_counter() - t
+    rss_teacher, _ = _rss()
+    t = time.perf_counter()
+    student = keras_linattn.linearize(teacher, window_size=WINDOW)
+    linearize_s = time.perf_counter() - t
+    _, peak_linearize = _rss()
+    del teacher
+    gc.collect()
+    t = time.perf_counter()
+    student.save(os.path.join(args.workdir, "student.keras"))
+    save_s = time.perf_counter() - t
+    return {
+        "teacher_build_s": build_s,
+        "teacher_rss_gib": _gib(rss_teacher),
+        "linearize_s": linearize_s,
+        "linearize_peak_gib": _gib(peak_linearize),
+        "save_s": save_s,
+        "weights_gib": _gib(weight_bytes(student)),
+        "parameters": int(student.count_params()),
+    }
+
+
+def _load_student(args):
+    import keras
+
+    import keras_linattn  # noqa: F401  (registers the classes)
+
+    t = time.perf_counter()
+    student = keras.saving.load_model(os.path.join(args.workdir, "student.keras"), compile=False)
+    return student, time.perf_counter() - t
+
+
+def _after_load(row, load_s):
+    from benchmarks import _common
+
+    rss, peak = _rss()
+    row.update(load_s=load_s, rss_after_load_gib=_gib(rss), load_peak_gib=_gib(peak))
+    _common.reset_peak_rss()
+
+
+def _tree_bytes(path):
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def stage_export_saved_model(args):
+    import shutil
+
+    from keras_linattn import export
+
+    student, load_s = _load_student(args)
+    row = {}
+    _after_load(row, load_s)
+    base = os.path.join(args.workdir, "saved_model")
+    shutil.rmtree(base, ignore_errors=True)
+    t = time.perf_counter()
+    version_dir = export.export_saved_model(student, base, warmup=False)
+    row.update(seconds=time.perf_counter() - t, files_gib=_gib(_tree_bytes(version_dir)))
+    row["weights_gib"] = _gib(weight_bytes(student))
+    return row
+
+
+def stage_export_onnx(args):
+    import shutil
+
+    from keras_linattn import export
+
+    student, load_s = _load_student(args)
+    row = {}
+    _after_load(row, load_s)
+    directory = os.path.join(args.workdir, "onnx")
+    shutil.rmtree(directory, ignore_errors=True)
+    t = time.perf_counter()
+    paths = export.export_onnx(student, os.path.join(directory, "lm.onnx"), progress=print)
+    row.update(seconds=time.perf_counter() - t, files_gib=_gib(_tree_bytes(directory)))
+    row["files"] = {k: (v if isinstance(v, str) else list(v)) for k, v in paths.items()}
+    row["weights_gib"] = _gib(weight_bytes(student))
+    return row
+
+
+def _verify(args, **targets):
+    from keras_linattn import export
+
+    student, load_s = _load_student(args)
+    row = {}
+    _after_load(row, load_s)
+    t = time.perf_counter()
+    report = export.verify(student, raise_on_failure=False, progress=print, **targets)
+    row.update(seconds=time.perf_counter() - t, status=report.status, failed=len(report.failed), checks=len(report.rows))
+    return row
+
+
+def stage_verify_saved_model(args):
+    base = os.path.join(args.workdir, "saved_model")
+    versions = sorted((d for d in os.listdir(base) if d.isdigit()), key=int)
+    return _verify(args, saved_model_dir=os.path.join(base, versions[-1]))
+
+
+def stage_verify_onnx(args):
+    return _verify(args, onnx_path=os.path.join(args.workdir, "onnx", "lm.onnx"))
+
+
+def bandwidth_gib_s(megabytes=512, repeats=7):
+    """Memory bandwidth read by a float32 matrix-vector product over a matrix of `megabytes` (median)."""
+    import numpy as np
+
+    n = int((megabytes * 2**20 / 4) ** 0.5)
+    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    x = np.ones(n, np.float32)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ x
+        times.append(time.perf_counter() - t)
+    return a.nbytes / float(np.median(times)) / 2**30
+
+
+def _median(values):
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
+def stage_decode(args):
+    """ms per new token at batch 1 (decode only: the difference of two generate lengths)."""
+    import numpy as np
+
+    student, load_s = _load_student(args)
+    teacher = build_teacher(args.family, args.size) if not args.no_teacher else None
+    vocab = CONFIGS[(args.family, args.size)]["vocabulary_size"]
+    limit = getattr(student, "max_sequence_length", None)
+    rng = np.random.default_rng(0)
+    rows = []
+    short, long = args.new_tokens
+    for context in args.contexts:
+        if limit is not None and context + long > limit:
+            rows.append({"context": context, "skipped": f"context + {long} new tokens > max_sequence_length={limit}"})
+            continue
+        prompt = rng.integers(0, vocab, size=(1, context)).astype("int32")
+        row = {"context": context}
+        for name, model in (("student", student), ("teacher", teacher)):
+            if model is None:
+                continue
+
+            def run(n, model=model):
+                t = time.perf_counter()
+                if model is student:
+                    model.generate(prompt, max_length=context + n, stop_token_ids=None)
+                else:
+                    model.generate({"token_ids": prompt, "padding_mask": np.ones_like(prompt)}, max_length=context + n, stop_token_ids=None)
+                return time.perf_counter() - t
+
+            t = time.perf_counter()
+            run(short)
+            first = time.perf_counter() - t
+            diffs = []
+            for _ in range(args.repeats):
+                diffs.append((run(long) - run(short)) / (long - short))
+            row[f"{name}_first_call_s"] = first
+            row[f"{name}_ms_per_token"] = 1e3 * _median(diffs)
+            row[f"{name}_ms_range"] = [1e3 * min(diffs), 1e3 * max(diffs)]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    bw = bandwidth_gib_s()
+    floor = weight_bytes(student) / (bw * 2**30) * 1e3
+    return {"load_s": load_s, "bandwidth_gib_s": bw, "weights_read_floor_ms": floor, "contexts": rows}
+
+
+STAGE_FUNCTIONS = {name: globals()[f"stage_{name}"] for name in STAGES}
+
+
+# ------------------------------------------------------------------ driver
+def _child(args):
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    t = time.perf_counter()
+    result = STAGE_FUNCTIONS[args.stage](args)
+    _, peak = _rss()
+    result.update(stage=args.stage, wall_s=time.perf_counter() - t, peak_gib=_gib(peak))
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def _run_stage(args, stage):
+    command = [sys.executable, "-m", "benchmarks.bench_linearized_decode", "--stage", stage]
+    command += ["--family", args.family, "--size", args.size, "--workdir", args.workdir]
+    command += ["--contexts", ",".join(map(str, args.contexts)), "--repeats", str(args.repeats)]
+    command += ["--new-tokens", ",".join(map(str, args.new_tokens))]
+    if args.no_teacher:
+        command.append("--no-teacher")
+    print(f"== {stage}", flush=True)
+    t = time.perf_counter()
+    process = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    result = None
+    for line in process.stdout.splitlines():
+        if line.startswith("RESULT "):
+            result = json.loads(line[len("RESULT ") :])
+        else:
+            print("   " + line, flush=True)
+    if result is None:
+        tail = "\n".join(process.stderr.strip().splitlines()[-5:])
+        result = {"stage": stage, "failed": f"exit {process.returncode}", "stderr_tail": tail}
+    result["process_s"] = time.perf_counter() - t
+    print("   " + json.dumps(result), flush=True)
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=FAMILIES, default="gpt2")
+    parser.add_argument("--size", default="base")
+    parser.add_argument("--stages", default=",".join(STAGES))
+    parser.add_argument("--stage", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--contexts", default=None, help="comma-separated prompt lengths for decode")
+    parser.add_argument("--new-tokens", default="8,40", help="short,long generate lengths; decode = their difference")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-teacher", action="store_true", help="decode: time the student only")
+    parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if (args.family, args.size) not in CONFIGS:
+        parser.error(f"no configuration {args.family} {args.size}; known: {sorted(CONFIGS)}")
+    args.contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else list(DEFAULT_CONTEXTS[args.family])
+    args.new_tokens = [int(n) for n in args.new_tokens.split(",")]
+    args.workdir = args.workdir or os.path.join("build", f"linearized_{args.family}_{args.size}")
+    os.makedirs(args.workdir, exist_ok=True)
+    if args.stage:
+        return _child(args)
+    results = {"family": args.family, "size": args.size, "config": CONFIGS[(args.family, args.size)], "stages": {}}
+    for stage in args.stages.split(","):
+        results["stages"][stage] = _run_stage(args, stage)
+    out = args.out or os.path.join("benchmarks", "results", f"linearized_{args.family}_{args.size}.json")
+    with open(out, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""ONNX weights: one copy of each weight, named by its path; external data; verify finds any damaged copy.
+
+`export_onnx` converts graphs that take the weights as inputs and stores each
+weight once, as an initializer named by its Keras path. Checked here on the
+shared limited LM export (`tests._shared_exports.limited_export`) and on one
+export of the same model with its weights in external data (the path every
+model past `EXTERNAL_DATA_THRESHOLD` takes, triggered here by the argument and
+by a lowered threshold).
+"""
+
+import os
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from keras_linattn import export
+from keras_linattn.export import _specs, onnx_export
+from tests import _shared_exports
+
+pytestmark = pytest.mark.tf_only("ONNX export runs on TensorFlow")
+
+
+def _all_tensors(graph, where="graph"):
+    """``(name, array, where)`` of every initializer and Constant value, subgraphs included (inline data only)."""
+    for tensor in graph.initializer:
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            yield tensor.name, numpy_helper.to_array(tensor), where
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.TENSOR:
+                yield node.name, numpy_helper.to_array(attribute.t), where
+            elif attribute.type == onnx.AttributeProto.GRAPH:
+                yield from _all_tensors(attribute.g, f"{where}/{node.name}")
+            elif attribute.type == onnx.AttributeProto.GRAPHS:
+                for sub in attribute.graphs:
+                    yield from _all_tensors(sub, f"{where}/{node.name}")
+
+
+def _weights(model):
+    variables = onnx_export._export_variables(model)
+    names = onnx_export.weight_names(variables)
+    return {name: np.asarray(v.numpy()) for name, v in zip(names, variables, strict=True)}
+
+
+def test_each_weight_is_stored_once_under_its_name():
+    model, _, paths = _shared_exports.limited_export()
+    weights = _weights(model)
+    read_by_some_graph = set()
+    for kind, path in paths.items():
+        proto = onnx.load(path)
+        stored = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+        for name, value in weights.items():
+            if name in stored:
+                read_by_some_graph.add(name)
+                np.testing.assert_array_equal(stored[name], value, err_msg=f"{kind}: {name}")
+        # No other tensor anywhere in the graph is a copy of a weight (transposed, reshaped or not).
+        keys = {(v.size, np.sort(v, axis=None).tobytes()): n for n, v in weights.items() if v.size > 1 and v.std() > 0}
+        for name, array, where in _all_tensors(proto.graph):
+            if name in weights or array.dtype.kind != "f" or array.size <= 1:
+                continue
+            key = (array.size, np.sort(array.astype(np.float32), axis=None).tobytes())
+            assert key not in keys, f"{kind}: {where} holds a copy of {keys[key]} as {name!r}"
+    trainable = {n for n, v in weights.items() if v.size > 1}
+    assert trainable <= read_by_some_graph, sorted(trainable - read_by_some_graph)
+    assert onnx_export._read_metadata(paths["model"])["weights"] == "named"
+
+
+@pytest.fixture(scope="module")
+def external_export(tmp_path_factory):
+    model = _shared_exports.built_limited_lm()
+    out = tmp_path_factory.mktemp("external")
+    paths = export.export_onnx(model, out / "lm.onnx", external_data=True)
+    return model, out, paths
+
+
+def test_external_data_keeps_the_weights_in_one_file_beside_the_graphs(external_export):
+    model, out, paths = external_export
+    assert paths["data"] == [str(out / "lm.onnx.data")]
+    assert sorted(os.listdir(out)) == ["lm.onnx", "lm.onnx.data", "lm_generate.onnx", "lm_step.onnx"]
+    weight_bytes = sum(v.nbytes for v in _weights(model).values())
+    assert os.path.getsize(out / "lm.onnx.data") >= weight_bytes
+    for kind in ("model", "step", "generate"):
+        proto = onnx.load(paths[kind], load_external_data=False)
+        external = [t for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+        assert external and all(t.name in _weights(model) for t in external), kind
+        assert not any(name in _weights(model) for name, _, _ in _all_tensors(proto.graph)), kind
+    assert onnx_export.read_data_header(out / "lm.onnx.data") == onnx_export._read_metadata(paths["model"])["export_id"]
+
+
+def test_external_data_computes_what_inline_weights_compute(external_export):
+    model, out, paths = external_export
+    _, _, inline = _shared_exports.limited_export()
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, _shared_exports.LIMITED_VOCAB, size=(2, 9)).astype("int32")
+    got = export.OnnxPredictor(paths["model"], device="cpu").predict({"token_ids": ids})
+    want = export.OnnxPredictor(inline["model"], device="cpu").predict({"token_ids": ids})
+    np.testing.assert_array_equal(got["logits"], want["logits"])
+    prompt = ids[:, :4]
+    tokens = export.OnnxGenerator(paths["step"], device="cpu").generate(prompt, max_length=12)
+    keras_tokens = np.asarray(model.generate(prompt, max_length=12, stop_token_ids=None))
+    np.testing.assert_array_equal(tokens, keras_tokens)
+
+
+def test_verify_passes_on_external_data(external_export):
+    model, out, paths = external_export
+    report = export.verify(model, onnx_path=paths["model"], shapes=[(1, 5)], decode_steps=4)
+    weight_rows = [r for r in report.rows if r.signature.endswith(":weights")]
+    assert len(weight_rows) == 3 and all(r.ok for r in weight_rows)
+
+
+def test_a_missing_or_foreign_data_file_is_named(external_export, tmp_path):
+    _, out, _ = external_export
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    data = copy / "lm.onnx.data"
+    raw = bytearray(data.read_bytes())
+    raw[40:72] = b"0" * 32  # another export id in the header
+    data.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match="another export"):
+        onnx_export.check_pair(copy / "lm.onnx")
+    os.remove(data)
+    with pytest.raises(ValueError, match="missing"):
+        onnx_export.check_pair(copy / "lm.onnx")
+
+
+def _damage_inline(path, name, index, factor):
+    proto = onnx.load(path)
+    for tensor in proto.graph.initializer:
+        if tensor.name == name:
+            array = numpy_helper.to_array(tensor).copy()
+            array.flat[index] *= factor
+            tensor.CopyFrom(numpy_helper.from_array(array, name))
+            break
+    else:
+        raise AssertionError(f"{name} not in {path}")
+    onnx.save(proto, path)
+
+
+def _embedding_name(model):
+    return next(n for n in _weights(model) if n.endswith("token_embedding/embeddings"))
+
+
+@pytest.mark.parametrize("kind", ["model", "step", "generate"])
+def test_verify_fails_on_one_damaged_element_of_any_graph(kind, tmp_path):
+    model, _, paths = _shared_exports.limited_export()
+    copy = tmp_path / "onnx"
+    shutil.copytree(os.path.dirname(paths["model"]), copy)
+    copied = {k: str(copy / os.path.basename(p)) for k, p in paths.items()}
+    name = _embedding_name(model)
+    # The last row of the embedding, which no verify input needs to reach, by one part in 10^4.
+    _damage_inline(copied[kind], name, -1, 1 + 1e-4)
+    report = export.verify(model, onnx_path=copied["model"], shapes=[(1, 5)], decode_steps=2, raise_on_failure=False)
+    failed = [r for r in report.failed if r.signature.endswith(":weights")]
+    assert len(failed) == 1 and name in failed[0].detail, [(r.signature, r.detail) for r in report.rows]
+    assert os.path.basename(copied[kind]) in failed[0].signature
+
+
+def test_verify_fails_on_damaged_external_data(external_export, tmp_path):
+    model, out, _ = external_export
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    name = _embedding_name(model)
+    proto = onnx.load(copy / "lm.onnx", load_external_data=False)
+    tensor = next(t for t in proto.graph.initializer if t.name == name)
+    info = {e.key: e.value for e in tensor.external_data}
+    with open(copy / "lm.onnx.data", "r+b") as f:
+        f.seek(int(info["offset"]) + 4)
+        value = np.frombuffer(f.read(4), np.float32)[0]
+        f.seek(int(info["offset"]) + 4)
+        f.write(np.float32(value * 100).tobytes())
+    report = export.verify(
+        model, onnx_path=str(copy / "lm.onnx"), shapes=[(1, 3)], decode_steps=2, raise_on_failure=False
+    )
+    failed = [r for r in report.failed if r.signature.endswith(":weights")]
+    assert len(failed) == 3 and all(name in r.detail for r in failed)  # one data file, read by the three graphs
+
+
+def test_the_size_threshold_picks_external_data(monkeypatch, tmp_path):
+    model = _shared_exports.built_limited_lm()
+    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_THRESHOLD", 100)
+    paths = export.export_onnx(model, tmp_path / "m.onnx", include_step=False)
+    assert paths["data"] == [str(tmp_path / "m.onnx.data")]
+    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_THRESHOLD", 1 << 40)
+    paths = export.export_onnx(model, tmp_path / "n.onnx", include_step=False)
+    assert "data" not in paths and not os.path.exists(tmp_path / "n.onnx.data")
+    with pytest.raises(ValueError, match="external_data"):
+        export.export_onnx(model, tmp_path / "o.onnx", external_data="yes")
+
+
+def test_an_existing_file_is_not_overwritten_without_overwrite(tmp_path):
+    model = _shared_exports.built_limited_lm()
+    path = tmp_path / "m.onnx"
+    export.export_onnx(model, path, include_step=False)
+    first = path.read_bytes()
+    with pytest.raises(ValueError, match="overwrite=True"):
+        export.export_onnx(model, path, include_step=False)
+    assert path.read_bytes() == first
+    first_id = onnx_export._read_metadata(path)["export_id"]
+    export.export_onnx(model, path, include_step=False, overwrite=True)
+    assert onnx_export._read_metadata(path)["export_id"] != first_id
+
+
+def test_the_converted_graph_holds_no_weight_values():
+    """The weights are inputs of what tf2onnx converts: its memory does not grow with them."""
+    model = _shared_exports.built_limited_lm()
+    specs = _specs.ModelSpecs(model)
+    variables = onnx_export._export_variables(model)
+    proto = onnx_export._convert(specs.step_fn(), specs.step_signature(), 17, None, variables=variables)
+    weight_elements = sum(int(np.prod(v.shape)) for v in variables)
+    constant_elements = sum(array.size for _, array, _ in _all_tensors(proto.graph))
+    assert constant_elements < weight_elements / 4, (constant_elements, weight_elements)
+    inputs = {i.name for i in proto.graph.input}
+    assert sum(name.startswith("kla_weight_") for name in inputs) > 0
