@@ -22,6 +22,12 @@ sample of ``softmax(logits / temperature)`` restricted to them.
 Every built-in sampler is one call of `sample` (temperature, top-k, top-p),
 the kernel that the exported ``generate_sampled`` signatures run too.
 
+Non-finite logits: a row whose logits hold a NaN or a +inf, or whose
+logits are all -inf, has no distribution to draw from (the model produced
+NaN/inf). Every sampler returns the sentinel `INVALID_TOKEN` (-1) for such a
+row (`nonfinite_rows`), never a token id; -inf logits beside finite ones are
+normal (filtered or masked tokens) and are never drawn.
+
 Names (`available()`): ``greedy``, ``random`` (temperature sampling),
 ``top_k``, ``top_p``.
 """
@@ -33,6 +39,7 @@ from keras_linattn import _validation
 from keras_linattn._registry import NameRegistry
 
 __all__ = [
+    "INVALID_TOKEN",
     "GreedySampler",
     "RandomSampler",
     "Sampler",
@@ -42,10 +49,17 @@ __all__ = [
     "available",
     "deserialize",
     "get",
+    "gumbel_noise",
+    "nonfinite_rows",
     "sample",
     "serialize",
+    "uniform_from_bits",
     "uniform_noise",
 ]
+
+# What a sampler returns for a row whose logits are not finite (`nonfinite_rows`):
+# never a token id.
+INVALID_TOKEN = -1
 
 
 class Sampler:
@@ -63,7 +77,8 @@ class Sampler:
         seed: ``[2]`` int32 stateless seed; required by random samplers.
 
     Returns:
-        ``[B]`` int32 token ids.
+        ``[B]`` int32 token ids; `INVALID_TOKEN` (-1) for a row whose logits
+        are not finite (`nonfinite_rows`), whatever the subclass draws.
     """
 
     is_random = True
@@ -81,8 +96,10 @@ class Sampler:
             raise ValueError(
                 f"{type(self).__name__} draws random tokens and needs a `seed` ([2] int32). Received: seed=None"
             )
-        logits = ops.cast(logits, "float32") / self.temperature  # [B, V]
-        return ops.cast(self.get_next_token(logits, seed), "int32")  # [B]
+        logits = ops.cast(logits, "float32")  # [B, V]
+        bad = nonfinite_rows(logits)  # [B], on the logits as given (a temperature may overflow finite ones)
+        ids = ops.cast(self.get_next_token(logits / self.temperature, seed), "int32")  # [B]
+        return ops.where(bad, INVALID_TOKEN, ids)
 
     def get_next_token(self, logits, seed):
         raise TypeError(f"{type(self).__name__} must define get_next_token(logits, seed).")
@@ -130,13 +147,23 @@ def _mix(x):
     return x
 
 
-def uniform_noise(seed, shape):
-    """Uniform numbers in (0, 1) for a ``[2]`` int32 `seed` and a ``[B, V]`` shape.
+UNIFORM_BITS = 23  # random bits per uniform number
 
-    A counter-based hash of (seed[0], seed[1], row, column): the same numbers
-    on every backend, in XLA, in an exported SavedModel and in ONNX. 24
-    random bits per number (float32 resolution), centred in their bins.
+
+def uniform_from_bits(bits):
+    """Maps ``UNIFORM_BITS``-bit integers ``m`` in ``[0, 2^23)`` to ``(2 m + 1) / 2^24`` (float32).
+
+    Every value is exact in float32 (``2 m + 1 < 2^24``), centred in its bin
+    of width ``2^-23`` and in ``[2^-24, 1 - 2^-24]``: never 0 and never 1,
+    so the Gumbel noise ``-log(-log(u))`` is finite (`gumbel_noise`).
+    (24 bits as ``(m + 0.5) / 2^24`` would need 25 bits of mantissa: it
+    rounds to exactly 1.0 at ``m = 2^24 - 1``.)
     """
+    return ops.cast(ops.add(ops.multiply(bits, 2), 1), "float32") * (2.0**-24)
+
+
+def _hash_bits(seed, shape):
+    """32 random bits (int32) per entry of a ``[B, V]`` shape: a hash of (seed[0], seed[1], row, column)."""
     seed = ops.cast(seed, "int32")
     rows, cols = shape[0], shape[1]
     counter = ops.add(
@@ -144,9 +171,45 @@ def uniform_noise(seed, shape):
         ops.arange(cols, dtype="int32")[None, :],
     )  # [B, V]
     key = _mix(ops.bitwise_xor(seed[0], _mix(ops.add(ops.multiply(seed[1], _as_int32(_GOLDEN)), 1))))  # []
-    bits = _mix(ops.bitwise_xor(_mix(counter), key))  # [B, V]
-    mantissa = ops.bitwise_and(ops.right_shift(bits, 8), 0xFFFFFF)  # [B, V], 24 bits
-    return (ops.cast(mantissa, "float32") + 0.5) * (1.0 / 2**24)  # [B, V]
+    return _mix(ops.bitwise_xor(_mix(counter), key))  # [B, V]
+
+
+def uniform_noise(seed, shape):
+    """Uniform numbers in (0, 1) for a ``[2]`` int32 `seed` and a ``[B, V]`` shape.
+
+    A counter-based hash of (seed[0], seed[1], row, column): the same numbers
+    on every backend, in XLA, in an exported SavedModel and in ONNX. The top
+    23 bits of the hash become ``(2 m + 1) / 2^24`` (`uniform_from_bits`):
+    exact float32 values in ``[2^-24, 1 - 2^-24]``, centred in their bins.
+    """
+    shift = 32 - UNIFORM_BITS
+    bits = ops.right_shift(_hash_bits(seed, shape), shift)  # [B, V], arithmetic shift
+    return uniform_from_bits(ops.bitwise_and(bits, 2**UNIFORM_BITS - 1))  # [B, V]
+
+
+# The smallest exponential variate -log(u) for u <= 1 - 2^-24 is ~2^-24; the
+# floor below it changes nothing where `log` is correctly rounded and keeps
+# the Gumbel noise finite where a backend's `log` rounds log(1 - 2^-24) to 0.
+_MIN_EXPONENTIAL = 2.0**-25
+
+
+def gumbel_noise(uniform):
+    """``-log(-log(u))`` for `uniform_noise` values: finite, in about [-2.82, 17.33]."""
+    exponential = ops.maximum(-ops.log(uniform), _MIN_EXPONENTIAL)  # [B, V], > 0
+    return -ops.log(exponential)
+
+
+def nonfinite_rows(logits):
+    """``[B, V] -> [B]`` bool: rows that hold a NaN or a +inf logit, or whose logits are all -inf.
+
+    Such a row has no distribution to sample (softmax is NaN or undefined):
+    the model produced NaN/inf. A row with some -inf logits beside finite
+    ones is normal (masked or filtered tokens) and is not flagged.
+    """
+    logits = ops.cast(logits, "float32")  # [B, V]
+    inf = float("inf")
+    top = ops.max(ops.where(ops.isnan(logits), inf, logits), axis=-1)  # [B]: +inf if any NaN or +inf
+    return ops.logical_not(ops.logical_and(top < inf, top > -inf))  # [B]
 
 
 def argmax(x):
@@ -154,18 +217,19 @@ def argmax(x):
 
     Written as a max and a min so that it lowers to the same plain ops on
     every backend and in ONNX (`keras.ops.argmax` on TensorFlow bit-casts
-    floats to handle -0.0, which ONNX cannot express).
+    floats to handle -0.0, which ONNX cannot express). A row where no value
+    compares ``>=`` the maximum (NaN) gives `INVALID_TOKEN`, never ``V``.
     """
     vocab = ops.shape(x)[-1]
     top = ops.max(x, axis=-1, keepdims=True)  # [B, 1]
     columns = ops.arange(vocab, dtype="int32")[None, :]  # [1, V]
-    return ops.min(ops.where(x >= top, columns, vocab), axis=-1)  # [B]
+    first = ops.min(ops.where(x >= top, columns, vocab), axis=-1)  # [B]; V where nothing matched
+    return ops.where(first < vocab, first, INVALID_TOKEN)  # [B]
 
 
 def _gumbel_argmax(logits, seed):
     """A sample of softmax(logits) per row; -inf logits are never drawn."""
-    uniform = uniform_noise(seed, ops.shape(logits))  # [B, V]
-    gumbel = -ops.log(-ops.log(uniform))  # [B, V]
+    gumbel = gumbel_noise(uniform_noise(seed, ops.shape(logits)))  # [B, V], finite
     return argmax(logits + gumbel)  # [B]
 
 
@@ -187,9 +251,12 @@ def sample(logits, seed, temperature=1.0, top_k=0, top_p=1.0):
             >= 1 keeps all.
 
     Returns:
-        ``[B]`` int32 token ids.
+        ``[B]`` int32 token ids in ``[0, V)``, or `INVALID_TOKEN` (-1) for a
+        row whose logits hold a NaN or +inf or are all -inf
+        (`nonfinite_rows`), greedy or sampled.
     """
     logits = ops.cast(logits, "float32")  # [B, V]
+    bad = nonfinite_rows(logits)  # [B]
     greedy = None
     if isinstance(temperature, (int, float, np.number)):
         if not temperature > 0:
@@ -215,9 +282,9 @@ def sample(logits, seed, temperature=1.0, top_k=0, top_p=1.0):
         threshold = ops.min(ops.where(keep, ranked, float("inf")), axis=-1, keepdims=True)  # [B, 1]
         logits = ops.where(logits >= threshold, logits, -float("inf"))  # [B, V]
     drawn = ops.cast(_gumbel_argmax(logits, seed), "int32")  # [B]
-    if greedy is None:
-        return drawn
-    return ops.where(original_temperature > 0, drawn, greedy)
+    if greedy is not None:
+        drawn = ops.where(original_temperature > 0, drawn, greedy)
+    return ops.where(bad, INVALID_TOKEN, drawn)
 
 
 _REGISTRY = NameRegistry("sampler", "sampler", Sampler)

@@ -8,7 +8,9 @@ tensors, so that TF Serving signatures and ONNX graphs carry the same names:
   ``state_<i>`` in, ``logits [B, V]`` and ``new_state_<i>`` out.
 - ``generate`` / ``generate_sampled`` (causal LMs): the decode contract of
   `keras_linattn.models.generation` (parallel prefill, then the one decoding
-  loop over ``step``), exactly what `LinearCausalLM.generate` runs.
+  loop over ``step``), exactly what `LinearCausalLM.generate` runs. A row
+  whose logits are not finite gets -1 from that position on (never a token
+  id); `LinearCausalLM.generate` and `OnnxGenerator` raise there instead.
 """
 
 import re
@@ -227,6 +229,13 @@ class ModelSpecs:
         assertion naming the argument (``InvalidArgumentError``). A graph
         without assertions (ONNX) returns ``output_ids [B, max(max_length,
         0)]`` filled with -1 instead: no token id is negative.
+
+        Non-finite logits (a row whose logits hold a NaN or +inf, or are all
+        -inf: `samplers.nonfinite_rows`) are not a request error: both
+        graphs return -1 (`generation.INVALID_TOKEN`) at the first position
+        of that row that has no token and at every later position of the
+        row; the other rows are decoded as usual. No output id is ever
+        ``>= vocabulary_size``.
         """
         from keras_linattn import samplers
         from keras_linattn.models import generation

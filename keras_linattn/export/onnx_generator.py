@@ -55,6 +55,12 @@ class OnnxGenerator:
     Returns:
         ``[B, max_length]`` int32 token ids.
 
+    Raises:
+        keras_linattn.models.generation.NonFiniteLogitsError: where the
+        logits that predict a position hold a NaN or +inf or are all -inf:
+        the generate graph returned -1 there (no token); the message names
+        the row and position.
+
     Example:
 
     >>> import os, tempfile
@@ -176,7 +182,9 @@ class OnnxGenerator:
             _specs.TOP_P: np.array(top_p, np.float32),
             _specs.SEED: np.array(int(seed), np.int64),
         }
-        return self._generate_graph().predict(feeds)[_specs.OUTPUT_IDS].astype(np.int32)
+        out = self._generate_graph().predict(feeds)[_specs.OUTPUT_IDS].astype(np.int32)
+        # The graph writes -1 from the first position whose logits were not finite.
+        return generation.check_output_tokens(out, "OnnxGenerator.generate", vocabulary_size=vocab or None)
 
     def _generate_graph(self):
         predictor = self._generate_predictor

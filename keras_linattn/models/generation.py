@@ -26,6 +26,15 @@ The contract, shared by all three:
 - **Sampling** of token ``t`` (its index in the output) uses the stateless
   seed ``[seed, t]``: the same seed gives the same tokens everywhere
   (`keras_linattn.samplers.uniform_noise`).
+- **Non-finite logits** (a row whose logits hold a NaN or +inf, or are all
+  -inf: `keras_linattn.samplers.nonfinite_rows`), or a sampler's id outside
+  ``[0, V)``, never give a token: the loop writes ``INVALID_TOKEN`` (-1)
+  at that position and at every later position of the row, marks the row
+  finished and feeds id 0 to ``step`` in its place, so the other rows
+  decode on unchanged. The graphs (SavedModel, ONNX) return those -1;
+  the Python front ends (`LinearCausalLM.generate`,
+  `keras_linattn.export.OnnxGenerator`) raise `NonFiniteLogitsError`
+  (`check_output_tokens`), naming the row and position.
 
 The decode state is described once, by the model's `state_spec` (a list of
 `StateSpec`: name, per-example shape, dtype); the initial state, the
@@ -36,6 +45,7 @@ import numpy as np
 from keras import ops
 
 from keras_linattn import _state
+from keras_linattn.samplers import INVALID_TOKEN, nonfinite_rows
 
 # The state contract lives in keras_linattn._state; re-exported here because
 # the decode contract is where models meet it.
@@ -44,14 +54,76 @@ zeros_state = _state.zeros_state
 check_state = _state.check_state
 
 __all__ = [
+    "INVALID_TOKEN",
+    "NonFiniteLogitsError",
     "StateSpec",
     "check_generate_arguments",
+    "check_output_tokens",
     "check_state",
     "decode_loop",
     "generate_tokens",
     "prefill",
     "zeros_state",
 ]
+
+
+class NonFiniteLogitsError(FloatingPointError, ValueError):
+    """Raised by `LinearCausalLM.generate` and `OnnxGenerator.generate` where no token could be drawn.
+
+    The logits that predict a position held a NaN or +inf, or were all -inf
+    (`keras_linattn.samplers.nonfinite_rows`): the model produced NaN/inf
+    there. Causes: a kernel that float32 cannot represent (eager calls raise
+    `keras_linattn.ops.core.KernelUnderflowError`; compiled decoding and
+    exported graphs give NaN instead), corrupt or NaN weights, or activations
+    that overflow. The exported graphs return `INVALID_TOKEN` (-1) at those
+    positions instead of raising.
+
+    Attributes:
+        rows: the rows (batch indices) that met non-finite logits.
+        positions: for each of `rows`, the first position (index in the
+            output, prompt included) that has no token.
+    """
+
+    def __init__(self, message, rows=(), positions=()):
+        super().__init__(message)
+        self.rows = list(rows)
+        self.positions = list(positions)
+
+
+def check_output_tokens(tokens, where="generate", vocabulary_size=None, custom_sampler=False):
+    """Raises `NonFiniteLogitsError` if `tokens` ``[B, L]`` hold `INVALID_TOKEN` (-1).
+
+    Args:
+        tokens: the ``[B, L]`` output of the decode loop (numpy).
+        where: the front end, for the message.
+        vocabulary_size: V, for outputs that hold no padding id of the
+            caller's: any id outside ``[0, V)`` is refused too (None: only
+            -1 is).
+        custom_sampler: True when the sampler is not a built-in one: an id
+            outside ``[0, V)`` may then come from the sampler itself.
+
+    Returns:
+        `tokens`, unchanged, when no position is without a token.
+    """
+    tokens = np.asarray(tokens)
+    bad = tokens == INVALID_TOKEN
+    if vocabulary_size is not None:
+        bad |= (tokens < 0) | (tokens >= vocabulary_size)
+    if not bad.any():
+        return tokens
+    rows = [int(r) for r in np.flatnonzero(bad.any(axis=1))]
+    positions = [int(np.argmax(bad[r])) for r in rows]
+    found = ", ".join(f"row {r} from position {p}" for r, p in zip(rows, positions, strict=True))
+    cause = " (or the custom sampler returned an id outside the vocabulary)" if custom_sampler else ""
+    raise NonFiniteLogitsError(
+        f"{where}: non-finite logits at row {rows[0]}, position {positions[0]}{cause}: the model produced "
+        "NaN or inf there (a NaN or +inf logit, or every logit -inf), so no token can be drawn. Causes: a kernel "
+        "that float32 cannot represent (flagged by KernelUnderflowError in eager calls, NaN in compiled or "
+        "exported graphs), corrupt or NaN weights, or activations that overflow. Rows without a token: "
+        f"{found} (the exported graphs return {INVALID_TOKEN} at those positions).",
+        rows=rows,
+        positions=positions,
+    )
 
 
 def check_generate_arguments(prompt_ids, max_length, padding_mask, vocabulary_size, max_sequence_length=None):
@@ -119,13 +191,23 @@ def decode_loop(model, sampler, tokens, logits, state, finished, index, end, see
         tokens: ``[B, L]`` int32 output buffer (prompt, then anything).
         logits: ``[B, V]`` float32 logits that predict token `index`.
         state: the decode state after token ``index - 1``.
-        finished: ``[B]`` bool, rows that already emitted a stop token.
-        index, end: int32 scalars, ``index <= end <= L``.
+        finished: ``[B]`` bool, rows that already emitted a stop token (or
+            met non-finite logits).
+        index, end: int32 scalars, ``1 <= index <= end <= L``.
         seed: ``[2]`` int32; token ``t`` is drawn with ``seed + [0, t]``.
         stop_token_ids: optional ``[K]`` int32; a row that emits one is
             finished and gets `pad_token_id` afterwards. The loop ends early
             when every row is finished.
-        pad_token_id: id written after a row's stop token.
+        pad_token_id: id written after a row's stop token (not
+            `INVALID_TOKEN`).
+
+    A row whose logits are not finite (`samplers.nonfinite_rows`), or for
+    which the sampler returns an id outside ``[0, V)``, gets
+    `INVALID_TOKEN` (-1) at that position and every later one (written at
+    once, so an early end leaves them too) and is finished; ``step`` is fed
+    id 0 for it (in range, so a graph's id check passes and the other rows
+    go on). A row is known to be in that state by the -1 at ``index - 1``
+    (a prompt holds no negative id).
 
     Returns:
         ``(tokens, logits, state, finished, index)``: the index reached is
@@ -133,20 +215,31 @@ def decode_loop(model, sampler, tokens, logits, state, finished, index, end, see
     """
     length = ops.shape(tokens)[1]
     columns = ops.arange(length, dtype="int32")[None, :]  # [1, L]
+    vocabulary_size = getattr(model, "vocabulary_size", None)
 
     def cond(tokens, logits, state, finished, index):
         return ops.logical_and(index < end, ops.logical_not(ops.all(finished)))
 
     def body(tokens, logits, state, finished, index):
         step_seed = ops.cast(seed, "int32") + ops.stack([ops.zeros_like(index), index])  # [2]
-        next_ids = ops.cast(sampler(logits, step_seed), "int32")  # [B]
-        next_ids = ops.where(finished, ops.full_like(next_ids, pad_token_id), next_ids)  # [B]
+        drawn = ops.cast(sampler(logits, step_seed), "int32")  # [B]
+        invalid = ops.logical_or(nonfinite_rows(logits), drawn < 0)  # [B]
+        if vocabulary_size is not None:
+            invalid = ops.logical_or(invalid, drawn >= vocabulary_size)
+        newly_invalid = ops.logical_and(invalid, ops.logical_not(finished))  # [B]
+        previous = ops.sum(ops.where(columns == index - 1, tokens, 0), axis=1)  # [B]: token index - 1
+        no_token = ops.logical_or(newly_invalid, previous == INVALID_TOKEN)  # [B]
+        next_ids = ops.where(finished, ops.full_like(drawn, pad_token_id), drawn)  # [B]
+        next_ids = ops.where(no_token, ops.full_like(drawn, INVALID_TOKEN), next_ids)  # [B]
         # A where, not a slice update: it lowers to plain ops on every backend and in ONNX.
         tokens = ops.where(columns == index, next_ids[:, None], tokens)  # [B, L]
+        tokens = ops.where(ops.logical_and(newly_invalid[:, None], columns > index), INVALID_TOKEN, tokens)  # [B, L]
+        finished = ops.logical_or(finished, newly_invalid)
         if stop_token_ids is not None:
             hit = ops.any(next_ids[:, None] == stop_token_ids[None, :], axis=1)  # [B]
             finished = ops.logical_or(finished, hit)
-        logits, state = model.step(next_ids, state)  # [B, V]
+        feed = ops.where(no_token, ops.zeros_like(next_ids), next_ids)  # [B]: id 0 is always valid for `step`
+        logits, state = model.step(feed, state)  # [B, V]
         return tokens, ops.cast(logits, "float32"), list(state), finished, index + 1
 
     return ops.while_loop(cond, body, (tokens, logits, list(state), finished, index))
@@ -162,7 +255,8 @@ def generate_tokens(model, sampler, prompt_ids, padding_mask, max_length, seed, 
         seed: ``[2]`` int32.
 
     Returns:
-        ``[B, max_length]`` int32 token ids.
+        ``[B, max_length]`` int32 token ids; `INVALID_TOKEN` (-1) from the
+        first position of a row whose logits were not finite (`decode_loop`).
     """
     prompt_ids = ops.cast(prompt_ids, "int32")
     batch, prompt_length = ops.shape(prompt_ids)[0], ops.shape(prompt_ids)[1]

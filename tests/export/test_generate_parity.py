@@ -179,3 +179,94 @@ def test_one_decode_loop_in_the_package():
 # JAX's `generate` against TensorFlow's tokens for `_lm("elu")`:
 # tests/contracts/test_jax_backend.py::test_jax_backend_generates_tensorflows_tokens (its JAX
 # subprocess runs both checks: one JAX start instead of two).
+
+
+# -------------------------------------------------------- non-finite logits
+@pytest.fixture(scope="module")
+def nan_exported(tmp_path_factory):
+    """An LM with NaN input embeddings for one or two tokens (tests/models/test_causal_lm.py), exported.
+
+    Returns ``(lm, SavedModelRunner, onnx paths, expected)``: ``expected[sampler name]`` is the clean
+    model's output with -1 from each row's first position without a token (some rows meet a NaN
+    token mid-generation, some never).
+    """
+    from tests.models.test_causal_lm import (
+        NAN_LENGTH,
+        NAN_PROMPT,
+        NAN_SAMPLERS,
+        _first_without_token,
+        _pick_nan_tokens,
+        _set_nan_embeddings,
+        _spread_lm,
+    )
+
+    lm = _spread_lm()
+    cleans = {
+        name: lm.generate(NAN_PROMPT, max_length=NAN_LENGTH, sampler=sampler, seed=seed)
+        for name, (sampler, seed) in NAN_SAMPLERS.items()
+    }
+    tokens = _pick_nan_tokens(*cleans.values())
+    _set_nan_embeddings(lm, tokens)
+    expected = {}
+    for name, clean in cleans.items():
+        expected[name] = clean.copy()
+        for row, position in enumerate(_first_without_token(clean, tokens)):
+            if position is not None:
+                expected[name][row, position:] = -1
+        assert (expected[name] == -1).any() and (expected[name] != -1).all(axis=1).any(), expected[name]
+    out = tmp_path_factory.mktemp("nan_lm")
+    version_dir = export.export_saved_model(lm, str(out / "sm"), warmup=False)
+    paths = export.export_onnx(lm, str(out / "lm.onnx"))
+    return lm, export.SavedModelRunner(version_dir), paths, expected
+
+
+def _nan_feeds(name):
+    from tests.models.test_causal_lm import NAN_LENGTH, NAN_PROMPT, NAN_SAMPLERS
+
+    sampler, seed = NAN_SAMPLERS[name]
+    return NAN_PROMPT, NAN_LENGTH, sampler, seed
+
+
+@pytest.mark.parametrize("name", ["greedy", "top_k"])
+def test_saved_model_generate_returns_the_sentinel_for_nonfinite_logits(nan_exported, name):
+    _, runner, _, expected = nan_exported
+    prompt, length, sampler, seed = _nan_feeds(name)
+    out = _saved_model_tokens(runner, prompt, np.ones_like(prompt), length, sampler, seed)
+    np.testing.assert_array_equal(out, expected[name])
+
+
+@pytest.mark.parametrize("name", ["greedy", "top_k"])
+def test_onnx_generate_graph_returns_the_sentinel_and_onnx_generator_raises(nan_exported, name):
+    from keras_linattn.export.onnx_predictor import OnnxPredictor
+
+    _, _, paths, expected = nan_exported
+    prompt, length, sampler, seed = _nan_feeds(name)
+    temperature, top_k, top_p = (0.0, 0, 1.0) if name == "greedy" else sampler.sampling_params()
+    feeds = {
+        "prompt_ids": prompt,
+        "padding_mask": np.ones_like(prompt),
+        "max_length": np.array(length, np.int32),
+        "temperature": np.array(temperature, np.float32),
+        "top_k": np.array(top_k, np.int32),
+        "top_p": np.array(top_p, np.float32),
+        "seed": np.array(seed, np.int64),
+    }
+    raw = OnnxPredictor(paths["generate"], device="cpu").predict(feeds)["output_ids"]
+    np.testing.assert_array_equal(raw, expected[name])
+    rows = [r for r in range(len(prompt)) if (expected[name][r] == -1).any()]
+    positions = [int(np.argmax(expected[name][r] == -1)) for r in rows]
+    generator = export.OnnxGenerator(paths["step"], device="cpu")
+    with pytest.raises(generation.NonFiniteLogitsError) as info:
+        generator.generate(prompt, max_length=length, sampler=sampler, seed=seed)
+    assert f"OnnxGenerator.generate: non-finite logits at row {rows[0]}, position {positions[0]}" in str(info.value)
+    assert info.value.rows == rows and info.value.positions == positions
+
+
+def test_keras_generate_raises_where_the_exports_return_the_sentinel(nan_exported):
+    lm, _, _, expected = nan_exported
+    prompt, length, sampler, seed = _nan_feeds("top_k")
+    rows = [r for r in range(len(prompt)) if (expected["top_k"][r] == -1).any()]
+    with pytest.raises(generation.NonFiniteLogitsError) as info:
+        lm.generate(prompt, max_length=length, sampler=sampler, seed=seed)
+    assert info.value.rows == rows
+    assert info.value.positions == [int(np.argmax(expected["top_k"][r] == -1)) for r in rows]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from keras_linattn import feature_maps, samplers
-from keras_linattn.models import LinearCausalLM
+from keras_linattn.models import LinearCausalLM, generation
 from tests._backend import gradients
 from tests._helpers import layer_conditioning, run_steps, step_test_feature_map
 from tests.tolerance import assert_close, assert_rows_close
@@ -309,3 +309,124 @@ def test_save_and_load_every_feature_map(rng, tmp_path, feature_map):
     restored = keras.models.load_model(path)
     # Two float32 runs of the same weights (paths=2).
     assert_close(restored(ids), expected, n=_n_logits(lm, ids.shape[1]), conditioning=_conditioning(lm, ids), paths=2)
+
+
+# ------------------------------------------------------- non-finite logits
+NAN_PROMPT = np.array([[1, 2, 3], [4, 5, 6], [7, 8, 9]], "int32")
+NAN_LENGTH = 11
+NAN_SAMPLERS = {"greedy": (samplers.get("greedy"), 0), "top_k": (samplers.get("top_k", k=5), 3)}
+
+
+def _spread_lm():
+    """Untied embeddings, weights of scale 0.5: the tokens of a row vary (the default init repeats one)."""
+    lm = _lm(tie_embeddings=False)
+    lm(NAN_PROMPT)
+    rng = np.random.default_rng(7)
+    for w in lm.trainable_weights:
+        w.assign((rng.standard_normal(w.shape) * 0.5).astype("float32"))
+    return lm
+
+
+def _first_without_token(clean, tokens, prompt_length=NAN_PROMPT.shape[1]):
+    """Per row of `clean` ``[B, L]``: the first position whose logits have seen one of `tokens` (None: never).
+
+    With a NaN input embedding for those tokens, feeding one makes its row's state, and so every
+    later logit of that row, NaN (the other rows are untouched): the first position without a token
+    is right after the row's first such token (the prompt's end if the prompt holds one).
+    """
+    first = []
+    for row in np.asarray(clean):
+        hits = np.flatnonzero(np.isin(row[:-1], list(tokens)))
+        first.append(None if not len(hits) else max(int(hits[0]) + 1, prompt_length))
+    return first
+
+
+def _pick_nan_tokens(*cleans, prompt_length=NAN_PROMPT.shape[1]):
+    """One or two tokens that, in each clean output, one row meets mid-generation and another never
+    (preferring a choice that a prompt holds too)."""
+    singles = [(t,) for t in range(VOCAB)]
+    pairs = [(a, b) for a in range(VOCAB) for b in range(a + 1, VOCAB)]
+    for choices in (singles, pairs):
+        candidates = []
+        for tokens in choices:
+            firsts = [_first_without_token(clean, tokens, prompt_length) for clean in cleans]
+            if all(None in f and any(p is not None and p > prompt_length for p in f) for f in firsts):
+                candidates.append((not any(prompt_length in f for f in firsts), tokens))
+        if candidates:
+            return min(candidates)[1]
+    raise AssertionError(f"no tokens are met mid-generation by one row and never by another: {cleans}")
+
+
+def _set_nan_embeddings(lm, tokens):
+    embeddings = lm.backbone.token_embedding.embeddings
+    value = np.asarray(embeddings).copy()
+    value[list(tokens)] = np.nan
+    embeddings.assign(value)
+
+
+def _nan_token_case(sampler_name):
+    """``(lm, clean tokens, first)``: `lm` with NaN input embeddings for tokens from `_pick_nan_tokens`;
+    ``first`` as `_first_without_token` gives it."""
+    lm = _spread_lm()
+    sampler, seed = NAN_SAMPLERS[sampler_name]
+    clean = lm.generate(NAN_PROMPT, max_length=NAN_LENGTH, sampler=sampler, seed=seed)
+    tokens = _pick_nan_tokens(clean)
+    _set_nan_embeddings(lm, tokens)
+    return lm, clean, _first_without_token(clean, tokens)
+
+
+@pytest.mark.parametrize("sampler_name", list(NAN_SAMPLERS))
+def test_generate_raises_on_nonfinite_logits_naming_row_and_position(sampler_name):
+    lm, clean, first = _nan_token_case(sampler_name)
+    sampler, seed = NAN_SAMPLERS[sampler_name]
+    rows = [r for r, p in enumerate(first) if p is not None]
+    for block_size in (None, 2):  # one compiled loop; blocks of 2 end early when every row is done
+        with pytest.raises(generation.NonFiniteLogitsError) as info:
+            lm.generate(NAN_PROMPT, max_length=NAN_LENGTH, sampler=sampler, seed=seed, block_size=block_size)
+        assert f"non-finite logits at row {rows[0]}, position {first[rows[0]]}" in str(info.value)
+        assert "NaN" in str(info.value) and "KernelUnderflowError" in str(info.value)
+        assert info.value.rows == rows and info.value.positions == [first[r] for r in rows], block_size
+    assert isinstance(info.value, FloatingPointError) and isinstance(info.value, ValueError)
+
+
+def test_decode_loop_writes_the_sentinel_and_other_rows_decode_on():
+    """The graphs' contract (SavedModel, ONNX): -1 from the first position without a token, every
+    other token as in the clean model, and the step's id checks (graph assertions) never fire.
+    Sampled here; greedy through the SavedModel in tests/export/test_generate_parity.py."""
+    import tensorflow as tf
+
+    lm, clean, first = _nan_token_case("top_k")
+    sampler, seed = NAN_SAMPLERS["top_k"]
+
+    @tf.function  # a graph with the step's id assertions (the SavedModel's form)
+    def run(prompt):
+        mask = tf.ones_like(prompt)
+        return generation.generate_tokens(lm, sampler, prompt, mask, NAN_LENGTH, tf.constant([seed, 0]))
+
+    out = np.asarray(run(tf.constant(NAN_PROMPT)))
+    expected = clean.copy()
+    for row, position in enumerate(first):
+        if position is not None:
+            expected[row, position:] = -1
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_generate_raises_where_a_kernel_underflows():
+    """favor+ with query/key kernels x100: the eager layer raises KernelUnderflowError; compiled
+    decoding gets NaN logits, and `generate` raises instead of returning ids (it returned V)."""
+    from keras_linattn.ops.core import KernelUnderflowError
+
+    lm = _lm("favor+")
+    lm(NAN_PROMPT)
+    for w in lm.weights:
+        if w.path.endswith(("query/kernel", "key/kernel")):
+            w.assign(np.asarray(w) * 100)
+    with pytest.raises(KernelUnderflowError):
+        lm(NAN_PROMPT)
+    with pytest.raises(generation.NonFiniteLogitsError, match=r"non-finite logits at row 0, position 3"):
+        lm.generate(NAN_PROMPT, max_length=8, sampler="top_k", seed=1)
+
+
+def test_generate_refuses_the_sentinel_as_pad_token_id(rng):
+    with pytest.raises(ValueError, match=r"pad_token_id.*-1"):
+        _lm().generate(_ids(rng), max_length=9, pad_token_id=-1)

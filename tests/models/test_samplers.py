@@ -103,3 +103,114 @@ def test_bad_arguments_raise():
         samplers.GreedySampler()(LOGITS)
     with pytest.raises(ValueError, match="kwargs"):
         samplers.get(samplers.GreedySampler(), temperature=2.0)
+
+
+# ------------------------------------------------ the noise at its extremes
+# Seeds [0, t] whose hash reaches the largest 23-bit value (top bits all ones) somewhere in a
+# [16, 128256] draw: (t, row, column), found by scanning t = 0..99 with `samplers._hash_bits`
+# (the top 23 of its 32 bits all ones).
+# Until the 23-bit mapping, these entries were exactly 1.0 in float32: Gumbel noise +inf,
+# NaN on a filtered (-inf) logit, and the id 128256 (= V) from a top-k draw.
+LLAMA_VOCAB, EXTREME_ROWS = 128256, 16
+EXTREME_SEEDS = [(15, 14, 118788), (30, 15, 64330), (33, 2, 29030), (86, 3, 125598)]
+
+
+def test_uniform_from_bits_every_value_exact_centred_and_inside_the_open_interval():
+    m = np.arange(2**samplers.UNIFORM_BITS, dtype=np.int32)  # all 2^23 values
+    u = np.asarray(samplers.uniform_from_bits(m))
+    assert u.dtype == np.float32
+    np.testing.assert_array_equal(u.astype(np.float64), (2.0 * m + 1.0) / 2.0**24)  # exact: centred in each bin
+    assert u[0] == 2.0**-24 and u[-1] == 1.0 - 2.0**-24
+    assert (np.diff(u) > 0).all()  # strictly increasing: no two bit patterns share a value
+    gumbel = np.asarray(samplers.gumbel_noise(u))
+    assert np.isfinite(gumbel).all(), (gumbel.min(), gumbel.max())
+    assert (np.diff(gumbel) >= 0).all()  # monotone in u
+    assert -2.82 < gumbel.min() and gumbel.max() < 17.34
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_uniform_noise_never_reaches_1_at_the_extreme_hash(jit_compile):
+    t, row, column = EXTREME_SEEDS[0]
+    seed = tf.constant([0, t], "int32")
+    shape = (EXTREME_ROWS, LLAMA_VOCAB)
+    noise = tf.function(lambda s: samplers.uniform_noise(s, shape), jit_compile=jit_compile)
+    u = np.asarray(noise(seed))
+    assert u[row, column] == u.max() == np.float32(1.0 - 2.0**-24)  # the largest value, never 1.0
+    assert 0.0 < u.min()
+    gumbel = np.asarray(tf.function(samplers.gumbel_noise, jit_compile=jit_compile)(u))
+    assert np.isfinite(gumbel).all(), gumbel[row, column]
+
+
+def test_top_k_draws_at_a_128k_vocabulary_are_all_in_range():
+    """Millions of draws (16 rows x 128,256 x 6 seeds, four of them at the extreme of the noise)
+    with top-k 50, so that almost every logit is -inf: every id is one of the row's top 50.
+
+    In a TensorFlow graph, where a NaN row gave the id V (XLA picked a valid token there)."""
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((EXTREME_ROWS, LLAMA_VOCAB)).astype("float32")
+    top50 = np.argsort(-logits, axis=1)[:, :50]
+    draw = tf.function(lambda x, s: samplers.sample(x, s, 1.0, 50, 1.0))
+    for t in [t for t, _, _ in EXTREME_SEEDS] + [0, 1]:
+        ids = np.asarray(draw(logits, tf.constant([0, t], "int32")))
+        assert ((ids >= 0) & (ids < LLAMA_VOCAB)).all(), (t, ids)
+        assert all(ids[r] in top50[r] for r in range(EXTREME_ROWS)), t
+
+
+# ---------------------------------------------------- non-finite logits
+def _poisoned_logits(rng):
+    """Rows 0 and 5 normal (row 5 with -inf logits beside finite ones); rows 1-4 have no distribution."""
+    logits = rng.normal(size=(6, 12)).astype("float32")
+    logits[1, 7] = np.nan  # one NaN
+    logits[2, 3] = np.inf  # one +inf
+    logits[3, :] = -np.inf  # every logit -inf
+    logits[4, :] = np.nan  # every logit NaN
+    logits[5, ::2] = -np.inf  # masked tokens: normal
+    return logits
+
+
+BAD_ROWS = [1, 2, 3, 4]
+
+
+def test_nonfinite_rows():
+    logits = _poisoned_logits(np.random.default_rng(0))
+    assert np.asarray(samplers.nonfinite_rows(logits)).tolist() == [False, True, True, True, True, False]
+    assert samplers.INVALID_TOKEN == -1
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
+@pytest.mark.parametrize(
+    "sampler",
+    [
+        samplers.get("greedy"),
+        samplers.get("random", temperature=0.8),
+        samplers.get("top_k", k=3),
+        samplers.get("top_p", p=0.7, temperature=1.3),
+    ],
+    ids=lambda s: type(s).__name__,
+)
+def test_nonfinite_rows_give_the_sentinel_and_other_rows_are_unchanged(rng, mode, sampler):
+    logits = _poisoned_logits(rng)
+    clean = logits.copy()
+    clean[BAD_ROWS] = rng.normal(size=(len(BAD_ROWS), 12))
+    seed = tf.constant([3, 9], "int32")
+    call = lambda x, s: sampler(x, seed=s)  # noqa: E731
+    if mode != "eager":
+        call = tf.function(call, jit_compile=mode == "xla")
+    ids = np.asarray(call(logits, seed))
+    assert ids[BAD_ROWS].tolist() == [-1] * len(BAD_ROWS)  # the sentinel, samplers.INVALID_TOKEN
+    np.testing.assert_array_equal(ids[[0, 5]], np.asarray(call(clean, seed))[[0, 5]])
+    assert ids[5] % 2 == 1  # never a -inf token
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
+def test_sample_kernel_gives_the_sentinel_greedy_and_sampled(rng, mode):
+    """`sample` with tensor settings (as in the exported graphs): temperature 0 is greedy."""
+    logits = _poisoned_logits(rng)
+    seed = tf.constant([5, 2], "int32")
+    call = samplers.sample
+    if mode != "eager":
+        call = tf.function(call, jit_compile=mode == "xla")
+    for temperature, top_k, top_p in [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 4, 1.0), (1.2, 0, 0.6), (1.0, 3, 0.5)]:
+        ids = np.asarray(call(logits, seed, tf.constant(temperature), tf.constant(top_k, "int32"), tf.constant(top_p)))
+        assert ids[BAD_ROWS].tolist() == [-1] * len(BAD_ROWS), (temperature, top_k, top_p)
+        assert 0 <= ids[0] < 12 and ids[5] % 2 == 1, (temperature, top_k, top_p, ids)
