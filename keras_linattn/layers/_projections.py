@@ -59,6 +59,55 @@ class _ProjectionDense(keras.layers.EinsumDense):
     def compute_mask(self, inputs, previous_mask=None):
         return None
 
+    # LoRA (`keras_linattn.linearization.enable_lora`). Keras' `EinsumDense`
+    # writes a LoRA kernel merged (``W + (alpha / r) A B``) and, loading,
+    # zeroes A and B: the adapters and the frozen W are lost, and the zeroed
+    # adapters can no longer train (both gradients are 0). A projection whose
+    # adapters the model's config records (`lora_in_config`, set by
+    # `enable_lora` inside a `LinearBackbone`) writes W, the bias, A and B as
+    # they are; one whose config cannot record them refuses to be saved.
+    # `lora_save_merged` (set by `merge_lora` while it copies the weights)
+    # writes Keras' merged layout.
+    lora_in_config = False
+    lora_save_merged = False
+
+    def save_own_variables(self, store):
+        if not self.lora_enabled or self.quantization_mode is not None or self.lora_save_merged:
+            return super().save_own_variables(store)
+        if not self.lora_in_config:
+            raise ValueError(
+                f"The projection {self.path!r} has LoRA adapters, which this model's config does not record: "
+                "a saved file would hold the merged kernel and lose the adapters, their rank and alpha and the "
+                "frozen weights. Merge first: `merged = keras_linattn.linearization.merge_lora(model)`, then save "
+                "`merged`; or linearize a keras-hub teacher (a `LinearCausalLM`), whose files keep the adapters."
+            )
+        store["0"] = self._kernel
+        if self.bias is not None:
+            store["1"] = self.bias
+        store["lora_kernel_a"] = self.lora_kernel_a
+        store["lora_kernel_b"] = self.lora_kernel_b
+
+    def load_own_variables(self, store):
+        if "lora_kernel_a" in store.keys():
+            if not self.lora_enabled or self.quantization_mode is not None:
+                raise ValueError(
+                    f"The weights of {self.path!r} hold LoRA adapters but the layer has none: load them into a "
+                    "model with the same adapters (`keras_linattn.linearization.enable_lora`)."
+                )
+            self._kernel.assign(store["0"])
+            if self.bias is not None:
+                self.bias.assign(store["1"])
+            self.lora_kernel_a.assign(store["lora_kernel_a"])
+            self.lora_kernel_b.assign(store["lora_kernel_b"])
+            return
+        if not self.lora_enabled or self.quantization_mode is not None:
+            return super().load_own_variables(store)
+        # A merged kernel into a LoRA layer: Keras zeroes A and B, which then
+        # never train; keep A (B = 0 keeps the merged function).
+        a = ops.convert_to_numpy(self.lora_kernel_a)
+        super().load_own_variables(store)
+        self.lora_kernel_a.assign(a)
+
 
 class ProjectedAttention(CheckpointTracked, keras.layers.Layer):
     """Base of the attention layers: MultiHeadAttention's arguments, projections and call.

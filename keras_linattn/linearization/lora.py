@@ -7,16 +7,27 @@ everything else, feature maps included, is frozen. Keras' own LoRA
 (`keras.layers.EinsumDense.enable_lora`) does the work; `merge_lora` gives a
 model of the same architecture without adapters, whose kernels are
 ``W + (alpha / rank) A B``, for export.
+
+Saving. In a `LinearCausalLM` / `LinearBackbone` the backbone's config
+records the adapters (``"lora": {"rank", "alpha"}``): a `.keras` file, a
+preset or ``save_weights`` keeps W, A, B, the rank, alpha, the frozen
+weights and (`.keras`) the optimizer's state, so training resumes where it
+stopped. Any other model (functional, Sequential, subclassed) cannot record
+them in its config: saving it with adapters raises, naming `merge_lora`.
 """
 
+import contextlib
 import os
 import tempfile
+
+import keras
 
 from keras_linattn._capture import walk_layers
 from keras_linattn._validation import check_positive_int
 from keras_linattn.layers.linear_attention import LinearAttention
 
 __all__ = ["PROJECTIONS", "enable_lora", "lora_variables", "merge_lora"]
+
 
 # The projections of a `LinearAttention` layer that take adapters (their layer names).
 PROJECTIONS = ("query", "key", "value", "attention_output")
@@ -33,8 +44,49 @@ def _projections(layer):
     return [layer.query_dense, layer.key_dense, layer.value_dense, layer.output_dense]
 
 
+def _freeze(layers):
+    """Freezes every layer of `layers` that holds weights.
+
+    Layers without weights are left alone: a feature-map template (an
+    untracked attribute of a backbone or block, serialized into its config)
+    would otherwise carry ``trainable=False`` into every map built from it.
+    """
+    for layer in layers:
+        if layer.weights:
+            layer.trainable = False  # Keras trains by variable flag
+
+
+def _add_adapters(attention, rank, alpha, in_config):
+    """Adapters on the q/k/v/o projections of the `attention` layers, their kernels and biases frozen."""
+    for layer in attention:
+        for dense in _projections(layer):
+            dense.trainable = True  # Keras creates the adapters trainable only in a trainable layer
+            dense.enable_lora(rank, lora_alpha=alpha)  # new A, B; the kernel is frozen by Keras
+            if dense.bias is not None:
+                dense.bias.trainable = False
+            dense.lora_in_config = in_config
+
+
+def _check_rank_alpha(rank, alpha):
+    check_positive_int("rank", rank)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+        raise ValueError(f"`alpha` must be a positive number. Received: alpha={alpha!r}")
+
+
+def _stacks(model):
+    """The `LinearBackbone` decoder stacks inside `model` (their configs can record LoRA)."""
+    from keras_linattn.models.backbone import _DecoderStack
+
+    return [layer for layer in walk_layers(model) if isinstance(layer, _DecoderStack)]
+
+
 def enable_lora(model, rank=8, alpha=16):
     """Freezes `model` and puts LoRA adapters on every `LinearAttention`'s q/k/v/o projections.
+
+    In a `LinearCausalLM` / `LinearBackbone` the adapters are part of the
+    model's config and weights: `.keras` files, presets and ``save_weights``
+    keep them (see the module docstring). Other models refuse to be saved
+    until `merge_lora`.
 
     Args:
         model: a model holding `LinearAttention` layers (e.g. from
@@ -52,28 +104,55 @@ def enable_lora(model, rank=8, alpha=16):
         ValueError: for a model without `LinearAttention`, a rank that is not
             a positive int, or projections that already have adapters.
     """
-    check_positive_int("rank", rank)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
-        raise ValueError(f"`alpha` must be a positive number. Received: alpha={alpha!r}")
+    _check_rank_alpha(rank, alpha)
     attention = _attention_layers(model)
     for layer in attention:
         for dense in _projections(layer):
             if dense.lora_enabled:
                 raise ValueError(f"LoRA is already enabled on {dense.path}. Received: rank={rank}")
+    stacks = _stacks(model)
+    recorded = {id(layer) for stack in stacks for block in stack.decoder_blocks for layer in walk_layers(block)}
     model.trainable = True
-    for layer in walk_layers(model)[1:]:
-        layer.trainable = False  # every variable below the model (Keras trains by variable flag)
-    for layer in attention:
-        for dense in _projections(layer):
-            dense.trainable = True  # Keras creates the adapters trainable only in a trainable layer
-            dense.enable_lora(rank, lora_alpha=alpha)  # new A, B; the kernel is frozen by Keras
-            if dense.bias is not None:
-                dense.bias.trainable = False
+    _freeze(walk_layers(model)[1:])
+    _add_adapters([layer for layer in attention if id(layer) in recorded], rank, alpha, in_config=True)
+    _add_adapters([layer for layer in attention if id(layer) not in recorded], rank, alpha, in_config=False)
+    for stack in stacks:
+        stack.lora_rank, stack.lora_alpha = rank, alpha
     adapters = lora_variables(model)
     trainable = {id(v) for v in model.trainable_variables}
     if trainable != {id(v) for v in adapters}:
         raise RuntimeError("LoRA: the trainable variables are not exactly the adapters")
     return adapters
+
+
+def restore_lora(stack, lora):
+    """Re-applies `enable_lora` to a `LinearBackbone`'s decoder stack built from a config with ``"lora"``."""
+    if not isinstance(lora, dict) or set(lora) != {"rank", "alpha"}:
+        raise ValueError(f'`lora` must be None or {{"rank": r, "alpha": a}}. Received: lora={lora!r}')
+    _check_rank_alpha(lora["rank"], lora["alpha"])
+    _freeze(walk_layers(stack)[1:])
+    _add_adapters([block.attention for block in stack.decoder_blocks], lora["rank"], lora["alpha"], in_config=True)
+    stack.lora_rank, stack.lora_alpha = lora["rank"], lora["alpha"]
+
+
+def lora_config(stack):
+    """The ``"lora"`` entry of a decoder stack's config: None, or ``{"rank", "alpha"}``.
+
+    Raises:
+        ValueError: if variables other than the adapters were made trainable
+            after `enable_lora` (the config records only its layout).
+    """
+    if getattr(stack, "lora_rank", None) is None:
+        return None
+    adapters = {id(v) for block in stack.decoder_blocks for v in lora_variables(block)}
+    extra = [v.path for v in stack.variables if v.trainable and id(v) not in adapters]
+    if extra:
+        raise ValueError(
+            "The model has LoRA adapters and other trainable variables; its config records only "
+            "`enable_lora`'s layout (the adapters trainable, everything else frozen), so a saved copy would "
+            f"reload with these frozen. Freeze them again, or merge first (`merge_lora`). Received: {extra}"
+        )
+    return {"rank": stack.lora_rank, "alpha": stack.lora_alpha}
 
 
 def lora_variables(model):
@@ -86,29 +165,70 @@ def lora_variables(model):
     return out
 
 
+@contextlib.contextmanager
+def _without_lora_record(model):
+    """Within: the model's config has no ``"lora"`` entry and its projections save merged kernels."""
+    stacks = [(stack, stack.lora_rank, stack.lora_alpha) for stack in _stacks(model)]
+    denses = [dense for layer in _attention_layers(model) for dense in _projections(layer) if dense.lora_enabled]
+    try:
+        for stack, _, _ in stacks:
+            stack.lora_rank = stack.lora_alpha = None
+        for dense in denses:
+            dense.lora_save_merged = True
+        yield
+    finally:
+        for stack, rank, alpha in stacks:
+            stack.lora_rank, stack.lora_alpha = rank, alpha
+        for dense in denses:
+            dense.lora_save_merged = False
+
+
+def _compile_like(fresh, model):
+    """Compiles `fresh` as `model` is (a fresh optimizer of the same config; loss, metrics, sampler)."""
+    if not getattr(model, "compiled", False):
+        return
+    # keras.Model's: LinearCausalLM's own would build `model`'s optimizer.
+    config = keras.Model.get_compile_config(model)
+    sampler = getattr(model, "sampler", None)
+    if sampler is not None and hasattr(type(model), "make_generate_function"):
+        from keras_linattn.models.causal_lm import _serialize_sampler
+
+        config = dict(config, sampler=_serialize_sampler(sampler))
+    fresh.compile_from_config(config)
+
+
 def merge_lora(model):
     """A new model of the same architecture with the adapters merged into the kernels (for export).
 
-    Keras writes a LoRA projection's weights merged (``W + (alpha / r) A B``)
-    when it saves them; the model is saved that way and loaded into a fresh
-    model built from its config (which has no adapters). The argument is
-    left unchanged.
+    Each projection's kernel becomes ``W + (alpha / r) A B``; everything
+    else is copied. The argument is left unchanged.
+
+    Compile settings: a compiled argument's loss, metrics, `jit_compile`
+    etc. and (`LinearCausalLM`) sampler are kept, with a fresh optimizer of
+    the same class and configuration (its state belonged to the adapters).
+    An uncompiled `LinearCausalLM` gives one compiled with keras-hub's
+    defaults, as `from_config` and `from_preset` do; other uncompiled
+    models give uncompiled ones.
 
     Returns:
-        A model of the argument's class, all weights trainable, no adapters.
+        A model of the argument's class, every weight trainable (feature
+        maps and gammas included), no adapters.
     """
     if not lora_variables(model):
         raise ValueError("The model has no LoRA adapters to merge; call `enable_lora` first.")
-    config = model.get_config()
-    preprocessor = getattr(model, "preprocessor", None)
-    if preprocessor is not None:
-        # A keras-hub task: its preprocessor (tokenizer assets included) is shared, not rebuilt from config.
-        config = dict(config, preprocessor=None)
-    fresh = model.__class__.from_config(config)
-    if preprocessor is not None:
-        fresh.preprocessor = preprocessor
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "merged.weights.h5")
-        model.save_weights(path)
-        fresh.load_weights(path)
+    with _without_lora_record(model):
+        config = model.get_config()
+        preprocessor = getattr(model, "preprocessor", None)
+        if preprocessor is not None:
+            # A keras-hub task: its preprocessor (tokenizer assets included) is shared, not rebuilt from config.
+            config = dict(config, preprocessor=None)
+        fresh = model.__class__.from_config(config)
+        if preprocessor is not None:
+            fresh.preprocessor = preprocessor
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "merged.weights.h5")
+            model.save_weights(path)
+            fresh.load_weights(path)
+    fresh.trainable = True  # a functional config records the frozen layers
+    _compile_like(fresh, model)
     return fresh

@@ -35,6 +35,7 @@ Shape legend: B batch, T query length, S key length.
 """
 
 import keras
+import numpy as np
 from keras import ops
 
 from keras_linattn._capture import CallHooks, walk_layers
@@ -224,6 +225,43 @@ def _transfer_objective(teacher, student, pairs, names):
     return objective
 
 
+def _check_first_batch(teacher, x):
+    """Refuses a first batch the teacher cannot run, before the teacher's own (raw TF) error.
+
+    Token ids (an integer tensor, or the ``"token_ids"`` of a dict) must lie
+    in ``[0, vocabulary_size)`` and rows may not be longer than
+    ``max_sequence_length``, where the teacher (or its ``backbone``, as in
+    keras-hub tasks) has these attributes. Float inputs must be finite.
+    """
+    ids = x.get("token_ids") if isinstance(x, dict) else x
+    backbone = getattr(teacher, "backbone", teacher)
+    if ids is not None and not isinstance(ids, (list, tuple, dict)):
+        ids = ops.convert_to_numpy(ids)
+        if ids.dtype.kind in "iu" and ids.ndim == 2 and ids.size:
+            vocabulary = getattr(backbone, "vocabulary_size", None)
+            low, high = int(ids.min()), int(ids.max())
+            if isinstance(vocabulary, int) and (low < 0 or high >= vocabulary):
+                raise ValueError(
+                    f"`data` holds token ids outside the teacher's vocabulary [0, {vocabulary}): map them into it "
+                    f"(or use the teacher's tokenizer). Received: vocabulary_size={vocabulary}, ids min={low}, "
+                    f"max={high} in the first batch"
+                )
+            limit = getattr(backbone, "max_sequence_length", None)
+            if isinstance(limit, int) and ids.shape[1] > limit:
+                raise ValueError(
+                    f"`data` holds sequences of {ids.shape[1]} tokens, longer than the teacher's "
+                    f"max_sequence_length={limit}: cut them to at most {limit} tokens (e.g. "
+                    f"`sequence_length={limit}` in the preprocessor). Received: first batch shape {ids.shape}"
+                )
+    for value in x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple)) else [x]:
+        value = ops.convert_to_numpy(value)
+        if value.dtype.kind == "f" and not np.isfinite(value).all():
+            raise ValueError(
+                "`data` holds NaN or inf values in its first batch: clean or drop those examples "
+                f"(np.isfinite). Received: {int(np.size(value) - np.isfinite(value).sum())} non-finite value(s)"
+            )
+
+
 def attention_transfer(
     student,
     teacher,
@@ -314,6 +352,7 @@ def attention_transfer(
     if first is None:
         raise ValueError(f"`data` yielded no batch. Received: data={type(data).__name__} with no element")
     x, _, _ = keras.utils.unpack_x_y_sample_weight(first)
+    _check_first_batch(teacher, x)
     teacher(x, training=False)  # builds both models (their layers are built before fit)
     student(x, training=False)
     variables, seen = [], set()

@@ -77,3 +77,138 @@ def test_bad_arguments():
     enable_lora(student, rank=2)
     with pytest.raises(ValueError, match="already enabled"):
         enable_lora(student, rank=2)
+
+
+def _lora_lm(tokenizer=None):
+    """A GPT-2 student (as `_student`) with rank-2 adapters (alpha 4), compiled, after 2 epochs of fit."""
+    keras.utils.set_random_seed(0)
+    preprocessor = None
+    vocab = 40
+    if tokenizer is not None:
+        vocab = tokenizer.vocabulary_size()
+        preprocessor = keras_hub.models.GPT2CausalLMPreprocessor(tokenizer, 16)
+    teacher = keras_hub.models.GPT2CausalLM(
+        keras_hub.models.GPT2Backbone(
+            vocabulary_size=vocab,
+            num_layers=2,
+            num_heads=2,
+            hidden_dim=16,
+            intermediate_dim=32,
+            max_sequence_length=32,
+            dropout=0.0,  # the next-epoch losses compare exactly
+        ),
+        preprocessor=preprocessor,
+    )
+    student = keras_linattn.linearize(teacher, window_size=4)
+    enable_lora(student, rank=2, alpha=4)
+    student.compile(optimizer=keras.optimizers.Adam(1e-2), loss=keras.losses.SparseCategoricalCrossentropy(True))
+    ids = _ids()
+    if tokenizer is None:
+        student.fit(ids[:, :-1], ids[:, 1:], epochs=2, verbose=0)
+    else:
+        student.fit(["a short text", "another one", "and more text", "the end"], batch_size=4, epochs=2, verbose=0)
+    return student, ids
+
+
+def _lora_state(model):
+    """Per projection: (rank, alpha, raw kernel, A, B), and the paths of the trainable variables."""
+    from keras_linattn.layers import LinearAttention
+
+    state = {}
+    for layer in [x for x in model.backbone.decoder_blocks]:
+        attention = layer.attention
+        assert isinstance(attention, LinearAttention)
+        for dense in (attention.query_dense, attention.key_dense, attention.value_dense, attention.output_dense):
+            assert dense.lora_enabled, dense.path
+            state[dense.path] = (
+                dense.lora_rank,
+                dense.lora_alpha,
+                np.asarray(dense._kernel),
+                np.asarray(dense.lora_kernel_a),
+                np.asarray(dense.lora_kernel_b),
+            )
+    return state, sorted(v.path for v in model.trainable_variables)
+
+
+def _assert_same_lora(loaded, student):
+    (want, want_trainable), (got, got_trainable) = _lora_state(student), _lora_state(loaded)
+    assert got_trainable == want_trainable  # only the adapters train (the frozen flags survived)
+    assert sorted(got) == sorted(want)
+    for path, (rank, alpha, kernel, a, b) in want.items():
+        assert got[path][:2] == (rank, alpha), path
+        for x, y in zip(got[path][2:], (kernel, a, b), strict=True):
+            np.testing.assert_array_equal(x, y, err_msg=path)
+
+
+def test_keras_file_of_a_lora_student_keeps_adapters_flags_and_optimizer(tmp_path):
+    student, ids = _lora_lm()
+    path = str(tmp_path / "lora.keras")
+    student.save(path)
+    loaded = keras.saving.load_model(path)
+    _assert_same_lora(loaded, student)
+    assert int(loaded.optimizer.iterations) == int(student.optimizer.iterations) == 2
+    # The next epoch from the file is the next epoch of the live model.
+    want = student.fit(ids[:, :-1], ids[:, 1:], epochs=1, verbose=0).history["loss"]
+    got = loaded.fit(ids[:, :-1], ids[:, 1:], epochs=1, verbose=0).history["loss"]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_preset_of_a_lora_student_keeps_adapters_and_flags(tmp_path):
+    from tests.models.test_keras_hub_shape import char_tokenizer
+
+    student, _ = _lora_lm(char_tokenizer())
+    student.save_to_preset(str(tmp_path / "p"))
+    loaded = keras_hub.models.CausalLM.from_preset(str(tmp_path / "p"))
+    _assert_same_lora(loaded, student)
+    ids = _ids()
+    np.testing.assert_array_equal(np.asarray(loaded(ids)), np.asarray(student(ids)))
+
+
+def test_functional_lora_student_refuses_to_save_with_the_fix(tmp_path):
+    inputs = keras.Input((8, 16))
+    teacher = keras.Model(inputs, keras.layers.MultiHeadAttention(2, 8)(inputs, inputs, use_causal_mask=True))
+    student = keras_linattn.linearize(teacher, window_size=4)
+    enable_lora(student, rank=2)
+    with pytest.raises(ValueError, match="merge_lora"):
+        student.save(str(tmp_path / "f.keras"))
+    merged = merge_lora(student)  # the fix the message names works
+    merged.save(str(tmp_path / "f.keras"))
+
+
+def test_merged_model_trains_its_feature_maps(lora_trained):
+    from keras_linattn.linearization import transfer_variables
+
+    student = lora_trained[0]
+    merged = merge_lora(student)
+    # What a student fresh from `linearize` trains, the merged model trains (every weight, maps included).
+    assert sorted(v.path for v in merged.trainable_variables) == sorted(v.path for v in _student().trainable_variables)
+    maps = [v for block in merged.backbone.decoder_blocks for v in block.attention.feature_map.weights]
+    assert maps and all(v.trainable for v in maps)
+    teacher = keras_hub.models.GPT2CausalLM(
+        keras_hub.models.GPT2Backbone(
+            vocabulary_size=40, num_layers=2, num_heads=2, hidden_dim=16, intermediate_dim=32, max_sequence_length=32
+        ),
+        preprocessor=None,
+    )
+    before = [np.asarray(v).copy() for v in maps]
+    ids = _ids()
+    x = {"token_ids": ids, "padding_mask": np.ones_like(ids)}
+    keras_linattn.attention_transfer(merged, teacher, x, steps=2, batch_size=4, verbose=0)
+    changed = [not np.array_equal(np.asarray(v), b) for v, b in zip(maps, before, strict=True)]
+    assert all(changed)
+    assert transfer_variables(merged.backbone.decoder_blocks[0].attention)
+
+
+def test_merged_model_keeps_the_compile_settings(lora_trained):
+    student = lora_trained[0]
+    student.compile(
+        optimizer=keras.optimizers.SGD(0.125),
+        loss=keras.losses.SparseCategoricalCrossentropy(True),
+        weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="acc")],
+        sampler=keras_hub.samplers.TopKSampler(k=3),
+    )
+    merged = merge_lora(student)
+    assert isinstance(merged.optimizer, keras.optimizers.SGD)
+    assert float(merged.optimizer.learning_rate) == 0.125
+    assert isinstance(merged.sampler, keras_hub.samplers.TopKSampler) and merged.sampler.k == 3
+    assert merged.get_compile_config()["weighted_metrics"] == student.get_compile_config()["weighted_metrics"]
