@@ -17,7 +17,7 @@ import pytest
 from onnx import numpy_helper
 
 from keras_linattn import export
-from keras_linattn.export import _specs, onnx_export
+from keras_linattn.export import _specs, _verify_weights, onnx_export
 from tests import _shared_exports
 
 pytestmark = pytest.mark.tf_only("ONNX export runs on TensorFlow")
@@ -144,18 +144,30 @@ def _embedding_name(model):
 
 
 @pytest.mark.parametrize("kind", ["model", "step", "generate"])
-def test_verify_fails_on_one_damaged_element_of_any_graph(kind, tmp_path):
+def test_one_damaged_element_of_any_graph_is_found_by_name(kind, tmp_path):
+    model, _, paths = _shared_exports.limited_export()
+    path = str(tmp_path / os.path.basename(paths[kind]))
+    shutil.copy(paths[kind], path)
+    name = _embedding_name(model)
+    # The last row of the embedding, which no verify input needs to reach, by one part in 10^4.
+    _damage_inline(path, name, -1, 1 + 1e-4)
+    check = _verify_weights.check_by_name(_verify_weights.model_weights(model, skip_constant=False), path)
+    assert [m[0] for m in check.missing] == [name], check.detail()
+    assert "values differ" in check.detail()
+
+
+def test_verify_fails_on_a_damaged_step_graph(tmp_path):
     model, _, paths = _shared_exports.limited_export()
     copy = tmp_path / "onnx"
     shutil.copytree(os.path.dirname(paths["model"]), copy)
-    copied = {k: str(copy / os.path.basename(p)) for k, p in paths.items()}
+    step = str(copy / os.path.basename(paths["step"]))
     name = _embedding_name(model)
-    # The last row of the embedding, which no verify input needs to reach, by one part in 10^4.
-    _damage_inline(copied[kind], name, -1, 1 + 1e-4)
-    report = export.verify(model, onnx_path=copied["model"], shapes=[(1, 5)], decode_steps=2, raise_on_failure=False)
+    _damage_inline(step, name, -1, 1 + 1e-4)
+    model_path = str(copy / os.path.basename(paths["model"]))
+    report = export.verify(model, onnx_path=model_path, shapes=[(1, 5)], decode_steps=2, raise_on_failure=False)
     failed = [r for r in report.failed if r.signature.endswith(":weights")]
     assert len(failed) == 1 and name in failed[0].detail, [(r.signature, r.detail) for r in report.rows]
-    assert os.path.basename(copied[kind]) in failed[0].signature
+    assert os.path.basename(step) in failed[0].signature
 
 
 def test_verify_fails_on_damaged_external_data(external_export, tmp_path):
