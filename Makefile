@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	$(PIP) install -e ".[test,serving,bench,jax,docs]"
+	$(PIP) install -e ".[test,bench,jax,docs]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -53,7 +53,7 @@ test-jax: $(STAMP)
 
 # ruff (config: [tool.ruff] in pyproject.toml) over everything that is Python; run by .ci/run before the tests.
 # `make lint` checks the rules and that `ruff format` has nothing to change; `make format` applies both.
-RUFF_PATHS := keras_linattn tests examples benchmarks export docs/_hooks
+RUFF_PATHS := keras_linattn keras_linattn_cli.py tests examples benchmarks export docs/_hooks
 lint: $(STAMP)
 	$(PY) -m ruff check $(RUFF_PATHS)
 	$(PY) -m ruff format --check $(RUFF_PATHS)
@@ -75,7 +75,9 @@ dist: $(STAMP)
 # The wheel installed into a fresh venv and imported from outside the source tree. The venv
 # reuses .venv's installed dependencies through a .pth line (a plain path: .venv's own .pth
 # files, the editable install among them, are not run), and the wheel goes in with --no-deps;
-# tests/dist_smoke.py checks that keras_linattn comes from that venv, not from this tree.
+# tests/dist_smoke.py checks that keras_linattn comes from that venv, not from this tree, that every
+# base requirement the wheel declares is installed (tensorflow-serving-api among them: no extra is
+# needed to export), and runs the console script: --help without TensorFlow, then export + verify.
 DIST_VENV := build/dist-venv
 dist-check: dist
 	rm -rf $(DIST_VENV)

@@ -3,6 +3,10 @@
     keras-linattn export model.keras --out exported --name encoder
     keras-linattn verify exported
 
+The arguments, the output and the errors are handled by the top-level
+module `keras_linattn_cli` (the console script's entry point, which answers
+``--help`` without importing TensorFlow); this module runs the commands.
+
 `export` writes into one directory that can hold several models (it is the
 directory TF Serving mounts):
 
@@ -26,44 +30,27 @@ corrupted file, or a half-finished export, in one line with exit status 2.
 Exit status of `verify`: 0 every check passed; 1 an artifact differs from
 Keras; 2 damaged files or bad arguments; 3 nothing differs but a check
 could not be verified (every row it ran too ill-conditioned for float32).
+Every error of either command (bad arguments, a damaged or missing file, a
+missing package, an unexpected failure) is one line, ``error: ...`` naming
+the fix, with exit status 2; a failed `export` leaves no folder it created
+empty behind, and stops before it loads anything when TF Serving's warmup
+protos (tensorflow-serving-api) are missing (``--no-warmup`` skips them).
 """
 
-import argparse
 import json
 import os
 import re
+import shutil
 import sys
 import time
 import zipfile
 
-__all__ = ["build_parser", "main"]
+from keras_linattn_cli import CommandError, build_parser, main
+from keras_linattn_cli import log as _log
+
+__all__ = ["build_parser", "main", "run"]
 
 _MANIFEST = "manifest.json"
-_FORMATS = ("saved_model", "onnx")
-
-
-def _log(message, stream=None):
-    print(message, file=stream or sys.stdout, flush=True)
-
-
-def _parse_formats(text):
-    formats = [f.strip() for f in text.split(",") if f.strip()]
-    unknown = [f for f in formats if f not in _FORMATS]
-    if not formats or unknown:
-        raise argparse.ArgumentTypeError(
-            f"--format must be a comma-separated subset of {','.join(_FORMATS)}. Received: {text!r}"
-        )
-    return formats
-
-
-def _parse_shapes(text):
-    shapes = []
-    for item in text.split(","):
-        match = re.fullmatch(r"\s*(\d+)x(\d+)\s*", item)
-        if not match:
-            raise argparse.ArgumentTypeError(f"--shapes must look like 1x7,3x13 (batch x length). Received: {text!r}")
-        shapes.append((int(match.group(1)), int(match.group(2))))
-    return shapes
 
 
 def _size(path):
@@ -138,18 +125,54 @@ def _update_manifest(out, name, entry):
 
 
 def _cmd_export(args):
-    from keras_linattn import _atomic, export
-
     out = args.out
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out must be a directory. Received: --out={out!r} (a file)")
     name = args.name or re.sub(r"[^A-Za-z0-9_-]", "_", os.path.splitext(os.path.basename(args.model))[0])
+    if "saved_model" in args.format and not args.no_warmup:
+        _check_warmup_writer()  # before anything is loaded or written
+    _read_manifest(os.path.join(out, _MANIFEST), missing_ok=True)  # a damaged manifest stops here
     steps = 1 + len(args.format)
     t0 = time.perf_counter()
     _log(f"[1/{steps}] loading {args.model}")
     model = _load_model(args.model)
+    # The folders this export creates; a failed export removes those it left empty.
+    folders = (out, os.path.join(out, name), os.path.join(out, "onnx"), os.path.join(out, "keras"))
+    created = [folder for folder in folders if not os.path.exists(folder)]
+    try:
+        return _export(args, model, out, name, steps, t0)
+    except BaseException:
+        if out in created and not os.path.exists(os.path.join(out, _MANIFEST)):
+            # A folder this export created, where no export finished: what it holds (a SavedModel
+            # version published before the ONNX step failed) is no export `verify` could check.
+            shutil.rmtree(out, ignore_errors=True)
+        for folder in reversed(created):  # the deepest first; a folder something was written to stays
+            try:
+                os.rmdir(folder)
+            except OSError:
+                pass
+        raise
+
+
+def _check_warmup_writer():
+    """A missing tensorflow-serving-api stops `export` before it starts, naming --no-warmup."""
+    from keras_linattn.export import warmup
+
+    try:
+        warmup._serving_apis()
+    except Exception as e:  # ImportError, or protos that do not load with this protobuf
+        reason = " ".join(str(e.__cause__ or e).split()) or type(e).__name__
+        raise CommandError(
+            "writing TF Serving warmup requests needs the tensorflow-serving-api package "
+            f"({reason}): pip install tensorflow-serving-api, or pass --no-warmup to export without them"
+        ) from e
+
+
+def _export(args, model, out, name, steps, t0):
+    """The writing half of `export`, once the model is loaded."""
+    from keras_linattn import _atomic, export
+
     os.makedirs(out, exist_ok=True)
-    _read_manifest(os.path.join(out, _MANIFEST), missing_ok=True)  # a damaged manifest stops here
     entry = {"source": os.path.abspath(args.model), "keras_model": os.path.join("keras", f"{name}.keras"), "files": {}}
     rows = []
     step = 1
@@ -164,6 +187,7 @@ def _cmd_export(args):
             warmup=not args.no_warmup,
             include_generate=not args.no_generate,
             model_name=name,
+            progress=lambda message: _log(f"      {message}"),
         )
         description = export.read_description(version_dir)
         entry["saved_model"] = os.path.relpath(version_dir, out)
@@ -184,7 +208,17 @@ def _cmd_export(args):
         t = time.perf_counter()
         onnx_path = os.path.join(out, "onnx", f"{name}.onnx")
         _log(f"[{step}/{steps}] ONNX (opset {args.opset}) -> {onnx_path}")
-        paths = export.export_onnx(model, onnx_path, opset=args.opset, include_step=not args.no_generate)
+        # A new export into the same directory is a new SavedModel version and replaces the ONNX set.
+        paths = export.export_onnx(
+            model,
+            onnx_path,
+            opset=args.opset,
+            include_step=not args.no_generate,
+            overwrite=True,
+            progress=lambda message: _log(f"      {message}"),
+        )
+        for data_path in paths.pop("data", []):  # external weights, shared by the graphs
+            entry["files"][os.path.relpath(data_path, out).replace(os.sep, "/")] = _atomic.file_digest(data_path)
         entry["onnx"] = {k: os.path.relpath(v, out) for k, v in paths.items()}
         entry["onnx_export_id"] = export.onnx_export._read_metadata(paths["model"])["export_id"]
         entry["opset"] = args.opset
@@ -285,6 +319,36 @@ def _check_saved_model(out_dir, entry):
     return path
 
 
+class _CheckStatus:
+    """Where `verify` is while it runs, without printing its results twice (the table gives them once).
+
+    ``--verbose``: every check's line as it completes. On a terminal: one
+    status line, rewritten in place and erased before the table. Otherwise
+    (a pipe, a log file): nothing until the table.
+    """
+
+    def __init__(self, verbose):
+        self.verbose = verbose
+        self.live = not verbose and sys.stdout.isatty()
+        self.count = 0
+        self.width = 0
+
+    def show(self, line):
+        self.count += 1
+        if self.verbose:
+            _log("  " + line)
+        elif self.live:
+            text = f"  {self.count} checks done; last: {line.split(': ')[0].strip()}"[:100]
+            sys.stdout.write("\r" + text.ljust(self.width))
+            sys.stdout.flush()
+            self.width = len(text)
+
+    def clear(self):
+        if self.live and self.width:
+            sys.stdout.write("\r" + " " * self.width + "\r")
+            sys.stdout.flush()
+
+
 def _cmd_verify(args):
     from keras_linattn import export
 
@@ -313,6 +377,7 @@ def _cmd_verify(args):
             f"verifying {name!r}: saved_model={saved_model_dir}, onnx={onnx_path}, step={step_path}, "
             f"generate={generate_path}"
         )
+        status = _CheckStatus(args.verbose)
         try:
             report = export.verify(
                 model,
@@ -326,13 +391,15 @@ def _cmd_verify(args):
                 onnx_tolerance=args.onnx_tolerance,
                 raise_on_failure=False,
                 onnx_device=args.device,
-                progress=lambda line: _log("  " + line),
+                progress=status.show,
             )
         except (RuntimeError, OSError) as e:  # a runtime refusing a graph that passed the checks above
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ValueError(
                 f"{name!r} could not be run ({type(e).__name__}: {reason}). Received: DIR={args.dir!r}"
             ) from e
+        finally:
+            status.clear()
         _log("")
         _log(report.table())
         passed = sum(r.ok for r in report.rows)
@@ -345,61 +412,9 @@ def _cmd_verify(args):
     return 1 if any_failed else (3 if any_unverified else 0)
 
 
-def build_parser():
-    parser = argparse.ArgumentParser(prog="keras-linattn", description="Export and verify keras_linattn models.")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("export", help="export a .keras model to SavedModel (TF Serving) and/or ONNX")
-    p.add_argument("model", metavar="MODEL.keras", help="a model saved with model.save('....keras')")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--format", type=_parse_formats, default=list(_FORMATS), help="saved_model,onnx (default both)")
-    p.add_argument("--name", default=None, help="model name (TF Serving); default: the file's stem")
-    p.add_argument("--version", type=int, default=None, help="SavedModel version; default: next free")
-    p.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
-    p.add_argument("--no-warmup", action="store_true", help="do not write TF Serving warmup requests")
-    p.add_argument(
-        "--no-generate", action="store_true", help="causal LMs: skip generate signatures and the ONNX step graph"
-    )
-    p.set_defaults(func=_cmd_export)
-
-    v = sub.add_parser("verify", help="compare an export directory's artifacts with its Keras model")
-    v.add_argument("dir", metavar="DIR", help="directory written by `keras-linattn export`")
-    v.add_argument("--name", default=None, help="verify only this model (default: every model in DIR)")
-    v.add_argument(
-        "--shapes",
-        type=_parse_shapes,
-        default=None,
-        help="batch x length list (default 1x7,3x13,2x70, lengths clipped to the model's max_sequence_length, "
-        "plus one of that full length)",
-    )
-    v.add_argument(
-        "--decode-steps",
-        type=int,
-        default=None,
-        help="tokens compared for step/generate (default: max_sequence_length, else 5)",
-    )
-    v.add_argument(
-        "--saved-model-tolerance",
-        type=float,
-        default=None,
-        help="fixed max relative difference (default: the error model, eps * sqrt(n) * conditioning)",
-    )
-    v.add_argument("--onnx-tolerance", type=float, default=None, help="likewise for onnxruntime")
-    v.add_argument("--device", default="cpu", choices=("cpu", "auto", "gpu"), help="onnxruntime device (default cpu)")
-    v.set_defaults(func=_cmd_verify)
-    return parser
-
-
-def main(argv=None):
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except (ValueError, OSError) as e:  # bad input or a damaged file: one line, no traceback
-        message = " ".join(str(e).split()) or type(e).__name__
-        _log(f"error: {message}", stream=sys.stderr)
-        return 2
+def run(args):
+    """Runs the command parsed by `build_parser`; returns the exit status (errors raise)."""
+    return {"export": _cmd_export, "verify": _cmd_verify}[args.command](args)
 
 
 if __name__ == "__main__":

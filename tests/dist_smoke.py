@@ -2,15 +2,21 @@
 
 It checks that `keras_linattn` is imported from the fresh venv the wheel went into (not from the
 source tree or an editable install), that its version is the one in the wheel's file name, that a
-`LinearAttention` forward pass matches a float64 numpy reference, and that the console script runs.
+`LinearAttention` forward pass matches a float64 numpy reference, and that the console script runs:
+``--help`` without importing TensorFlow, then ``keras-linattn export`` (SavedModel with TF Serving
+warmup records, and ONNX) and ``keras-linattn verify`` of a tiny model, with no TensorFlow log line
+in their output. Every base requirement the wheel declares must be installed, and the export needs no
+extra: tensorflow-serving-api is one of them.
 Not collected by pytest (no `test_` prefix).
 """
 
 import argparse
 import glob
 import os
+import re
 import subprocess
 import sys
+import tempfile
 import zipfile
 
 
@@ -28,10 +34,12 @@ def main():
     wheel_version = os.path.basename(wheels[0]).split("-")[1]
     names = zipfile.ZipFile(wheels[0]).namelist()
     assert "keras_linattn/layers/linear_attention.py" in names, names[:20]
+    assert "keras_linattn_cli.py" in names, "the console script's module is missing from the wheel"
     stray = [n for n in names if n.startswith(("tests/", "examples/", "benchmarks/"))]
     assert not stray, f"non-package code in the wheel: {stray[:5]}"
 
     assert os.path.realpath(os.getcwd()) != source and not os.path.realpath(os.getcwd()).startswith(source + os.sep)
+    import keras
     import numpy as np
 
     import keras_linattn as kla
@@ -56,12 +64,54 @@ def main():
     error = np.max(np.abs(y - reference))
     assert y.shape == (2, 7, 8) and error < 1e-4, (y.shape, error)
 
+    # The wheel's base requirements (no extra) are all installed: the export below needs nothing more.
+    from importlib import metadata
+
+    base = [r for r in metadata.requires("keras-linattn") or [] if "extra ==" not in r]
+    names = [re.match(r"[A-Za-z0-9_.-]+", r).group(0) for r in base]
+    assert "tensorflow-serving-api" in names, f"tensorflow-serving-api is not a base requirement: {base}"
+    missing = []
+    for name in names:
+        try:
+            metadata.version(name)
+        except metadata.PackageNotFoundError:
+            missing.append(name)
+    assert not missing, f"base requirements not installed: {missing}"
+
     cli = os.path.join(venv, "bin", "keras-linattn")
-    out = subprocess.run([cli, "--help"], capture_output=True, text=True, check=True).stdout
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}  # the CLI quiets TF itself
+    # the console script itself, run in a Python that reports what it imported
+    probe = (
+        "import runpy, sys\nsys.argv = ['keras-linattn', '--help']\n"
+        "try:\n    runpy.run_path(%r, run_name='__main__')\nexcept SystemExit:\n    pass\n"
+        "print('tensorflow' in sys.modules)"
+    )
+    out = subprocess.run([cli, "--help"], capture_output=True, text=True, check=True, env=env).stdout
     assert "export" in out, out
+    loaded = subprocess.run(
+        [os.path.join(venv, "bin", "python"), "-c", probe % cli], capture_output=True, text=True, check=True, env=env
+    ).stdout
+    assert loaded.strip().splitlines()[-1] == "False", f"--help imported TensorFlow: {loaded}"
+
+    work = tempfile.mkdtemp(prefix="dist-check-")
+    inputs = keras.Input((None, 8), name="features")
+    model = keras.Model(inputs, keras.layers.Dense(3, name="head")(layer(inputs, inputs)))
+    model.save(os.path.join(work, "tiny.keras"))
+    exported = os.path.join(work, "exported")
+    for args in (["export", os.path.join(work, "tiny.keras"), "--out", exported], ["verify", exported]):
+        result = subprocess.run([cli, *args], capture_output=True, text=True, env=env)
+        assert result.returncode == 0, f"keras-linattn {args[0]}: {result.stdout[-3000:]}{result.stderr[-3000:]}"
+        noise = [
+            line for line in (result.stdout + result.stderr).splitlines() if re.match(r"[IWE]0000 |WARNING: All", line)
+        ]
+        assert not noise, f"keras-linattn {args[0]} printed TensorFlow log lines: {noise}"
+    assert "checks passed" in result.stdout, result.stdout
+    warmup = os.path.join(exported, "tiny", "1", "assets.extra", "tf_serving_warmup_requests")
+    assert os.path.isfile(warmup), "no TF Serving warmup records"
     print(
         f"dist-check: keras_linattn {kla.__version__} from {where}; LinearAttention forward max error {error:.1e}; "
-        f"{os.path.basename(cli)} --help ok; {os.path.basename(wheels[0])}, {os.path.basename(sdists[0])}"
+        f"{os.path.basename(cli)} --help ok without TensorFlow; export (SavedModel + warmup, ONNX) and verify ok; "
+        f"{os.path.basename(wheels[0])}, {os.path.basename(sdists[0])}"
     )
     return 0
 

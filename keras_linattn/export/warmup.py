@@ -24,8 +24,8 @@ def _serving_apis():
         from tensorflow_serving.apis import predict_pb2, prediction_log_pb2
     except ImportError as e:
         raise ImportError(
-            "Writing TF Serving warmup requests needs the `tensorflow-serving-api` package "
-            "(pip install 'keras-linattn[serving]'), or pass warmup=False."
+            "Writing TF Serving warmup requests needs the `tensorflow-serving-api` package, a dependency of "
+            "keras-linattn (pip install tensorflow-serving-api), or pass warmup=False."
         ) from e
     return predict_pb2, prediction_log_pb2
 

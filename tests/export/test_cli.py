@@ -15,6 +15,8 @@ from tests import _shared_exports
 from tests.export.test_export import DIM, encoder, encoder_tolerance
 from tests.tolerance import assert_close
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 
 @pytest.fixture
 def encoder_file(tmp_path):
@@ -30,6 +32,9 @@ def test_export_then_verify_encoder(tmp_path, encoder_file, capsys, rng):
     assert cli.main(["export", path, "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "[1/3] loading" in text and "[2/3] SavedModel" in text and "[3/3] ONNX (opset 17)" in text
+    # a line before each long step
+    assert "tracing and writing the signatures (serving_default)" in text
+    assert "writing TF Serving warmup requests" in text and "converting the model graph to ONNX" in text
     assert "format" in text and "saved_model" in text and "onnx:model" in text
     name = "my_encoder"  # from the file name
     manifest = json.loads((out / "manifest.json").read_text())
@@ -52,6 +57,7 @@ def test_export_then_verify_encoder(tmp_path, encoder_file, capsys, rng):
     assert cli.main(["verify", str(out), "--shapes", "1x5,2x9"]) == 0
     text = capsys.readouterr().out
     assert "6/6 checks passed" in text  # stored weights (SavedModel, ONNX), then 2 shapes x 2 backends
+    assert "stored exactly" not in text and "(bound" not in text  # the results once: in the table
     print(text)
     assert re.search(r"saved_model +serving_default:head +2x9 ", text)
     assert re.search(r"saved_model +variables:weights ", text)
@@ -106,7 +112,7 @@ def test_unbuilt_model_error_through_cli(tmp_path, capsys):
     model.save(path)
     assert cli.main(["export", str(path), "--out", str(tmp_path / "o")]) == 2
     assert "not built" in capsys.readouterr().err
-    assert not os.path.exists(tmp_path / "o" / "unbuilt")
+    assert not os.path.exists(tmp_path / "o")  # nor the output folder it had created
 
 
 def test_console_script_entry_point():
@@ -122,3 +128,125 @@ def test_console_script_entry_point():
     np.testing.assert_equal(
         cli.build_parser().parse_args(["verify", "d", "--shapes", "1x2,3x4"]).shapes, [(1, 2), (3, 4)]
     )
+
+
+# ---------------------------------------------------------------- the default install, errors, output
+
+
+def _console_script():
+    """(module, function) of the `keras-linattn` console script, as pyproject.toml declares it."""
+    with open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8") as f:
+        target = re.search(r'^keras-linattn = "([\w.]+):(\w+)"', f.read(), flags=re.M)
+    return target.group(1), target.group(2)
+
+
+def _run_console(args, **env):
+    """The console script's entry point in a fresh interpreter (the way pip's wrapper calls it)."""
+    module, function = _console_script()
+    code = (
+        "import sys\n"
+        f"sys.argv = ['keras-linattn', *{list(args)!r}]\n"
+        f"from {module} import {function} as main\n"
+        "try:\n"
+        "    status = main()\n"
+        "except SystemExit as e:\n"
+        "    status = e.code\n"
+        "loaded = sorted(m for m in ('tensorflow', 'keras', 'keras_linattn') if m in sys.modules)\n"
+        "print('LOADED=' + ','.join(loaded))\n"
+        "sys.exit(status)\n"
+    )
+    env = {k: v for k, v in dict(os.environ, **env).items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_help_and_bad_arguments_answer_without_importing_tensorflow():
+    # Asserted on the imports, not on a time: `--help` used to load TensorFlow first (12.8 s on a cold machine).
+    for args, status in ((["--help"], 0), (["export", "--help"], 0), (["verify", "d", "--shapes", "3by4"], 2)):
+        result = _run_console(args)
+        assert result.returncode == status, result.stderr
+        assert result.stdout.strip().splitlines()[-1] == "LOADED=", (args, result.stdout[-500:])
+    assert "--no-warmup" in _run_console(["export", "--help"]).stdout
+
+
+def test_a_command_prints_no_tensorflow_log_lines():
+    # TensorFlow 2.21 prints oneDNN / CUDA notices (and `failed call to cuInit` without a GPU) while it
+    # loads, whatever TF_CPP_MIN_LOG_LEVEL says: a failing command prints its one `error:` line and nothing else.
+    result = _run_console(["verify", os.path.join(ROOT, "no such dir")])
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [
+        f"error: DIR must be a directory written by `keras-linattn export` (no manifest.json). "
+        f"Received: DIR={os.path.join(ROOT, 'no such dir')!r}"
+    ]
+    assert result.stdout.strip().splitlines() == ["LOADED=keras,keras_linattn,tensorflow"]
+
+
+def _block_serving_api(monkeypatch):
+    """As if tensorflow-serving-api were not installed."""
+    for module in ("tensorflow_serving", "tensorflow_serving.apis"):
+        monkeypatch.setitem(sys.modules, module, None)
+    for module in ("predict_pb2", "prediction_log_pb2"):
+        monkeypatch.setitem(sys.modules, f"tensorflow_serving.apis.{module}", None)
+
+
+def test_tensorflow_serving_api_is_a_base_dependency():
+    with open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8") as f:
+        text = f.read()
+    dependencies = re.search(r"^dependencies = \[(.*?)^\]", text, flags=re.S | re.M).group(1)
+    assert re.search(r'^\s*"tensorflow-serving-api[>=<,.\d]*",', dependencies, flags=re.M), dependencies
+
+
+def test_missing_serving_api_is_one_line_naming_no_warmup(tmp_path, encoder_file, capsys, monkeypatch):
+    _, path = encoder_file
+    _block_serving_api(monkeypatch)
+    out = tmp_path / "exported"
+    assert cli.main(["export", path, "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert len(captured.err.strip().splitlines()) == 1, captured.err
+    assert captured.err.startswith("error: writing TF Serving warmup requests needs the tensorflow-serving-api")
+    assert "--no-warmup" in captured.err and "warmup=False" not in captured.err
+    assert not out.exists()  # stopped before anything was written
+    # without warmup records the same install exports
+    assert cli.main(["export", path, "--out", str(out), "--format", "saved_model", "--no-warmup"]) == 0
+    assert not (out / "my_encoder" / "1" / "assets.extra" / "tf_serving_warmup_requests").exists()
+
+
+def test_a_failed_export_leaves_no_folder_behind(tmp_path, encoder_file, capsys, monkeypatch):
+    _, path = encoder_file
+    out = tmp_path / "new" / "exported"
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(export, "export_onnx", fail)
+    assert cli.main(["export", path, "--out", str(out), "--no-warmup"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        "error: RuntimeError: boom (an unexpected error; --verbose shows the traceback)"
+    ]
+    assert not out.exists()  # the SavedModel version went too: nothing was published
+    assert (tmp_path / "new").is_dir()  # the folder above was not the export's
+    assert cli.main(["export", path, "--out", str(out), "--no-warmup", "--verbose"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.strip().splitlines()[-1].startswith("error: RuntimeError: boom")
+
+
+def test_export_model_sh_finds_the_checkouts_venv(tmp_path):
+    # After `make demo` the console script is in .venv/bin, which is not on PATH until activated.
+    kit = tmp_path / "export"
+    kit.mkdir()
+    script = kit / "export_model.sh"
+    script.write_text(open(os.path.join(ROOT, "export", "export_model.sh"), encoding="utf-8").read())
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    result = subprocess.run(["bash", str(script), "m.keras", "enc"], env=env, capture_output=True, text=True)
+    assert result.returncode == 2 and "error: keras-linattn is not on PATH" in result.stderr, result.stderr
+    assert "pip install -e ." in result.stderr and ".venv/bin/activate" in result.stderr
+    venv_bin = tmp_path / ".venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "keras-linattn").write_text('#!/bin/sh\necho "called: $*"\n')
+    (venv_bin / "keras-linattn").chmod(0o755)
+    result = subprocess.run(["bash", str(script), "m.keras", "enc"], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        f"called: export m.keras --out {kit}/exported --name enc",
+        f"called: verify {kit}/exported --name enc",
+    ]

@@ -1,0 +1,207 @@
+"""The ``keras-linattn`` command line: its arguments, its output, its errors.
+
+    keras-linattn export model.keras --out exported --name encoder
+    keras-linattn verify exported
+
+The console script enters here, not in `keras_linattn.cli` (the commands):
+importing anything inside the `keras_linattn` package imports Keras and
+TensorFlow (seconds), while this module needs only the standard library until
+the arguments are parsed. ``keras-linattn --help`` and a bad argument answer
+at once; TensorFlow is loaded only to run a command.
+
+Output: without ``--verbose`` TensorFlow's native log lines (oneDNN and CUDA
+notices, ``failed call to cuInit`` on machines without a GPU, ignored Assert
+ops) are kept out: ``TF_CPP_MIN_LOG_LEVEL=3`` is set before TensorFlow loads,
+and what TensorFlow writes to stderr while it loads (lines printed before its
+logging is set up, which no variable turns off) is held back, and shown only
+if the import fails. Every error is one line, ``error: <what and the fix>``,
+with exit status 2 (``--verbose`` adds the traceback); see
+`keras_linattn.cli` for the exit status of ``verify``.
+"""
+
+import argparse
+import contextlib
+import os
+import re
+import sys
+import tempfile
+import traceback
+
+__all__ = ["build_parser", "main"]
+
+FORMATS = ("saved_model", "onnx")
+_ERROR_STATUS = 2
+
+
+class CommandError(Exception):
+    """An error whose message is the whole line to print: what went wrong and the fix."""
+
+
+def _parse_formats(text):
+    formats = [f.strip() for f in text.split(",") if f.strip()]
+    unknown = [f for f in formats if f not in FORMATS]
+    if not formats or unknown:
+        raise argparse.ArgumentTypeError(
+            f"--format must be a comma-separated subset of {','.join(FORMATS)}. Received: {text!r}"
+        )
+    return formats
+
+
+def _parse_shapes(text):
+    shapes = []
+    for item in text.split(","):
+        match = re.fullmatch(r"\s*(\d+)x(\d+)\s*", item)
+        if not match:
+            raise argparse.ArgumentTypeError(f"--shapes must look like 1x7,3x13 (batch x length). Received: {text!r}")
+        shapes.append((int(match.group(1)), int(match.group(2))))
+    return shapes
+
+
+def build_parser():
+    """The argument parser of ``keras-linattn`` (the standard library only)."""
+    # --verbose before or after the command; the subcommands' default must not overwrite the top level's.
+    verbosity = argparse.ArgumentParser(add_help=False)
+    verbosity.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="show TensorFlow's log lines, every check as it runs and the traceback of an error",
+    )
+    parser = argparse.ArgumentParser(
+        prog="keras-linattn",
+        description="Export keras_linattn models to SavedModel (TF Serving) and ONNX, and verify the exports.",
+        parents=[verbosity],
+    )
+    parser.set_defaults(verbose=False)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser(
+        "export", help="export a .keras model to SavedModel (TF Serving) and/or ONNX", parents=[verbosity]
+    )
+    p.add_argument("model", metavar="MODEL.keras", help="a model saved with model.save('....keras')")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--format", type=_parse_formats, default=list(FORMATS), help="saved_model,onnx (default both)")
+    p.add_argument("--name", default=None, help="model name (TF Serving); default: the file's stem")
+    p.add_argument("--version", type=int, default=None, help="SavedModel version; default: next free")
+    p.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
+    p.add_argument("--no-warmup", action="store_true", help="do not write TF Serving warmup requests")
+    p.add_argument(
+        "--no-generate", action="store_true", help="causal LMs: skip generate signatures and the ONNX step graph"
+    )
+
+    v = sub.add_parser(
+        "verify", help="compare an export directory's artifacts with its Keras model", parents=[verbosity]
+    )
+    v.add_argument("dir", metavar="DIR", help="directory written by `keras-linattn export`")
+    v.add_argument("--name", default=None, help="verify only this model (default: every model in DIR)")
+    v.add_argument(
+        "--shapes",
+        type=_parse_shapes,
+        default=None,
+        help="batch x length list (default 1x7,3x13,2x70, lengths clipped to the model's max_sequence_length, "
+        "plus one of that full length)",
+    )
+    v.add_argument(
+        "--decode-steps",
+        type=int,
+        default=None,
+        help="tokens compared for step/generate (default: max_sequence_length, else 5)",
+    )
+    v.add_argument(
+        "--saved-model-tolerance",
+        type=float,
+        default=None,
+        help="fixed max relative difference (default: the error model, eps * sqrt(n) * conditioning)",
+    )
+    v.add_argument("--onnx-tolerance", type=float, default=None, help="likewise for onnxruntime")
+    v.add_argument("--device", default="cpu", choices=("cpu", "auto", "gpu"), help="onnxruntime device (default cpu)")
+    return parser
+
+
+def log(message="", stream=None):
+    """One line to stdout (or `stream`), flushed: progress shows while a long step runs."""
+    print(message, file=stream or sys.stdout, flush=True)
+
+
+@contextlib.contextmanager
+def _stderr_held_back():
+    """File descriptor 2 goes to a temporary file for the block; its text is replayed only on an exception."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # no real stderr (embedded interpreters): nothing to hold back
+        yield
+        return
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            os.dup2(saved, 2)
+            held.seek(0)
+            sys.stderr.write(held.read().decode("utf-8", "replace"))
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def _load_commands(verbose):
+    """`keras_linattn.cli`, with TensorFlow's start-up lines kept out of the output unless `verbose`."""
+    os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+    if "tensorflow" in sys.modules:  # loaded already (a Python session calling `main`): its logging is its own
+        from keras_linattn import cli
+
+        return cli
+    if verbose:
+        from keras_linattn import cli
+
+        return cli
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"  # read when TensorFlow's native library loads: set it first
+    with _stderr_held_back():
+        from keras_linattn import cli
+    try:  # TensorFlow's Python side logs through absl: warnings and errors stay, its notices go
+        from absl import logging as absl_logging
+
+        absl_logging.set_verbosity(absl_logging.ERROR)
+    except ImportError:  # pragma: no cover - absl comes with TensorFlow
+        pass
+    return cli
+
+
+def _one_line(error):
+    """`error` as one line that names what to do."""
+    message = " ".join(str(error).split())
+    if isinstance(error, CommandError):
+        return message
+    if isinstance(error, ImportError):
+        module = getattr(error, "name", None)
+        missing = f"the Python module {module!r} is missing" if module else f"an import failed ({message})"
+        return (
+            f"{missing}: install keras-linattn with its dependencies (pip install keras-linattn, or pip install -e . "
+            "in a checkout); --verbose shows the traceback"
+        )
+    if isinstance(error, (ValueError, OSError)):  # bad input, a damaged or missing file: the message says which
+        return message or type(error).__name__
+    return f"{type(error).__name__}: {message or 'no message'} (an unexpected error; --verbose shows the traceback)"
+
+
+def main(argv=None):
+    """Runs ``keras-linattn`` with `argv` (default ``sys.argv[1:]``); returns the exit status."""
+    args = build_parser().parse_args(argv)  # --help and bad arguments end here (exit status 0 / 2)
+    try:
+        cli = _load_commands(args.verbose)
+        return cli.run(args)
+    except KeyboardInterrupt:
+        log("error: interrupted", stream=sys.stderr)
+        return 130
+    except Exception as e:  # every error: one line with the fix, no traceback unless --verbose
+        if args.verbose:
+            traceback.print_exc()
+        log(f"error: {_one_line(e)}", stream=sys.stderr)
+        return _ERROR_STATUS
+
+
+if __name__ == "__main__":
+    sys.exit(main())
