@@ -491,15 +491,27 @@ def _wrap_train_function(model, backup):
     original = model.train_function
     per_execution = _steps_per_execution(model)
 
-    def replay(iterator):
+    # Keras' trainers call the train function with different arguments:
+    # TensorFlow's (and torch's) ``train_function(iterator) -> logs``, JAX's
+    # ``train_function(state, iterator) -> (logs, state)`` with the model's
+    # variables passed in and returned as a state tuple
+    # (keras/src/backend/jax/trainer.py). A replayed batch trains nothing, so
+    # on JAX it hands the state back unchanged.
+    def replay(*args):
+        if len(args) == 2:
+            state, iterator = args
+        elif len(args) == 1:
+            state, iterator = None, args[0]
+        else:
+            raise TypeError(f"A train function takes (iterator) or (state, iterator). Received: {len(args)} arguments")
         count = min(per_execution, backup._skip)
-        if not isinstance(iterator, (list, tuple)):  # TF: the data iterator; others get a buffer already drawn
+        if not isinstance(iterator, (list, tuple)):  # the data iterator; a buffer already drawn needs nothing
             for _ in range(count):
                 next(iterator)
         backup._skip -= count
         if backup._skip <= 0:
             model.train_function = original
-        return {}
+        return {} if len(args) == 1 else ({}, state)
 
     replay._kla_original = original
     model.train_function = replay

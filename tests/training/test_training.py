@@ -22,7 +22,9 @@ from keras_linattn.layers import (
 )
 from keras_linattn.models import LinearCausalLM
 from tests._helpers import layer_conditioning
+from tests.conftest import TEST_SEED
 from tests.tolerance import assert_close, bound
+from tests.training import _lm_runs
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -288,9 +290,12 @@ def test_mixed_precision_200_steps_stable(policy, name):
 # ---------------------------------------------------------------------------
 # tf.distribute.MirroredStrategy over 2 logical CPU devices (a subprocess: the
 # logical devices must be configured before TensorFlow initializes devices).
+# One subprocess for a functional classifier and for LinearCausalLM
+# (tests/training/_lm_runs.py: fit, evaluate, mid-epoch resume).
 
-_MIRRORED_SCRIPT = textwrap.dedent(
-    """
+_MIRRORED_SCRIPT = (
+    textwrap.dedent(
+        """
     import json, os
     os.environ["KERAS_BACKEND"] = "tensorflow"
     import tensorflow as tf
@@ -345,8 +350,10 @@ _MIRRORED_SCRIPT = textwrap.dedent(
             "mirrored": flat(w2),
             "num_losses": len(single.losses),
         }
-    print("RESULT " + json.dumps(out))
     """
+    )
+    + _lm_runs.TF_LM_SCRIPT
+    + 'print("RESULT " + json.dumps(out))\n'
 )
 
 # Reduction lengths of the subprocess models (LinearAttention(2, 4), C = 4
@@ -358,15 +365,15 @@ _N_LOSS = _N_FORWARD + 16 * 12 * 2  # + B*T*2: the mean squared error over the b
 _N_GRAD = _N_FORWARD + 16 * 12  # + B*T: the positions that share each weight
 
 
-def test_mirrored_strategy_two_logical_cpus_matches_one_device():
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = REPO_ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-c", _MIRRORED_SCRIPT], capture_output=True, text=True, env=env, timeout=600
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = json.loads(lines[-1][len("RESULT ") :])
+@pytest.fixture(scope="module")
+def mirrored_run(tmp_path_factory):
+    """The MirroredStrategy subprocess: ``(RESULT dict, out dir)``."""
+    out_dir = str(tmp_path_factory.mktemp("mirrored"))
+    return _lm_runs.run_script(_MIRRORED_SCRIPT, out_dir, TEST_SEED, {"KERAS_BACKEND": "tensorflow"}), out_dir
+
+
+def test_mirrored_strategy_two_logical_cpus_matches_one_device(mirrored_run):
+    out, _ = mirrored_run
     assert out["replicas"] == 2
     for name in ("elu", "oglu"):
         r = out[name]
@@ -390,6 +397,20 @@ def test_mirrored_strategy_two_logical_cpus_matches_one_device():
         assert np.abs(single - init).max() > 100 * resolution, (name, np.abs(single - init).max(), resolution)
     # oglu carries its orthogonal penalty: the regularization loss is in play.
     assert out["oglu"]["num_losses"] >= 1
+
+
+def test_causal_lm_mirrored_strategy_fit_evaluate_resume(mirrored_run):
+    """LinearCausalLM under MirroredStrategy (jit_compile=False, logical CPUs), with no
+    `test_on_batch` first: `fit` and `evaluate` agree with one device (Keras builds the loss from
+    the first batch mean-reduced over replicas, which turned the ids into float32), and the
+    package's BackupAndRestore, interrupted inside an epoch, resumes to the one-device weights."""
+    out, out_dir = mirrored_run
+    lm, weights = out["lm"], _lm_runs.load_weights(out_dir)
+    _lm_runs.assert_same_losses(lm["mirrored"]["losses"], lm["single"]["losses"], "mirrored fit losses")
+    assert_close(lm["mirrored"]["evaluate"], lm["single"]["evaluate"], n=_lm_runs.N_LOSS, paths=2, what="evaluate")
+    _lm_runs.assert_same_weights(weights["mirrored"], weights["single"], weights["init"], "mirrored fit")
+    assert lm["resumed_point"] == [0, 3]
+    _lm_runs.assert_same_weights(weights["resumed"], weights["single"], weights["init"], "mirrored resumed")
 
 
 # ---------------------------------------------------------------------------
