@@ -339,6 +339,15 @@ def distill_attention(
     Returns:
         A `DistillationHistory` with per-layer KL before and after.
 
+    Raises:
+        NonFiniteLossError: a step's loss or gradient was NaN or inf (e.g. a
+            NaN in `data`, a learning rate far too high); that step's update
+            was not applied and training stopped.
+
+    Warns:
+        DivergenceWarning: the last epoch's mean loss is above the first
+            step's (the message names the learning rate).
+
     Example:
 
     >>> import keras

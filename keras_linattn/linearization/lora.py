@@ -19,6 +19,7 @@ them in its config: saving it with adapters raises, naming `merge_lora`.
 import contextlib
 import os
 import tempfile
+import warnings
 
 import keras
 
@@ -187,14 +188,21 @@ def _compile_like(fresh, model):
     """Compiles `fresh` as `model` is (a fresh optimizer of the same config; loss, metrics, sampler)."""
     if not getattr(model, "compiled", False):
         return
-    # keras.Model's: LinearCausalLM's own would build `model`'s optimizer.
-    config = keras.Model.get_compile_config(model)
-    sampler = getattr(model, "sampler", None)
-    if sampler is not None and hasattr(type(model), "make_generate_function"):
-        from keras_linattn.models.causal_lm import _serialize_sampler
+    try:
+        # keras.Model's: LinearCausalLM's own would build `model`'s optimizer.
+        config = keras.Model.get_compile_config(model)
+        sampler = getattr(model, "sampler", None)
+        if sampler is not None and hasattr(type(model), "make_generate_function"):
+            from keras_linattn.models.causal_lm import _serialize_sampler
 
-        config = dict(config, sampler=_serialize_sampler(sampler))
-    fresh.compile_from_config(config)
+            config = dict(config, sampler=_serialize_sampler(sampler))
+        fresh.compile_from_config(config)
+    except Exception as error:  # e.g. a loss that Keras cannot serialize
+        warnings.warn(
+            f"merge_lora: the compile settings could not be copied to the merged model ({error}); "
+            f"call `compile` on it. Received: {type(model).__name__} compiled={model.compiled}",
+            stacklevel=3,
+        )
 
 
 def merge_lora(model):

@@ -320,8 +320,16 @@ def attention_transfer(
         of ``fit`` (per-epoch means of ``loss`` and ``mse/<student layer>``).
 
     Raises:
-        ValueError: for bad arguments, unpaired attention layers, or paired
-            layers with nothing to train.
+        ValueError: for bad arguments, unpaired attention layers, paired
+            layers with nothing to train, or a first batch the teacher cannot
+            run (token ids outside its vocabulary, rows longer than its
+            ``max_sequence_length``, NaN/inf inputs).
+        NonFiniteLossError: a step's loss or gradient was NaN or inf; that
+            step's update was not applied and training stopped.
+
+    Warns:
+        DivergenceWarning: the last epoch's mean loss is above the first
+            step's (the message names the learning rate).
 
     Example:
 
