@@ -229,33 +229,48 @@ def _name_weight_inputs(proto, names):
     return sorted(used.values())
 
 
-def _attach_weights(proto, used, variables, names, layout=None):
-    """Moves the used weights from the graph's inputs into initializers.
-
-    With `layout` (``{index: (offset, length)}`` into the external data file
-    ``layout["__file__"]``) the initializers point into that file; otherwise
-    they hold the values.
-    """
-    import numpy as np
+def _weight_tensor(variable, name, layout=None):
+    """The initializer of one weight: its values, or (`layout`) a pointer into the external data file."""
     from onnx import TensorProto, helper, numpy_helper
+
+    if layout is None:
+        return numpy_helper.from_array(np.ascontiguousarray(variable.numpy()), name)
+    index_offset, length = layout["__index__"][name]
+    tensor = TensorProto(name=name, dims=list(variable.shape))
+    tensor.data_type = helper.np_dtype_to_tensor_dtype(np.dtype(str(variable.dtype)))
+    tensor.data_location = TensorProto.EXTERNAL
+    for key, value in (("location", layout["__file__"]), ("offset", str(index_offset)), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+    return tensor
+
+
+def _save_with_weights(proto, path, used, variables, names, layout=None):
+    """Writes `proto` with the used weights as initializers, one weight in memory at a time.
+
+    The weight inputs leave the graph's inputs. The file is the serialized
+    graph followed by one serialized ``ModelProto`` per weight holding just
+    that initializer: protobuf parses concatenated messages as one merged
+    message (repeated fields append), so this is the same model as one
+    `onnx.save` of the graph with every initializer, without ever holding
+    the whole serialized model (GPT-2 base: 0.47 GB of weights, twice, per
+    graph) in memory.
+    """
+    from onnx import ModelProto
 
     weight_set = {names[i] for i in used}
     kept = [graph_input for graph_input in proto.graph.input if graph_input.name not in weight_set]
     del proto.graph.input[:]
     proto.graph.input.extend(kept)
-    for i in used:
-        variable = variables[i]
-        if layout is None:
-            tensor = numpy_helper.from_array(np.ascontiguousarray(variable.numpy()), names[i])
-        else:
-            offset, length = layout[i]
-            tensor = TensorProto(name=names[i], dims=list(variable.shape))
-            tensor.data_type = helper.np_dtype_to_tensor_dtype(np.dtype(str(variable.dtype)))
-            tensor.data_location = TensorProto.EXTERNAL
-            for key, value in (("location", layout["__file__"]), ("offset", str(offset)), ("length", str(length))):
-                entry = tensor.external_data.add()
-                entry.key, entry.value = key, value
-        proto.graph.initializer.append(tensor)
+    with open(path, "wb") as f:
+        f.write(proto.SerializeToString())
+        for i in used:
+            piece = ModelProto()
+            piece.graph.initializer.append(_weight_tensor(variables[i], names[i], layout))
+            f.write(piece.SerializeToString())
+            del piece
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _write_external_data(path, variables, used, export_id):
@@ -313,7 +328,7 @@ def _convert(fn, input_signature, opset, metadata, fast=True, variables=None):
 
     With `variables`, the weights are extra inputs of the converted graph
     (`_with_weights_as_inputs`), named ``kla_weight_<i>`` after the index of
-    the variable: `_name_weight_inputs` and `_attach_weights` turn them into
+    the variable: `_name_weight_inputs` and `_save_with_weights` turn them into
     initializers. Without, tf2onnx freezes whatever the function reads.
 
     ``fast=False`` converts with tf2onnx's per-pass graph copies (what a failed fast
@@ -441,7 +456,6 @@ def export_onnx(
         causal LMs, and ``"data"`` (a list of external data files) when the
         weights are stored outside the graphs.
     """
-    import onnx
 
     path = _check_path(path)
     if external_data not in ("auto", True, False):
@@ -512,8 +526,8 @@ def export_onnx(
                 data_name = os.path.basename(targets[owner]) + ".data"
                 union = sorted(set().union(*(used[kind] for kind in kinds)))
                 say(f"writing {len(union)} weights to {os.path.join(parent, data_name)}")
-                layout = _write_external_data(os.path.join(tmp, data_name), variables, union, export_id)
-                layout["__file__"] = data_name
+                offsets = _write_external_data(os.path.join(tmp, data_name), variables, union, export_id)
+                layout = {"__file__": data_name, "__index__": {names[i]: offsets[i] for i in union}}
                 layouts[parent] = layout
                 data_files[parent] = (os.path.join(tmp, data_name), os.path.join(parent, data_name))
                 _atomic.fault_point("onnx:data_staged")
@@ -523,10 +537,8 @@ def export_onnx(
         staged_files = {}
         for kind, proto in protos.items():
             parent = _parent(targets[kind])
-            _attach_weights(proto, used[kind], variables, names, layouts.get(parent))
             staged_files[kind] = os.path.join(staging[parent], f"{kind}.onnx")
-            onnx.save(proto, staged_files[kind])
-            del proto.graph.initializer[:]  # the values, when inside: free them before the next graph
+            _save_with_weights(proto, staged_files[kind], used[kind], variables, names, layouts.get(parent))
             _atomic.fault_point(f"onnx:{kind}_staged")
         protos.clear()
         for kind in companions:
