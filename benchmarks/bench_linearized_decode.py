@@ -277,8 +277,10 @@ def stage_decode(args):
                 t = time.perf_counter()
                 if model is student:
                     model.generate(prompt, max_length=context + n, stop_token_ids=None)
-                else:
-                    model.generate({"token_ids": prompt, "padding_mask": np.ones_like(prompt)}, max_length=context + n, stop_token_ids=None)
+                else:  # keras-hub without a preprocessor generates into the padded positions
+                    ids = np.concatenate([prompt, np.zeros((1, n), "int32")], axis=1)
+                    mask = np.concatenate([np.ones_like(prompt), np.zeros((1, n), "int32")], axis=1)
+                    model.generate({"token_ids": ids, "padding_mask": mask}, stop_token_ids=None)
                 return time.perf_counter() - t
 
             t = time.perf_counter()

@@ -534,16 +534,17 @@ def export_onnx(
             for staged, target in data_files.values():
                 _atomic.publish(staged, target)
             written["data"] = [target for _, target in data_files.values()]
+        # The model is staged first and published last; each companion is published as soon as it is staged.
         staged_files = {}
-        for kind, proto in protos.items():
+        for kind in protos:
             parent = _parent(targets[kind])
             staged_files[kind] = os.path.join(staging[parent], f"{kind}.onnx")
-            _save_with_weights(proto, staged_files[kind], used[kind], variables, names, layouts.get(parent))
+            _save_with_weights(protos[kind], staged_files[kind], used[kind], variables, names, layouts.get(parent))
             _atomic.fault_point(f"onnx:{kind}_staged")
+            if kind != "model":
+                _atomic.publish(staged_files[kind], targets[kind])
+                _atomic.fault_point(f"onnx:{kind}_published")
         protos.clear()
-        for kind in companions:
-            _atomic.publish(staged_files[kind], targets[kind])
-            _atomic.fault_point(f"onnx:{kind}_published")
         _atomic.publish(staged_files["model"], path)
         _atomic.fault_point("onnx:model_published")
     return written
