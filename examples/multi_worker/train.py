@@ -23,6 +23,18 @@ and then replaces the small ``checkpoint`` state file that names the latest
 one, so a worker killed during a save leaves the previous checkpoint
 current.
 
+Losing a worker: `MultiWorkerMirroredStrategy` cannot replace one worker
+inside a running job. When a worker dies, the others fail at their next
+collective (within seconds: an ``UnavailableError``); this script then
+prints the recovery procedure and exits with status 3 (`EXIT_PEER_LOST`).
+Recovery: stop every worker that is still running, then start every worker
+again with the same command and ``TF_CONFIG``; they restore the last
+checkpoint and continue exactly. A worker started alone waits for the others
+at start-up; after ``--cluster-timeout`` seconds (default 600; 0 waits
+forever) it prints the same procedure and is ended (SIGKILL, by a watchdog
+process) instead of waiting without a word. ``--collective-timeout S`` also bounds every
+collective of the training loop (a peer that hangs without dying).
+
 The variables are checkpointed as explicit lists, not as ``model=model``:
 ``tf.train.Checkpoint(model=model)`` does not follow layers that a Keras 3
 model keeps in a Python list (`LinearCausalLM`'s decoder blocks), so their
@@ -35,12 +47,43 @@ import inspect
 import json
 import os
 import shutil
+import subprocess
 import sys
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import tensorflow as tf  # noqa: E402
+
+# Exit status when a worker of the cluster is lost during training: restart every worker.
+EXIT_PEER_LOST = 3
+
+# What a lost worker looks like from the others: the collective is aborted
+# (Unavailable: a peer is down; FailedPrecondition: a peer restarted; Aborted /
+# Cancelled: collectives aborted after a failure), or it times out
+# (DeadlineExceeded, with --collective-timeout).
+PEER_LOST_ERRORS = (
+    tf.errors.UnavailableError,
+    tf.errors.DeadlineExceededError,
+    tf.errors.AbortedError,
+    tf.errors.CancelledError,
+    tf.errors.FailedPreconditionError,
+)
+
+
+def recovery_message(task_id, num_workers, reason, backup_dir):
+    """The text printed when the cluster is incomplete: what happened and how to recover."""
+    resume = (
+        f"they restore the last checkpoint in {backup_dir!r} and continue exactly where it was written"
+        if backup_dir
+        else "without --backup-dir training starts over from step 0"
+    )
+    return (
+        f"worker {task_id} of {num_workers}: {reason}\n"
+        "MultiWorkerMirroredStrategy cannot replace one worker inside a running job. To recover: stop every "
+        "worker that is still running, then start every worker again with the same command and TF_CONFIG; "
+        f"{resume}. Restarting one worker alone waits for the others (--cluster-timeout)."
+    )
 
 
 def build_parser():
@@ -68,7 +111,92 @@ def build_parser():
     parser.add_argument("--save", default=None, help="chief: save the trained model to this .keras file")
     parser.add_argument("--weights-out", default=None, help="chief: write the final weights to this .npz file")
     parser.add_argument("--log-steps", action="store_true", help="print 'step N loss' after every step")
+    parser.add_argument(
+        "--cluster-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait at start-up for every worker of TF_CONFIG; then exit with the recovery "
+        "procedure (status 3). 0 waits forever",
+    )
+    parser.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=None,
+        help="seconds any collective of the training loop may take (a hung peer); default: no limit "
+        "(a dead peer is detected without it)",
+    )
     return parser
+
+
+def _error_summary(error):
+    """The informative line of a TensorFlow error ("Collective ops is aborted by: ..."), not its traceback."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    for line in lines:
+        if "aborted" in line.lower() or "deadline" in line.lower() or "timed out" in line.lower():
+            return line
+    lines = [line for line in lines if line != "Graph execution error:"]
+    return lines[0] if lines else type(error).__name__
+
+
+def _num_workers():
+    """Workers (and chief) listed in TF_CONFIG; 1 without it."""
+    try:
+        cluster = json.loads(os.environ.get("TF_CONFIG") or "{}").get("cluster", {})
+        return max(1, sum(len(cluster.get(job, [])) for job in ("chief", "worker")))
+    except (ValueError, AttributeError, TypeError):
+        return 1
+
+
+def _task_id():
+    try:
+        return int(json.loads(os.environ.get("TF_CONFIG") or "{}").get("task", {}).get("index", 0))
+    except (ValueError, AttributeError, TypeError):
+        return 0
+
+
+# A watchdog in its own small process: TensorFlow waits for the cluster inside a C++ call during
+# which this process' Python threads and signal handlers do not run (checked: a threading.Timer
+# set to 15 s had not fired after 2 minutes).
+_WATCHDOG = """
+import os, signal, sys, time
+parent, timeout, message = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+deadline = time.monotonic() + timeout
+while time.monotonic() < deadline:
+    time.sleep(0.1)
+    if os.getppid() != parent:  # the worker is gone
+        sys.exit(0)
+sys.stderr.write(message + "\\n")
+sys.stderr.flush()
+os.kill(parent, signal.SIGKILL)  # SIGTERM does not end a worker blocked there
+"""
+
+
+def make_strategy(args):
+    """`MultiWorkerMirroredStrategy`, created under a start-up timeout.
+
+    Creating the strategy waits until every worker of TF_CONFIG has joined
+    (TensorFlow waits forever, silently). A watchdog process started here
+    prints the recovery procedure after `--cluster-timeout` seconds and
+    kills the worker (SIGKILL: exit status 137 in a shell); it is stopped
+    as soon as the cluster has formed.
+    """
+    options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=args.collective_timeout)
+    watchdog = None
+    if args.cluster_timeout and _num_workers() > 1:
+        reason = (
+            f"the cluster did not form within --cluster-timeout={args.cluster_timeout:g} s: not every worker "
+            "of TF_CONFIG is running"
+        )
+        message = recovery_message(_task_id(), _num_workers(), reason, args.backup_dir)
+        watchdog = subprocess.Popen(
+            [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(args.cluster_timeout), message]
+        )
+    try:
+        return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    finally:
+        if watchdog is not None:
+            watchdog.kill()
+            watchdog.wait()
 
 
 def _feature_map(name, seed):
@@ -102,7 +230,7 @@ def restore(checkpoint, directory):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()  # first: it configures TF's devices
+    strategy = make_strategy(args)  # first: it configures TF's devices
     import keras
     import numpy as np
 
@@ -177,24 +305,37 @@ def main(argv=None):
 
         return strategy.reduce("SUM", strategy.run(replica_step, args=batch), axis=None)
 
-    while int(step.numpy()) < args.steps:
-        current = int(step.numpy())
-        if args.redraw_every and current > 0 and current % args.redraw_every == 0:
-            for layer in maps:  # seeded maps: every worker draws the same matrix
-                layer.redraw()
-        loss = train_step(next(iterator))
-        step.assign_add(1)
-        if args.log_steps and is_chief:
-            print(f"step {current + 1} loss {float(loss):.5f}", flush=True)
-        if manager is not None and int(step.numpy()) % args.checkpoint_every == 0:
-            manager.save(checkpoint_number=int(step.numpy()))
+    def train_loop():
+        while int(step.numpy()) < args.steps:
+            current = int(step.numpy())
+            if args.redraw_every and current > 0 and current % args.redraw_every == 0:
+                for layer in maps:  # seeded maps: every worker draws the same matrix
+                    layer.redraw()
+            loss = train_step(next(iterator))
+            step.assign_add(1)
+            if args.log_steps and is_chief:
+                print(f"step {current + 1} loss {float(loss):.5f}", flush=True)
+            if manager is not None and int(step.numpy()) % args.checkpoint_every == 0:
+                manager.save(checkpoint_number=int(step.numpy()))
+                if not is_chief:
+                    shutil.rmtree(manager.directory, ignore_errors=True)
+
+        if manager is not None and manager.latest_checkpoint != manager._checkpoint_prefix + f"-{int(step.numpy())}":
+            manager.save(checkpoint_number=int(step.numpy()))  # the final state: a rerun has nothing left to do
             if not is_chief:
                 shutil.rmtree(manager.directory, ignore_errors=True)
 
-    if manager is not None and manager.latest_checkpoint != manager._checkpoint_prefix + f"-{int(step.numpy())}":
-        manager.save(checkpoint_number=int(step.numpy()))  # the final state: a rerun has nothing left to do
-        if not is_chief:
-            shutil.rmtree(manager.directory, ignore_errors=True)
+    try:
+        train_loop()
+    except PEER_LOST_ERRORS as e:
+        if _num_workers() == 1:
+            raise
+        reason = f"a collective failed ({type(e).__name__}: {_error_summary(e)}): another worker is down or hung"
+        print(recovery_message(task_id, _num_workers(), reason, args.backup_dir), file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # A plain return would leave TensorFlow's runtime shutting down with the lost peer
+        # (measured on localhost: 6 s more before the process ends, instead of 0.3 s).
+        os._exit(EXIT_PEER_LOST)
 
     if is_chief:
         if args.weights_out:

@@ -559,6 +559,99 @@ def test_two_worker_loop_sigkill_then_rerun_equals_uninterrupted(tmp_path):
     _assert_same_weights(got, expected, n=8 * 4 * 16, what=f"two workers killed after step {step}")
 
 
+_SMALL_MULTI_WORKER = [
+    "-m",
+    "examples.multi_worker.train",
+    "--max-chars",
+    "20000",
+    "--sequence-length",
+    "16",
+    "--per-replica-batch",
+    "2",
+    "--num-layers",
+    "1",
+    "--hidden-dim",
+    "16",
+    "--num-heads",
+    "2",
+    "--intermediate-dim",
+    "32",
+    "--chunk-size",
+    "8",
+    "--log-steps",
+]
+
+
+def _worker(index, workers, args):
+    env = _env()
+    env["TF_CONFIG"] = json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})
+    return subprocess.Popen(
+        [sys.executable, *args],
+        cwd=REPO_ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        bufsize=1,
+    )
+
+
+def test_lone_worker_times_out_with_the_recovery_procedure(tmp_path):
+    """A worker started without the others (a restart of one worker after a crash) used to wait
+    forever without a word; it now prints the recovery procedure after --cluster-timeout."""
+    workers = [f"localhost:{_free_port()}", f"localhost:{_free_port()}"]
+    args = _SMALL_MULTI_WORKER + ["--steps", "4", "--backup-dir", str(tmp_path / "ckpt"), "--cluster-timeout", "5"]
+    proc = _worker(1, workers, args)
+    start = time.monotonic()
+    try:
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, stderr[-3000:])
+    assert "worker 1 of 2: the cluster did not form within --cluster-timeout=5 s" in stderr, stderr[-3000:]
+    assert "start every worker again" in stderr and str(tmp_path / "ckpt") in stderr, stderr[-3000:]
+    assert time.monotonic() - start < 120  # the timeout, plus TensorFlow's start-up
+
+
+@pytest.mark.slow
+def test_one_killed_worker_ends_the_job_then_a_restart_of_every_worker_resumes(tmp_path):
+    """Worker 1 killed: worker 0 fails at its next collective, prints the recovery procedure and
+    exits with EXIT_PEER_LOST within seconds; restarting both workers resumes to the weights of an
+    uninterrupted run."""
+    from examples.multi_worker.train import EXIT_PEER_LOST
+
+    common = _SMALL_MULTI_WORKER + ["--steps", "8", "--checkpoint-every", "2", "--collective-timeout", "300"]
+    reference = str(tmp_path / "reference.npz")
+    assert any('replicas": 2' in line for line in _two_workers(common + ["--weights-out", reference]))
+    backup_dir, out = str(tmp_path / "ckpt"), str(tmp_path / "out.npz")
+    args = common + ["--backup-dir", backup_dir, "--weights-out", out]
+    workers = [f"localhost:{_free_port()}", f"localhost:{_free_port()}"]
+    procs = [_worker(index, workers, args) for index in range(2)]
+    try:
+        for line in procs[0].stdout:
+            if line.startswith("step 5 "):
+                procs[1].send_signal(signal.SIGKILL)
+                killed = time.monotonic()
+                break
+        _, stderr = procs[0].communicate(timeout=120)
+        ended = time.monotonic() - killed
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    assert procs[0].returncode == EXIT_PEER_LOST, (procs[0].returncode, stderr[-3000:])
+    assert "worker 0 of 2: a collective failed" in stderr and "start every worker again" in stderr, stderr[-3000:]
+    assert ended < 30, ended
+    lines = _two_workers(args)  # every worker restarted
+    assert any(line.startswith("resumed from") for line in lines), lines
+    with np.load(reference) as a, np.load(out) as b:
+        expected = [a[k] for k in sorted(a.files, key=lambda k: int(k[1:]))]
+        got = [b[k] for k in sorted(b.files, key=lambda k: int(k[1:]))]
+    _assert_same_weights(got, expected, n=8 * 4 * 16, what="one worker killed after step 5, every worker restarted")
+
+
 LISTOPS_ARGS = [
     "--variants",
     "elu",
