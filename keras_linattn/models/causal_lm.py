@@ -392,11 +392,12 @@ class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
         config = super().get_compile_config()
         optimizer = getattr(self, "optimizer", None)
         if config is not None and optimizer is not None and not optimizer.built:
-            # Called when the model is saved, before the weights are written.
-            # `compile_from_config` builds the optimizer (to load a trained
-            # one's slots), so the saved one is built too: an untrained model
-            # then reloads without an optimizer mismatch.
-            optimizer.build(self.trainable_variables)
+            # Called when the model is saved, before the weights are written. An
+            # optimizer that never ran is saved as it is (no slots: building
+            # Adam's would write two more copies of every weight, 8 GB at 1B
+            # parameters) and `compile_from_config` leaves it unbuilt, so the
+            # reload finds the same variables and warns of no mismatch.
+            config = dict(config, optimizer_built=False)
         if config is not None and getattr(self, "sampler", None) is not None:
             config = dict(config, sampler=_serialize_sampler(self.sampler))
         return config
@@ -405,9 +406,10 @@ class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
         """Restores `compile` (optimizer, loss, metrics and sampler) when a `.keras` file loads."""
         config = dict(config)
         sampler = config.pop("sampler", None)
+        optimizer_built = config.pop("optimizer_built", True)
         config = keras.saving.deserialize_keras_object(config)
         self.compile(**config, sampler=_get_sampler(sampler) if sampler is not None else "greedy")
-        if getattr(self, "optimizer", None) is not None:
+        if optimizer_built and getattr(self, "optimizer", None) is not None:
             self.optimizer.build(self.trainable_variables)
 
     def _symbolic_build(self, iterator=None, data_batch=None):
