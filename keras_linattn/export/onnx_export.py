@@ -156,7 +156,7 @@ def _export_variables(model):
     return out
 
 
-def weight_names(variables):
+def _weight_names(variables):
     """ONNX initializer name of each variable: its Keras path (made unique if two paths clash)."""
     names, used = [], set()
     for i, variable in enumerate(variables):
@@ -294,7 +294,7 @@ def _write_external_data(path, variables, used, export_id):
     return layout
 
 
-def read_data_header(path):
+def _read_data_header(path):
     """The export id in an external data file's header, or None if it has none."""
     with open(path, "rb") as f:
         head = f.read(_ALIGN)
@@ -484,7 +484,7 @@ def export_onnx(
                 f"or choose another path. Received: path={path!r}"
             )
     variables = _export_variables(model)
-    names = weight_names(variables)
+    names = _weight_names(variables)
     weight_bytes = sum(int(np.prod(v.shape)) * np.dtype(str(v.dtype)).itemsize for v in variables)
     external = weight_bytes > EXTERNAL_DATA_THRESHOLD if external_data == "auto" else bool(external_data)
     weights_meta = {"weights": "named", "weight_bytes": weight_bytes, "external_data": external}
@@ -615,7 +615,7 @@ def _check_external_data(path, export_id):
                 f"partly copied export?): export again, or copy the .data file beside the graph. "
                 f"Received: path={path!r}"
             )
-        found = read_data_header(data)
+        found = _read_data_header(data)
         if found != export_id:
             raise ValueError(
                 f"The external data {data!r} comes from another export than the graph {path!r} (export ids "

@@ -4,10 +4,15 @@ See docs/linearize.md. `linearize` and `attention_transfer` are also
 exported at the package's top level.
 """
 
-from keras_linattn._trainer import DivergenceWarning, NonFiniteLossError
 from keras_linattn.linearization.convert import linearize
 from keras_linattn.linearization.lora import enable_lora, lora_variables, merge_lora
-from keras_linattn.linearization.transfer import attention_pairs, attention_transfer, transfer_variables
+from keras_linattn.linearization.transfer import (
+    DivergenceWarning,
+    NonFiniteLossError,
+    attention_pairs,
+    attention_transfer,
+    transfer_variables,
+)
 
 __all__ = [
     "DivergenceWarning",

@@ -126,7 +126,7 @@ def enable_lora(model, rank=8, alpha=16):
     return adapters
 
 
-def restore_lora(stack, lora):
+def _restore_lora(stack, lora):
     """Re-applies `enable_lora` to a `LinearBackbone`'s decoder stack built from a config with ``"lora"``."""
     if not isinstance(lora, dict) or set(lora) != {"rank", "alpha"}:
         raise ValueError(f'`lora` must be None or {{"rank": r, "alpha": a}}. Received: lora={lora!r}')
@@ -136,7 +136,7 @@ def restore_lora(stack, lora):
     stack.lora_rank, stack.lora_alpha = lora["rank"], lora["alpha"]
 
 
-def lora_config(stack):
+def _lora_config(stack):
     """The ``"lora"`` entry of a decoder stack's config: None, or ``{"rank", "alpha"}``.
 
     Raises:

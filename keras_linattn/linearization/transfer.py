@@ -39,13 +39,13 @@ import numpy as np
 from keras import ops
 
 from keras_linattn._capture import CallHooks, walk_layers
-from keras_linattn._trainer import ObjectiveTrainer
+from keras_linattn._trainer import DivergenceWarning, NonFiniteLossError, ObjectiveTrainer
 from keras_linattn._trainer import as_dataset as _as_dataset
 from keras_linattn._validation import check_one_of, check_positive_int
 from keras_linattn.layers.linear_attention import LinearAttention
 from keras_linattn.linearization._generic import is_softmax_attention
 
-__all__ = ["attention_pairs", "attention_transfer", "transfer_variables"]
+__all__ = ["DivergenceWarning", "NonFiniteLossError", "attention_pairs", "attention_transfer", "transfer_variables"]
 
 # Names of the window's learnable gamma weight on a LinearAttention layer.
 _GAMMA_NAMES = ("window_gamma_logit", "window_gamma", "gamma")

@@ -212,7 +212,7 @@ class _DecoderStack(CheckpointTracked, keras.layers.Layer):
         if lora is not None:
             from keras_linattn.linearization import lora as lora_lib
 
-            lora_lib.restore_lora(self, lora)
+            lora_lib._restore_lora(self, lora)
 
     def build(self, input_shape=None, padding_mask_shape=None):
         # Built in __init__ (the input shape never changes the weights); a
@@ -468,7 +468,7 @@ class _DecoderStack(CheckpointTracked, keras.layers.Layer):
         )
         from keras_linattn.linearization import lora as lora_lib
 
-        lora = lora_lib.lora_config(self)
+        lora = lora_lib._lora_config(self)
         if lora is not None:  # only then: configs without adapters are unchanged
             config["lora"] = lora
         return config

@@ -41,7 +41,7 @@ def _all_tensors(graph, where="graph"):
 
 def _weights(model):
     variables = onnx_export._export_variables(model)
-    names = onnx_export.weight_names(variables)
+    names = onnx_export._weight_names(variables)
     return {name: np.asarray(v.numpy()) for name, v in zip(names, variables, strict=True)}
 
 
@@ -87,7 +87,7 @@ def test_external_data_keeps_the_weights_in_one_file_beside_the_graphs(external_
         external = [t for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
         assert external and all(t.name in _weights(model) for t in external), kind
         assert not any(name in _weights(model) for name, _, _ in _all_tensors(proto.graph)), kind
-    assert onnx_export.read_data_header(out / "lm.onnx.data") == onnx_export._read_metadata(paths["model"])["export_id"]
+    assert onnx_export._read_data_header(out / "lm.onnx.data") == onnx_export._read_metadata(paths["model"])["export_id"]
 
 
 def test_external_data_computes_what_inline_weights_compute(external_export):
