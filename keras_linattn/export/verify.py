@@ -643,6 +643,24 @@ def _token_check(backend, signature, keras_ids, got_ids, keras_logits, bound, al
     return _Check(backend, signature, keras_ids.shape, mismatches, mismatches, 0, exact=True)
 
 
+def _onnx_tokens(gen, keras_ids, prompt, max_length, **kwargs):
+    """`OnnxGenerator.generate`'s tokens; where it found non-finite logits, the -1 the graph returned.
+
+    The generator raises `NonFiniteLogitsError` for a row without a token
+    (the graph's -1 from a position on); verify reports that as a failed
+    token check instead of stopping.
+    """
+    from keras_linattn.models import generation
+
+    try:
+        return gen.generate(prompt, max_length=max_length, **kwargs)
+    except generation.NonFiniteLogitsError as e:
+        tokens = np.array(keras_ids, copy=True)
+        for row, position in zip(e.rows, e.positions, strict=True):
+            tokens[row, position:] = -1
+        return tokens
+
+
 def _verify_decoding(
     specs,
     report,
@@ -742,7 +760,7 @@ def _verify_decoding(
             got.append(logits)
         step_row("onnx", np.stack(got, axis=1), onnx_fixed)
         if gen.generate_path is not None and os.path.isfile(gen.generate_path):
-            greedy = gen.generate(prompt, max_length=max_length, sampler="greedy")
-            sampled = gen.generate(prompt, max_length=max_length, sampler=sampler, seed=seed)
+            greedy = _onnx_tokens(gen, greedy_ids, prompt, max_length, sampler="greedy")
+            sampled = _onnx_tokens(gen, sampled_ids, prompt, max_length, sampler=sampler, seed=seed)
             graph = os.path.basename(gen.generate_path)
             token_rows("onnx", greedy, sampled, (f"{graph}:greedy", f"{graph}:sampled"))

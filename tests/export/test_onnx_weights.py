@@ -87,7 +87,8 @@ def test_external_data_keeps_the_weights_in_one_file_beside_the_graphs(external_
         external = [t for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
         assert external and all(t.name in _weights(model) for t in external), kind
         assert not any(name in _weights(model) for name, _, _ in _all_tensors(proto.graph)), kind
-    assert onnx_export._read_data_header(out / "lm.onnx.data") == onnx_export._read_metadata(paths["model"])["export_id"]
+    export_id = onnx_export._read_metadata(paths["model"])["export_id"]
+    assert onnx_export._read_data_header(out / "lm.onnx.data") == export_id
 
 
 def test_external_data_computes_what_inline_weights_compute(external_export):
@@ -226,3 +227,23 @@ def test_the_converted_graph_holds_no_weight_values():
     assert constant_elements < weight_elements / 4, (constant_elements, weight_elements)
     inputs = {i.name for i in proto.graph.input}
     assert sum(name.startswith("kla_weight_") for name in inputs) > 0
+
+
+def test_verify_reports_nan_in_the_generate_graph_as_failed_rows(tmp_path):
+    """A damaged generate graph that decodes NaN is a failed check in the report, not an exception."""
+    model, _, paths = _shared_exports.limited_export()
+    copy = tmp_path / "onnx"
+    shutil.copytree(os.path.dirname(paths["model"]), copy)
+    generate = str(copy / os.path.basename(paths["generate"]))
+    name = _embedding_name(model)
+    proto = onnx.load(generate)
+    tensor = next(t for t in proto.graph.initializer if t.name == name)
+    array = numpy_helper.to_array(tensor).copy()
+    array[:] = np.nan  # every logit NaN: no token can be drawn
+    tensor.CopyFrom(numpy_helper.from_array(array, name))
+    onnx.save(proto, generate)
+    model_path = str(copy / os.path.basename(paths["model"]))
+    report = export.verify(model, onnx_path=model_path, shapes=[(1, 5)], decode_steps=2, raise_on_failure=False)
+    failed = {r.signature for r in report.failed}
+    graph = os.path.basename(generate)
+    assert {f"{graph}:weights", f"{graph}:greedy", f"{graph}:sampled"} <= failed, failed
