@@ -29,7 +29,16 @@ def test_jax_data_parallel_model_parallel_and_resume(tmp_path):
     """JAX on 2 host devices: DataParallel and ModelParallel (`get_layout_map`) train like one
     device; the package's BackupAndRestore resumes inside an epoch, with and without DataParallel."""
     pytest.importorskip("jax", reason="the `jax` extra (make test installs it)")
-    env = {"KERAS_BACKEND": "jax", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {
+        "KERAS_BACKEND": "jax",
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        # Each run builds a new model, which JAX compiles anew; the same program under the same
+        # distribution compiles once with a (fresh, per-test) compilation cache: 33 -> 19 s of CPU.
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+    }
     out = _lm_runs.run_script(_lm_runs.JAX_LM_SCRIPT, str(tmp_path), TEST_SEED, env)["lm"]
     weights = _lm_runs.load_weights(str(tmp_path))
     initial = weights["init"]
