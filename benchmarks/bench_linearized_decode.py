@@ -218,7 +218,8 @@ def _verify(args, **targets):
     _after_load(row, load_s)
     t = time.perf_counter()
     report = export.verify(student, raise_on_failure=False, progress=print, **targets)
-    row.update(seconds=time.perf_counter() - t, status=report.status, failed=len(report.failed), checks=len(report.rows))
+    row.update(seconds=time.perf_counter() - t, status=report.status)
+    row.update(failed=len(report.failed), checks=len(report.rows))
     return row
 
 
@@ -273,7 +274,7 @@ def stage_decode(args):
             if model is None:
                 continue
 
-            def run(n, model=model):
+            def run(n, model=model, prompt=prompt, context=context):
                 t = time.perf_counter()
                 if model is student:
                     model.generate(prompt, max_length=context + n, stop_token_ids=None)

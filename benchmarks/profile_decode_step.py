@@ -38,7 +38,7 @@ def profile(version_dir, repeats=20, depth=2):
     runner = SavedModelRunner(version_dir)
     sig = runner._signature("step")
     feeds = {}
-    for name, info in sig.inputs.items():
+    for info in sig.inputs.values():
         shape = [1 if d.size < 0 else d.size for d in info.tensor_shape.dim]
         dtype = tf.as_dtype(info.dtype).as_numpy_dtype
         feeds[runner._graph.get_tensor_by_name(info.name)] = np.zeros(shape, dtype)
