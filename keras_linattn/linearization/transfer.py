@@ -338,12 +338,13 @@ def attention_transfer(
     >>> import keras_linattn
     >>> keras.utils.set_random_seed(0)
     >>> inputs = keras.Input((16, 8))
-    >>> teacher = keras.Model(inputs, keras.layers.MultiHeadAttention(2, 4)(inputs, inputs, use_causal_mask=True))
+    >>> attention = keras.layers.MultiHeadAttention(2, 4, name="attention")  # named: the metric's name
+    >>> teacher = keras.Model(inputs, attention(inputs, inputs, use_causal_mask=True))
     >>> student = keras_linattn.linearize(teacher, window_size=4)
     >>> x = np.random.default_rng(0).normal(size=(8, 16, 8)).astype("float32")
     >>> student, history = keras_linattn.attention_transfer(student, teacher, x, steps=4, batch_size=4, verbose=0)
     >>> sorted(history.history)
-    ['loss', 'mse/multi_head_attention']
+    ['loss', 'mse/attention']
     """
     steps = check_positive_int("steps", steps)
     epochs = check_positive_int("epochs", epochs)
