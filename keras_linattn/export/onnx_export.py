@@ -284,7 +284,7 @@ def _write_external_data(path, variables, used, export_id):
         for i in used:
             value = np.ascontiguousarray(variables[i].numpy())
             offset = f.tell()
-            f.write(value.tobytes())
+            f.write(memoryview(value).cast("B"))  # the array's own buffer: no second copy of a weight
             layout[i] = (offset, value.nbytes)
             pad = -f.tell() % _ALIGN
             f.write(b"\0" * pad)
