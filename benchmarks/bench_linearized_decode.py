@@ -253,9 +253,20 @@ def _median(values):
     return values[len(values) // 2]
 
 
+def _student_modes(args):
+    """The student's generate modes to time: XLA-compiled and plain `tf.function` (``--student-modes``)."""
+    return (
+        {"xla": True, "plain": False, "auto": "auto"}
+        if args.student_modes == "all"
+        else {m: {"xla": True, "plain": False, "auto": "auto"}[m] for m in args.student_modes.split(",")}
+    )
+
+
 def stage_decode(args):
-    """ms per new token at batch 1 (decode only: the difference of two generate lengths)."""
+    """ms per new token at batch 1 (decode only: the difference of two generate lengths), first-call time."""
     import numpy as np
+
+    from keras_linattn.models import causal_lm
 
     student, load_s = _load_student(args)
     teacher = build_teacher(args.family, args.size) if not args.no_teacher else None
@@ -264,15 +275,19 @@ def stage_decode(args):
     rng = np.random.default_rng(0)
     rows = []
     short, long = args.new_tokens
+    runners = [(f"student_{mode}", student, jit) for mode, jit in _student_modes(args).items()]
+    if teacher is not None:
+        runners.append(("teacher", teacher, None))
     for context in args.contexts:
         if limit is not None and context + long > limit:
             rows.append({"context": context, "skipped": f"context + {long} new tokens > max_sequence_length={limit}"})
             continue
         prompt = rng.integers(0, vocab, size=(1, context)).astype("int32")
         row = {"context": context}
-        for name, model in (("student", student), ("teacher", teacher)):
-            if model is None:
-                continue
+        for name, model, jit in runners:
+            if jit is not None:  # a fresh trace in this mode
+                model.generate_jit_compile = jit
+                model._generation.functions.clear()
 
             def run(n, model=model, prompt=prompt, context=context):
                 t = time.perf_counter()
@@ -284,20 +299,28 @@ def stage_decode(args):
                     model.generate({"token_ids": ids, "padding_mask": mask}, stop_token_ids=None)
                 return time.perf_counter() - t
 
-            t = time.perf_counter()
-            run(short)
-            first = time.perf_counter() - t
-            diffs = []
+            row[f"{name}_first_call_s"] = run(short)
+            diffs, prefill = [], []
             for _ in range(args.repeats):
-                diffs.append((run(long) - run(short)) / (long - short))
-            row[f"{name}_first_call_s"] = first
+                a = run(short)
+                b = run(long)
+                prefill.append(a)
+                diffs.append((b - a) / (long - short))
             row[f"{name}_ms_per_token"] = 1e3 * _median(diffs)
             row[f"{name}_ms_range"] = [1e3 * min(diffs), 1e3 * max(diffs)]
+            row[f"{name}_short_call_s"] = _median(prefill)
         rows.append(row)
         print(json.dumps(row), flush=True)
     bw = bandwidth_gib_s()
     floor = weight_bytes(student) / (bw * 2**30) * 1e3
-    return {"load_s": load_s, "bandwidth_gib_s": bw, "weights_read_floor_ms": floor, "contexts": rows}
+    student.generate_jit_compile = "auto"
+    return {
+        "load_s": load_s,
+        "auto_uses_xla": bool(causal_lm._generate_uses_xla(student)),
+        "bandwidth_gib_s": bw,
+        "weights_read_floor_ms": floor,
+        "contexts": rows,
+    }
 
 
 STAGE_FUNCTIONS = {name: globals()[f"stage_{name}"] for name in STAGES}
@@ -320,6 +343,7 @@ def _run_stage(args, stage):
     command += ["--new-tokens", ",".join(map(str, args.new_tokens))]
     if args.no_teacher:
         command.append("--no-teacher")
+    command += ["--student-modes", args.student_modes]
     print(f"== {stage}", flush=True)
     t = time.perf_counter()
     process = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
@@ -348,6 +372,9 @@ def main(argv=None):
     parser.add_argument("--new-tokens", default="8,40", help="short,long generate lengths; decode = their difference")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-teacher", action="store_true", help="decode: time the student only")
+    parser.add_argument(
+        "--student-modes", default="xla,plain", help="decode: the student's generate modes (xla, plain, auto, all)"
+    )
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
