@@ -139,8 +139,12 @@ def _generate_uses_xla(model):
     (XLA's CPU dot is slower than TensorFlow's oneDNN kernels).
     """
     choice = getattr(model, "generate_jit_compile", "auto")
+    if isinstance(choice, bool):
+        return choice
     if choice != "auto":
-        return bool(choice)
+        raise ValueError(
+            f"`generate_jit_compile` must be True, False or 'auto'. Received: generate_jit_compile={choice!r}"
+        )
     import tensorflow as tf
 
     if tf.config.list_physical_devices("GPU"):
@@ -268,6 +272,8 @@ class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
         super().__init__(inputs=inputs, outputs=logits, compile=compile, **kwargs)
         self.input_spec = None  # `call` takes token ids alone too (then `padding_mask=` is optional)
         self._generation = _FunctionCache()
+        # XLA or a plain tf.function for `generate` (`_generate_uses_xla`): True, False or "auto".
+        self.generate_jit_compile = "auto"
 
     # The backbone's settings and layers, read through the task (round-2 attributes).
     for _name in (
