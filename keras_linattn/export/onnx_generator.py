@@ -57,9 +57,9 @@ class OnnxGenerator:
 
     Raises:
         keras_linattn.models.generation.NonFiniteLogitsError: where the
-        logits that predict a position hold a NaN or +inf or are all -inf:
-        the generate graph returned -1 there (no token); the message names
-        the row and position.
+            logits that predict a position hold a NaN or +inf or are all
+            -inf: the generate graph returned -1 there (no token); the
+            message names the row and position.
 
     Example:
 
