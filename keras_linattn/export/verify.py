@@ -574,6 +574,9 @@ def verify(
                         f"{backend:12s} {row.signature} {batch}x{length}: rel {row.max_rel:.2e} "
                         f"(bound {row.tolerance:.1e}) {row.status}"
                     )
+        # The model's session is done: free its copy of the weights before the step and generate sessions
+        # load theirs (a 1B model's are 4.6 GB each).
+        predictor = None
         if specs.causal_lm:
             _verify_decoding(
                 specs,
