@@ -5,13 +5,16 @@ source tree or an editable install), that its version is the one in the wheel's 
 `LinearAttention` forward pass matches a float64 numpy reference, and that the console script runs:
 ``--help`` without importing TensorFlow, then ``keras-linattn export`` (SavedModel with TF Serving
 warmup records, and ONNX) and ``keras-linattn verify`` of a tiny model, with no TensorFlow log line
-in their output. Every base requirement the wheel declares must be installed, and the export needs no
+in their output, and that every Python block of the README runs as written with the wheel.
+Every base requirement the wheel declares must be installed, and the export needs no
 extra: tensorflow-serving-api is one of them.
 Not collected by pytest (no `test_` prefix).
 """
 
 import argparse
 import glob
+import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -108,9 +111,28 @@ def main():
     assert "checks passed" in result.stdout, result.stdout
     warmup = os.path.join(exported, "tiny", "1", "assets.extra", "tf_serving_warmup_requests")
     assert os.path.isfile(warmup), "no TF Serving warmup records"
+
+    # Every README Python block, as written, with the wheel's keras_linattn: the block extractor and
+    # runner of tests/contracts/test_readme.py (loaded by path: it imports nothing from the package).
+    spec = importlib.util.spec_from_file_location(
+        "_readme", os.path.join(source, "tests", "contracts", "test_readme.py")
+    )
+    readme = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(readme)
+    blocks_dir = tempfile.mkdtemp(prefix="dist-check-readme-")
+    blocks_file = os.path.join(blocks_dir, "blocks.json")
+    with open(blocks_file, "w", encoding="utf-8") as f:
+        json.dump(readme._python_blocks(), f)
+    block_env = dict(env, TF_CPP_MIN_LOG_LEVEL="3", KERAS_BACKEND="tensorflow")
+    block_env.pop("PYTHONPATH", None)
+    runner = [os.path.join(venv, "bin", "python"), "-c", readme._RUNNER, blocks_file]
+    result = subprocess.run(runner, cwd=blocks_dir, capture_output=True, text=True, env=block_env, timeout=900)
+    assert result.returncode == 0, f"a README block failed with the wheel: {(result.stdout + result.stderr)[-4000:]}"
+    ran = result.stdout.count("=== block ")
     print(
         f"dist-check: keras_linattn {kla.__version__} from {where}; LinearAttention forward max error {error:.1e}; "
         f"{os.path.basename(cli)} --help ok without TensorFlow; export (SavedModel + warmup, ONNX) and verify ok; "
+        f"{ran} README Python blocks ran; "
         f"{os.path.basename(wheels[0])}, {os.path.basename(sdists[0])}"
     )
     return 0
