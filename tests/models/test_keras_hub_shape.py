@@ -245,7 +245,7 @@ def test_import_keras_linattn_does_not_import_keras_hub():
         "import sys, keras, keras_linattn, keras_linattn.layers, keras_linattn.ops, keras_linattn.export;"
         "assert 'keras_hub' not in sys.modules, 'keras_hub imported';"
         # Linearizing a plain Keras model does not import it either (as
-        # tests/linearize/test_linearize.py::test_import_does_not_load_keras_hub, one process for both).
+        # tests/linearization/test_linearize.py::test_import_does_not_load_keras_hub, one process for both).
         "inputs = keras.Input((4, 8));"
         "mha = keras.Model(inputs, keras.layers.MultiHeadAttention(2, 4)(inputs, inputs, use_causal_mask=True));"
         "keras_linattn.linearize(mha, window_size=4);"

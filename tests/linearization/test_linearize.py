@@ -12,7 +12,7 @@ import pytest
 
 import keras_linattn
 from keras_linattn.layers import LinearAttention
-from tests.linearize._models import DIM, FEATURES, HEADS, KEY_DIM, T, causal_teacher, data, mha, weights
+from tests.linearization._models import DIM, FEATURES, HEADS, KEY_DIM, T, causal_teacher, data, mha, weights
 from tests.tolerance import assert_close
 
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir)

@@ -11,7 +11,7 @@ import keras_linattn
 from keras_linattn import distill
 from keras_linattn._trainer import DivergenceWarning, NonFiniteLossError
 from keras_linattn.layers import LinearAttention
-from tests.linearize._models import causal_teacher, data, weights
+from tests.linearization._models import causal_teacher, data, weights
 
 WINDOW = 3
 

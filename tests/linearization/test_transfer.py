@@ -8,7 +8,7 @@ import tensorflow as tf
 import keras_linattn
 from keras_linattn.layers import LinearAttention
 from keras_linattn.linearization import attention_pairs, transfer_variables
-from tests.linearize._models import DIM, T, causal_teacher, data, mha, weights
+from tests.linearization._models import DIM, T, causal_teacher, data, mha, weights
 from tests.tolerance import assert_close
 
 WINDOW = 3
