@@ -1,0 +1,218 @@
+"""keras_linattn.ops sliding window (softmax inside the window, kernel attention outside) against float64 oracles.
+
+The blocked path against the quadratic float64 reference, outputs and
+gradients; pieces and steps against one pass; the degenerate-only normalizer
+guard and underflow (reported, never a silent 0).
+"""
+
+import numpy as np
+import pytest
+
+from keras_linattn import ops as lops
+from tests.recurrences._common import (
+    B,
+    C,
+    D,
+    H,
+    M,
+    _assert_flagged,
+    _features,
+    _grads,
+    _has_key,
+    _modes,
+    _padding,
+    _small_or_negative_keys,
+    _underflowing,
+)
+from tests.tolerance import assert_close
+
+# numeric: run again with oneDNN off (`make test-onednn-off`)
+pytestmark = pytest.mark.numeric
+
+
+def _window_inputs(rng, t, window):
+    q = rng.normal(size=(B, t, H, D)).astype("float32")
+    k = rng.normal(size=(B, t, H, D)).astype("float32")
+    qf, kf, v = _features(rng, t)
+    return q, k, qf, kf, v
+
+
+def _with_empty_buffer(k, kf, v, mask, window):
+    pad = lambda x: np.concatenate([np.zeros((B, window) + x.shape[2:], x.dtype), x], 1)  # noqa: E731
+    return pad(k), pad(kf), pad(v), np.concatenate([np.zeros((B, window), bool), mask], 1)
+
+
+@pytest.mark.parametrize("chunk_size", [4, 64])
+@pytest.mark.parametrize("window", [1, 4, 9, 40])
+@pytest.mark.parametrize("t", [1, 13, 33])
+def test_window_matches_oracle_outputs_and_gradients(rng, t, window, chunk_size):
+    q, k, qf, kf, v = _window_inputs(rng, t, window)
+    mask = _padding(rng, t)
+    k_all, kf_all, v_all, ok = _with_empty_buffer(k, kf, v, mask, window)
+    w = rng.normal(size=(B, t, H, M))
+
+    def fast(q_, qf_, k_, kf_, v_):
+        return lops.window_attention(q_, qf_, k_, kf_, v_, window, ok, chunk_size=chunk_size)
+
+    def oracle(q_, qf_, k_, kf_, v_):
+        return lops.window_attention_reference(q_, qf_, k_[:, window:], kf_[:, window:], v_[:, window:], window, mask)
+
+    args = (q, qf, k_all, kf_all, v_all)
+    # Window logits (D) and linear weights (C) over T keys.
+    assert_close(fast(*args), oracle(*args), n=t + C + D, what="outputs")
+    assert_close(_grads(fast, args, w), _grads(oracle, args, w), n=2 * t + C + D + M, what="gradients")
+
+
+def test_window_pieces_and_steps_equal_one_pass(rng):
+    t, window = 23, 5
+    q, k, qf, kf, v = _window_inputs(rng, t, window)
+    mask = _padding(rng, t)
+    k_all, kf_all, v_all, ok = _with_empty_buffer(k, kf, v, mask, window)
+    ref = lops.window_attention_reference(q, qf, k, kf, v, window, mask)
+    out, state = lops.window_attention(q, qf, k_all, kf_all, v_all, window, ok, return_state=True)
+    assert_close(out, ref, n=t + C + D, what="one pass")
+    cut = 8
+    a, st = lops.window_attention(
+        q[:, :cut],
+        qf[:, :cut],
+        k_all[:, : window + cut],
+        kf_all[:, : window + cut],
+        v_all[:, : window + cut],
+        window,
+        ok[:, : window + cut],
+        return_state=True,
+    )
+    b = lops.window_attention(
+        q[:, cut:],
+        qf[:, cut:],
+        k_all[:, cut:],
+        kf_all[:, cut:],
+        v_all[:, cut:],
+        window,
+        ok[:, cut:],
+        initial_state=st,
+    )
+    assert_close(np.concatenate([a, b], 1), ref, n=t + C + D, what="two pieces")
+    s = (np.zeros((B, H, C, M), "float32"), np.zeros((B, H, C), "float32"))
+    buffer = (
+        np.zeros((B, window, H, D), "float32"),
+        np.zeros((B, window, H, M), "float32"),
+        np.zeros((B, window), "float32"),
+    )
+    features = np.zeros((B, window, H, C), "float32")  # phi of the buffered keys, kept beside for the test
+    outs = []
+    for i in range(t):
+        o, s, buffer = lops.window_attention_step(
+            q[:, i], qf[:, i], k[:, i], v[:, i], features[:, 0], buffer, s, key_mask_t=mask[:, i]
+        )
+        features = np.concatenate([features[:, 1:], kf[:, i : i + 1]], 1)
+        outs.append(np.asarray(o))
+    assert_close(np.stack(outs, 1), ref, n=t + C + D, what="steps")
+    for part, expected in zip(s, state, strict=True):
+        assert_close(part, expected, n=t, paths=2, what="linear state")
+
+
+def test_window_refuses_a_buffer_of_the_wrong_length(rng):
+    q, k, qf, kf, v = _window_inputs(rng, 6, 3)
+    with pytest.raises(ValueError, match="W=3 buffered keys"):
+        lops.window_attention(q, qf, k, kf, v, 3)
+
+
+# ---------------------------------------------------------------- degenerate-only normalizer guard
+def _window_oracle(q, qf, k, kf, v, window, mask, scale):
+    """Exact hybrid (softmax over the window, kernel over older keys) in float64 numpy."""
+    q, qf, k, kf, v = (np.asarray(x, np.float64) for x in (q, qf, k, kf, v))
+    t = q.shape[1]
+    i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+    real = np.asarray(mask, bool)[:, None, None, :]  # [B, 1, 1, T]
+    in_window = (j <= i) & (j > i - window) & real  # [B, 1, T, T]
+    older = (j <= i - window) & real
+    s = np.einsum("bthd,bshd->bhts", q, k) * scale
+    peak = np.where(in_window, s, -np.inf).max(-1, keepdims=True)
+    peak = np.where(np.isfinite(peak), peak, 0.0)
+    weights = np.where(in_window, np.exp(s - peak), 0.0) + np.where(older, np.einsum("bthc,bshc->bhts", qf, kf), 0.0)
+    return np.einsum("bhts,bshm->bthm", weights, v) / weights.sum(-1).transpose(0, 2, 1)[..., None]
+
+
+@pytest.mark.parametrize("keys", ["small", "negative"])
+def test_window_divides_small_and_negative_denominators_exactly(rng, keys):
+    # Rows whose whole window is padded divide by the linear part alone: small keys (x1e-7) put it below the
+    # old floor eps * sum|phi(q)|, a signed map's all-negative keys make it negative; both are exact ratios.
+    t, window = 13, 2
+    q, k, _, _, _ = _window_inputs(rng, t, window)
+    qf, kf, v = _small_or_negative_keys(rng, t, keys)
+    mask = np.ones((B, t), bool)
+    mask[0, 5:] = False  # rows 6.. see no key in their window, only the 5 older ones
+    mask[1, 3:9] = False
+    k_all, kf_all, v_all, ok = _with_empty_buffer(k, kf, v, mask, window)
+    expected = _window_oracle(q, qf, k, kf, v, window, mask, D**-0.5)
+    out = lops.window_attention(q, qf, k_all, kf_all, v_all, window, ok, chunk_size=4)
+    assert_close(out, expected, n=t + C + D, what="parallel")
+    ref = lops.window_attention_reference(q, qf, k, kf, v, window, mask)
+    assert_close(ref, expected, n=t + C + D, what="reference")
+    s = (np.zeros((B, H, C, M), "float32"), np.zeros((B, H, C), "float32"))
+    buffer = (
+        np.zeros((B, window, H, D), "float32"),
+        np.zeros((B, window, H, M), "float32"),
+        np.zeros((B, window), "float32"),
+    )
+    features = np.zeros((B, window, H, C), "float32")
+    outs = []
+    for i in range(t):
+        o, s, buffer = lops.window_attention_step(
+            q[:, i], qf[:, i], k[:, i], v[:, i], features[:, 0], buffer, s, key_mask_t=mask[:, i]
+        )
+        features = np.concatenate([features[:, 1:], kf[:, i : i + 1]], 1)
+        outs.append(np.asarray(o))
+    assert_close(np.stack(outs, 1), expected, n=t + C + D, what="steps")
+
+
+# ---------------------------------------------------------------- underflow is reported, never a silent 0
+def test_window_underflow_raises_eagerly_and_is_nan_in_graphs(rng):
+    # Rows with a real key in their window have softmax terms (the largest is 1): never underflowed, and
+    # exact (the linear part, ~1e-50, is nothing next to them). Rows whose window is all padded but that have
+    # older real keys divide by the linear part alone: underflowed. Rows with no key at all: 0.
+    from keras_linattn.ops.core import KernelUnderflowError
+
+    t, window = 13, 2
+    q, k, _, _, _ = _window_inputs(rng, t, window)
+    qf, kf, v = _underflowing(rng, t)
+    mask = np.ones((B, t), bool)
+    mask[0, 5:] = False  # rows 6.. of sequence 0: an empty window, 5 older keys
+    mask[1, :2] = False  # rows 0, 1 of sequence 1: no key at all
+    mask[1, 5:10] = False  # rows 6..9 of sequence 1: an empty window, older keys
+    k_all, kf_all, v_all, ok = _with_empty_buffer(k, kf, v, mask, window)
+    real = np.concatenate([np.zeros((B, window), bool), mask], 1)
+    in_window = np.stack([real[:, i + 1 : i + 1 + window].any(1) for i in range(t)], 1)  # [B, T]
+    flagged = _has_key(mask, window) & ~in_window
+    with pytest.raises(KernelUnderflowError, match="underflow"):
+        lops.window_attention(q, qf, k_all, kf_all, v_all, window, ok, chunk_size=4)
+    expected = _window_oracle(q, qf, k, kf, v, window, mask, D**-0.5)
+    for mode, fn in zip(
+        ("graph", "xla"), _modes(lambda *x: lops.window_attention(*x, window, ok, chunk_size=4)), strict=True
+    ):
+        out = np.asarray(fn(q, qf, k_all, kf_all, v_all))
+        _assert_flagged(np.where(in_window[:, :, None, None], 0.0, out), flagged, f"parallel, {mode}")
+        assert_close(out[in_window], expected[in_window], n=t + C + D, what=f"rows with a window, {mode}")
+    step, _ = _modes(lambda *x: lops.window_attention_step(*x))
+    s = (np.zeros((B, H, C, M), "float32"), np.zeros((B, H, C), "float32"))
+    buffer = (
+        np.zeros((B, window, H, D), "float32"),
+        np.zeros((B, window, H, M), "float32"),
+        np.zeros((B, window), "float32"),
+    )
+    features = np.zeros((B, window, H, C), "float32")
+    outs = []
+    raised = False
+    for i in range(t):
+        args = (q[:, i], qf[:, i], k[:, i], v[:, i], features[:, 0], buffer, s, mask[:, i])
+        if flagged[:, i].any() and not raised:
+            with pytest.raises(KernelUnderflowError, match="underflow"):
+                lops.window_attention_step(*args[:-1], key_mask_t=mask[:, i])
+            raised = True
+        o, s, buffer = step(*args)
+        features = np.concatenate([features[:, 1:], kf[:, i : i + 1]], 1)
+        outs.append(np.asarray(o))
+    assert raised
+    out = np.stack(outs, 1)
+    _assert_flagged(np.where(in_window[:, :, None, None], 0.0, out), flagged, "steps, graph")
