@@ -1,9 +1,10 @@
-"""Name registries: feature maps and samplers are looked up by name.
+"""Name registries: feature maps, recurrences and samplers are looked up by name.
 
 `NameRegistry` holds ``name -> class`` for one kind of object, registers
 each class with Keras (so configs naming it load under ``safe_mode=True``),
-and resolves the identifiers users pass (a name, a serialized config or an
-instance) with errors that name the argument.
+resolves the identifiers users pass (a name, a serialized config or an
+instance) with errors that name the argument, and deserializes the Keras
+configs of its classes, refusing any other class.
 """
 
 import keras
@@ -45,6 +46,28 @@ class NameRegistry:
     def by_class_name(self):
         """``{class.__name__: class}`` of the registered classes."""
         return {cls.__name__: cls for cls in self._classes.values()}
+
+    def deserialize(self, config):
+        """Inverse of ``keras.saving.serialize_keras_object`` for a registered class; refuses any other.
+
+        The class name is checked before Keras resolves anything, so a config
+        naming an unregistered class (or no class) raises without importing
+        or calling it.
+
+        Raises:
+            ValueError: for a config whose ``class_name`` is not a registered
+                class, or that does not deserialize to a `base` instance.
+        """
+        class_name = config.get("class_name") if isinstance(config, dict) else None
+        known = set(self.by_class_name())
+        if class_name not in known:
+            raise ValueError(
+                f"Unknown {self.kind} in config. Received: class_name={class_name!r}. Known: {sorted(known)}"
+            )
+        obj = keras.saving.deserialize_keras_object(config)
+        if not isinstance(obj, self.base):
+            raise ValueError(f"Config does not describe a {self.base.__name__}. Received: {config!r}")
+        return obj
 
     def get(self, identifier, kwargs, deserialize):
         """Resolves a name (built with `kwargs`), a config (`deserialize`) or an instance."""
