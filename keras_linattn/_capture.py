@@ -1,6 +1,6 @@
 """Finding layers in a model and capturing their calls, with public Python and Keras API only.
 
-Two tools shared by attention distillation (`keras_linattn.distill`) and
+Tools shared by attention distillation (`keras_linattn.distill`) and
 attention transfer (`keras_linattn.linearization.transfer`):
 
 - `walk_layers(root)`: every layer reachable from `root`, depth-first, each
@@ -20,6 +20,8 @@ attention transfer (`keras_linattn.linearization.transfer`):
   works for functional, Sequential and subclassed models alike, as long as
   the layer is invoked as ``layer(...)`` on the forward pass (not from
   inside a ``while_loop`` / RNN cell).
+- `layer_names(layers)`: one distinct name per chosen layer, for the logs
+  (``kl/<name>``, ``mse/<name>``) and the ``{name: value}`` reports.
 
 Keras may trace a layer in a scratch graph (shape inference while
 building): only calls in the graph, or the eager context, that was current
@@ -69,6 +71,29 @@ def walk_layers(root):
 
     visit(root)
     return found
+
+
+def layer_names(layers):
+    """One distinct name per layer of `layers`, in order: the layer's name, suffixed where it repeats one.
+
+    A name already taken by an earlier layer gets ``_<i>`` appended, ``i``
+    the layer's index in `layers`, again until the result is new: layers
+    ``[a, a, a]`` are named ``[a, a_1, a_2]``, and ``[a_2, a, a]``
+    ``[a_2, a, a_2_2]``. Layers from different models can share a name.
+
+    Args:
+        layers: a list of Keras layers.
+
+    Returns:
+        A list of strings, one per layer, all different.
+    """
+    names = []
+    for layer in layers:
+        name = layer.name
+        while name in names:
+            name = f"{name}_{len(names)}"
+        names.append(name)
+    return names
 
 
 def _current_graph():

@@ -46,7 +46,7 @@ import numpy as np
 import tensorflow as tf
 from keras import ops
 
-from keras_linattn._capture import CallHooks, walk_layers
+from keras_linattn._capture import CallHooks, layer_names, walk_layers
 from keras_linattn._trainer import ObjectiveTrainer
 from keras_linattn._trainer import as_dataset as _as_dataset
 from keras_linattn._validation import check_bool, check_one_of, check_optional_positive_int, check_positive_int
@@ -66,7 +66,8 @@ class DistillationHistory:
     """What `distill_attention` did.
 
     Attributes:
-        layers: names of the distilled layers, in model order.
+        layers: names of the distilled layers, in model order (a name
+            that repeats an earlier layer's gets ``_<index>`` appended).
         kl_before: per-layer ``KL(p_softmax || p_linear)`` before training,
             on the evaluation data.
         kl_after: the same after training.
@@ -251,16 +252,6 @@ def _evaluate(model, layers, dataset, steps, causal):
     return totals[:, 1] / totals[:, 2]
 
 
-def _layer_names(layers):
-    names = []
-    for layer in layers:
-        name = layer.name
-        if name in names:
-            name = f"{name}_{len(names)}"
-        names.append(name)
-    return names
-
-
 def attention_kl(model, data, steps=None, batch_size=32, causal=None, layers=None):
     """Mean ``KL(p_softmax || p_linear)`` per `LinearAttention` layer.
 
@@ -278,12 +269,13 @@ def attention_kl(model, data, steps=None, batch_size=32, causal=None, layers=Non
 
     Returns:
         A dict ``{layer name: KL}`` (nats per query row, averaged over
-        batch, heads and unpadded query rows).
+        batch, heads and unpadded query rows). A layer whose name repeats
+        an earlier layer's is keyed ``<name>_<index>``.
     """
     steps = check_optional_positive_int("steps", steps)
     chosen = _select_layers(model, layers)
     values = _evaluate(model, chosen, _as_dataset(data, batch_size), steps, causal)
-    return dict(zip(_layer_names(chosen), (float(v) for v in values), strict=True))
+    return dict(zip(layer_names(chosen), (float(v) for v in values), strict=True))
 
 
 def distill_attention(
@@ -375,7 +367,7 @@ def distill_attention(
         raise ValueError("`data` is infinite: pass `steps_per_epoch`. Received: steps_per_epoch=None")
 
     chosen = _select_layers(model, layers)
-    names = _layer_names(chosen)
+    names = layer_names(chosen)
     if next(iter(dataset), None) is None:
         raise ValueError("`data` yielded no batch.")
     before = _evaluate(model, chosen, eval_dataset, eval_steps, causal)  # also builds the model

@@ -38,7 +38,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_linattn._capture import CallHooks, walk_layers
+from keras_linattn._capture import CallHooks, layer_names, walk_layers
 from keras_linattn._trainer import DivergenceWarning, NonFiniteLossError, ObjectiveTrainer
 from keras_linattn._trainer import as_dataset as _as_dataset
 from keras_linattn._validation import check_one_of, check_positive_int
@@ -163,16 +163,6 @@ def _mse(out, target, mask):
 
 def _first(output):
     return output[0] if isinstance(output, (list, tuple)) else output
-
-
-def _names(layers):
-    names = []
-    for layer in layers:
-        name = layer.name
-        while name in names:
-            name = f"{name}_{len(names)}"
-        names.append(name)
-    return names
 
 
 def _transfer_objective(teacher, student, pairs, names):
@@ -317,7 +307,9 @@ def attention_transfer(
 
     Returns:
         ``(student, history)``: the student, and the `keras.callbacks.History`
-        of ``fit`` (per-epoch means of ``loss`` and ``mse/<student layer>``).
+        of ``fit`` (per-epoch means of ``loss`` and ``mse/<student layer>``;
+        a student layer whose name repeats an earlier one's is logged as
+        ``mse/<name>_<index>``).
 
     Raises:
         ValueError: for bad arguments, unpaired attention layers, paired
@@ -375,7 +367,7 @@ def attention_transfer(
             "The student's attention layers have nothing to train (a feature map with trainable weights, "
             f"e.g. 'hedgehog', or a window gamma). Received: layers={[s.name for _, s in pairs]}"
         )
-    names = _names([s for _, s in pairs])
+    names = layer_names([s for _, s in pairs])
     log_names = ["loss"] + [f"mse/{name}" for name in names]
     objective = _transfer_objective(teacher, student, pairs, names)
     trainer = ObjectiveTrainer(
