@@ -16,6 +16,24 @@ class FeatureMap(CheckpointTracked, keras.layers.Layer):
     float32 by default (the numerics of linear attention need float32
     features under mixed precision); pass ``dtype=`` to override.
 
+    The attention layers and the recurrences also read a few optional hooks
+    of the map. The base class gives each its default (the attributes
+    below); a subclass overrides the ones it needs:
+
+    - `float16_safe`: False refuses a float16 compute dtype.
+    - `noncausal_pair`: a method that maps the queries and keys of a
+      non-causal call together.
+    - `call_signature_parameters`: the names of `call`'s parameters
+      (set by Keras); a ``key_mask`` parameter receives the key padding.
+    - `seed`: the seed a map draws its weights from, if any.
+    - ``causal_key_out_of_range(inputs)``: an optional method with no
+      default here, for maps that cap causal key features (favor_trig):
+      ``[B, T, H]`` bool, True where a key's features were capped.
+      `LinearAttention` looks it up with ``hasattr`` and, for causal calls
+      whose recurrence does not cancel the key scale, flags every row
+      that attends to such a key (`KernelUnderflowError` eagerly, NaN in a
+      graph). A map without it never caps a key.
+
     Args:
         **kwargs: standard `keras.layers.Layer` arguments (`name`, `dtype`).
 
@@ -28,6 +46,49 @@ class FeatureMap(CheckpointTracked, keras.layers.Layer):
 
     Returns:
         ``[B, T, H, C]`` features with ``C = feature_dim(D)``.
+    """
+
+    float16_safe = True
+    """Whether the map's outputs stay in float16's range at ordinary input scales.
+
+    Read by `LinearAttention` when it is created: with False it refuses a
+    float16 compute dtype (``mixed_float16``) with a ValueError. True (the
+    default): the map may run under float16. A map with signed features
+    whose normalized ratio can overflow float16 (favor_trig) sets False.
+    """
+
+    noncausal_pair = None
+    """None, or a method ``noncausal_pair(queries, keys, key_mask=None) -> (phi(q), phi(k))``.
+
+    Called by the recurrence (`Recurrence.feature_pair`) for a non-causal
+    call instead of mapping the queries and the keys separately, for maps
+    whose features need statistics of both (favor+ shifts each feature by
+    its max over the real keys and multiplies the queries back). Inputs are
+    ``[B, T, H, D]`` and ``[B, S, H, D]`` and ``key_mask`` ``[B, S]`` or
+    None. None (the default): queries and keys each go through `call`.
+    Causal calls always map them through `call`.
+    """
+
+    call_signature_parameters = ()
+    """The names of the parameters of the map's `call`.
+
+    Keras' `Layer.__init__` sets it on every instance from the signature of
+    `call`; the recurrence (`Recurrence.features`) reads it on each call to
+    pass ``key_mask=`` (``[B, S]``, the key padding) only to maps whose
+    `call` takes a ``key_mask`` parameter (favor+'s non-causal stabilizer,
+    so that padded keys never enter its statistics). The empty default
+    holds only before `Layer.__init__` has run: no ``key_mask`` is passed.
+    """
+
+    seed = None
+    """The seed the map draws its random projection or initial weights from, or None.
+
+    Seeded maps (the random-feature maps, the trainable maps) set it from
+    their ``seed`` argument, which their config holds. A `LinearBackbone`
+    given a map with a seed gives each block after the first its own seed
+    derived from it, so that blocks do not draw the same projection or
+    weights; with None (the default: an unseeded or deterministic map)
+    every block gets the map's config as it is.
     """
 
     def __init__(self, **kwargs):

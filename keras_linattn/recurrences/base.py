@@ -153,20 +153,21 @@ class Recurrence:
         feature_map = self.layer.feature_map
         if feature_map is None:
             return x
-        params = getattr(feature_map, "call_signature_parameters", ())
-        masked = {"key_mask": key_mask} if key_mask is not None and "key_mask" in params else {}
+        takes_mask = "key_mask" in feature_map.call_signature_parameters
+        masked = {"key_mask": key_mask} if key_mask is not None and takes_mask else {}
         return feature_map(x, is_query=is_query, causal=causal, training=training, **masked)
 
     def feature_pair(self, q, k, causal=True, training=None, key_mask=None):
         """``(phi(q), phi(k))`` of one call.
 
-        Non-causal, a map with ``noncausal_pair`` (favor+) maps queries and
-        keys together (a stabilizer per feature that needs the keys'
-        statistics); otherwise `features` maps each on its own.
+        Non-causal, a map whose `FeatureMap.noncausal_pair` is a method
+        (favor+) maps queries and keys together (a stabilizer per feature
+        that needs the keys' statistics); otherwise `features` maps each on
+        its own.
         """
-        pair = getattr(self.layer.feature_map, "noncausal_pair", None)
-        if pair is not None and not causal:
-            return pair(q, k, key_mask=key_mask)
+        feature_map = self.layer.feature_map
+        if not causal and feature_map is not None and feature_map.noncausal_pair is not None:
+            return feature_map.noncausal_pair(q, k, key_mask=key_mask)
         return self.features(q, True, causal, training), self.features(k, False, causal, training, key_mask)
 
     def call(self, q, k, v, gate_keys, key_mask, state, causal=True, training=None):
