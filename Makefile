@@ -45,7 +45,7 @@ test-onednn-off: $(STAMP)
 # Gradients go through tests/_backend.py (tape on TensorFlow,
 # jax.value_and_grad on JAX); tests/conftest.py turns on JAX's 64-bit mode so
 # that the float64 oracles are float64. -rsx prints every skip (tf_only) and
-# expected failure (a known JAX bug) with its reason. test_recurrences.py,
+# expected failure (a known JAX bug) with its reason. tests/recurrences/,
 # test_mechanisms.py and test_causal_lm.py are backend-neutral too but are not
 # marked yet: on JAX they did not finish within 10 minutes on 2 workers.
 test-jax: $(STAMP)
