@@ -33,8 +33,7 @@ junk cannot leak).
 from keras import ops
 
 from keras_linattn._validation import check_bool, check_epsilon, check_positive_int, check_rank
-from keras_linattn.ops.core import (
-    DEFAULT_EPSILON,
+from keras_linattn.ops._common import (
     _check_state,
     _guarded_denominator,
     _has_keys,
@@ -46,6 +45,7 @@ from keras_linattn.ops.core import (
     _step_has_keys,
     _validate_inputs,
 )
+from keras_linattn.ops.core import DEFAULT_EPSILON
 
 __all__ = [
     "CHANNEL_CHUNK",
@@ -163,7 +163,7 @@ def _gated_chunked(q, k, v, g, chunk_size, s0, z0, with_abs=False):
     0 at padded steps). Returns ``(num [B, H, T, M], den [B, H, T, 1],
     den_abs, (S, z))``: ``den_abs`` (None unless `with_abs`) is the
     magnitude of the terms summed into ``den``, as in
-    `keras_linattn.ops.core._causal_chunked`: ``sum_j |w_ij|`` over the
+    `keras_linattn.ops._common._causal_chunked`: ``sum_j |w_ij|`` over the
     chunk's own decayed weights plus ``|phi(q_i) exp(b_i)| . |z|`` of the
     carried state; it equals ``den`` for non-negative features.
     """

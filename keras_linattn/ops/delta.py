@@ -40,7 +40,7 @@ import keras
 from keras import ops
 
 from keras_linattn._validation import check_positive_int, check_rank
-from keras_linattn.ops.core import _heads_first, _mask_keys, _matmul, _validate_inputs
+from keras_linattn.ops._common import _heads_first, _mask_keys, _matmul, _validate_inputs
 
 __all__ = ["DELTA_CHUNK", "delta_rule_attention", "delta_rule_reference", "delta_rule_step"]
 

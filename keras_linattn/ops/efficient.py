@@ -21,7 +21,7 @@ is the quadratic oracle of this function.
 
 from keras import ops
 
-from keras_linattn.ops.core import _mask_keys, _validate_inputs
+from keras_linattn.ops._common import _mask_keys, _validate_inputs
 
 __all__ = ["efficient_attention"]
 

@@ -6,7 +6,7 @@ C feature dim, M value dim, K projected length.
 
 from keras import ops
 
-from keras_linattn.ops.core import _validate_inputs
+from keras_linattn.ops._common import _validate_inputs
 from keras_linattn.ops.efficient import _check_projections
 
 __all__ = [

@@ -18,7 +18,7 @@ from keras import ops
 
 from keras_linattn._validation import check_rank
 from keras_linattn._xla import under_xla
-from keras_linattn.ops.core import _mask_keys
+from keras_linattn.ops._common import _mask_keys
 
 __all__ = ["causal_conv", "causal_conv_reference", "causal_conv_step"]
 

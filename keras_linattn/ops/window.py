@@ -34,8 +34,7 @@ blocks of W queries against 2W keys.
 from keras import ops
 
 from keras_linattn._validation import check_epsilon, check_positive_int, check_rank
-from keras_linattn.ops.core import (
-    DEFAULT_EPSILON,
+from keras_linattn.ops._common import (
     _causal_chunked,
     _check_state,
     _guarded_denominator,
@@ -47,6 +46,7 @@ from keras_linattn.ops.core import (
     _normalize,
     _validate_inputs,
 )
+from keras_linattn.ops.core import DEFAULT_EPSILON
 
 __all__ = ["window_attention", "window_attention_reference", "window_attention_step"]
 

@@ -11,8 +11,8 @@ import keras
 from keras import ops
 
 from keras_linattn import _state, _validation
-from keras_linattn.ops import core as la_ops
 from keras_linattn.ops import window as window_ops
+from keras_linattn.ops._common import _mask_keys
 from keras_linattn.recurrences.base import Recurrence
 from keras_linattn.recurrences.registry import register
 
@@ -110,7 +110,7 @@ class WindowRecurrence(Recurrence):
             "S": s,
             "z": z,
             "window_k": ops.cast(k_all[:, -w:], "float32"),
-            "window_v": ops.cast(la_ops._mask_keys(v_all, ok_all > 0)[:, -w:], "float32"),
+            "window_v": ops.cast(_mask_keys(v_all, ok_all > 0)[:, -w:], "float32"),
             "window_valid": ok_all[:, -w:],
         }
 
