@@ -26,7 +26,7 @@ if os.environ.get("CI"):
 # Plain asserts in the shared helpers report their operands like those in tests.
 pytest.register_assert_rewrite("tests._helpers")
 
-# The oracles compute in float64 (docs/testing.md). JAX without 64-bit mode
+# The oracles compute in float64 (docs/dev/testing.md). JAX without 64-bit mode
 # silently computes float64 in float32 (a cast to "float64" gives float32):
 # under `KERAS_BACKEND=jax` (`make test-jax`) the suite turns it on, before any
 # array exists, and checks that it took.

@@ -1,4 +1,4 @@
-"""The error model behind every numeric bound in the suite (docs/testing.md).
+"""The error model behind every numeric bound in the suite (docs/dev/testing.md).
 
 It lives in the package, `keras_linattn._tolerance`, so that
 `keras_linattn.export.verify` bounds export-vs-Keras differences with the

@@ -2,7 +2,7 @@
 
 One table row per (entry point, bad input): the exception type and fragments
 that its message must contain — the argument's name and the value (or shape,
-dtype) received. docs/hardening.md has the same table in prose.
+dtype) received. docs/dev/hardening.md has the same table in prose.
 
 Objects the rows need (small layers, a tiny LM, corrupt export files) are
 built once per module by the fixtures below.
@@ -1262,7 +1262,7 @@ def test_nan_in_a_real_token_is_never_hidden_and_stays_in_its_sequence():
     assert np.isnan(causal[0, 6:]).all()  # from the NaN key on: NaN, not silently hidden
     assert np.isfinite(causal[1]).all()  # the other sequence of the batch: untouched
     # Outputs before the NaN key, in the same sequence, may be NaN too: the
-    # chunk states are combined by a matmul with a 0/1 triangle (docs/hardening.md).
+    # chunk states are combined by a matmul with a 0/1 triangle (docs/dev/hardening.md).
     q2 = q.copy()
     q2[0, 3, 0, 0] = np.nan
     non_causal = np.asarray(la.linear_attention(q2, np.full_like(k, 0.5), v))
@@ -1284,20 +1284,20 @@ def test_nan_in_an_unused_query_never_reaches_the_state():
 
 # ----------------------------------------------------- the docs table in sync
 def _docs_rows():
-    path = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "docs", "hardening.md")
+    path = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "docs", "dev", "hardening.md")
     with open(path) as f:
         return {line.strip() for line in f if line.startswith("| `")}
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[r[0] for r in ROWS])
 def test_docs_table_lists_the_row_as_tested(row):
-    """docs/hardening.md shows each row with the error type and fragments this file checks."""
+    """docs/dev/hardening.md shows each row with the error type and fragments this file checks."""
     name, _, error, fragments = row
     entry, case = name.split("/", 1)
     docs = _docs_rows()
     prefix = f"| `{entry}` | {case} | {error.__name__}: "
     matches = [line for line in docs if line.startswith(prefix)]
-    assert matches, f"docs/hardening.md has no row starting {prefix!r}"
+    assert matches, f"docs/dev/hardening.md has no row starting {prefix!r}"
 
     def shown(fragment):
         return f"`` {fragment} ``" if "`" in fragment else f"`{fragment}`"

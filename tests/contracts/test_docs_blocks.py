@@ -1,4 +1,4 @@
-"""The Python blocks of docs/*.md run as written (``make test-slow``: some pages train or export).
+"""The Python blocks of docs/*.md and docs/dev/*.md run as written (``make test-slow``: some pages train or export).
 
 A page's blocks run in order in one namespace (a guide builds on its earlier blocks), in a fresh
 subprocess in an empty folder, offline. A block that cannot run alone says so on its first line,
@@ -15,7 +15,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PAGES = sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+PAGES = sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")) + glob.glob(os.path.join(ROOT, "docs", "dev", "*.md")))
 FRAGMENT = re.compile(r"#\s*Fragment\b.*?runnable:\s*(\S+)", re.I)
 
 _RUNNER = """

@@ -67,7 +67,7 @@ def tiny_lm(feature_map="elu", seed=0):
 # ------------------------------------------------- error model of the exports
 # An export and Keras are two float32 computations of the same function (the
 # ONNX graph runs other kernels): paths=2, n = the reduction lengths of the
-# model on its longest path (docs/testing.md).
+# model on its longest path (docs/dev/testing.md).
 def feature_map_reduction(fm, key_dim):
     """Length of the reductions inside a feature map applied to ``key_dim``-vectors."""
     if isinstance(fm, (fmaps.EluFeatureMap, fmaps.ReluFeatureMap, fmaps.TaylorFeatureMap)):

@@ -122,7 +122,7 @@ def test_layer_matches_the_composed_oracle(rng, name):
     # sums: T keys, C features (or D window logits), K conv taps, H*M output.
     n = T + layer.feature_dim + KEY_DIM + (layer.conv_size or 0) + HEADS * layer.value_dim
     # Exponents are differences of float32 cumulative sums of log decay
-    # (docs/testing.md): 1 + their largest magnitude within a chunk (1 without decay).
+    # (docs/dev/testing.md): 1 + their largest magnitude within a chunk (1 without decay).
     conditioning = layer.recurrence.conditioning(layer.project(x, x)[1])
     assert_close(out, ref, n=n, conditioning=conditioning, what="outputs")
     # Backward adds the sums over T queries, M values and the DIM inputs.

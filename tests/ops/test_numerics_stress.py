@@ -4,7 +4,7 @@ For each registered feature map, inputs scaled by 1e-3 ... 1e3 go through
 `LinearAttention` under float32, mixed_bfloat16 and mixed_float16 (same
 weights), causal and non-causal. Every output must be finite. Each mixed
 precision output is checked twice, with the error model of
-`tests.tolerance` (docs/testing.md):
+`tests.tolerance` (docs/dev/testing.md):
 
 - against the float32 layer: the reductions that round in the policy's
   compute dtype are the query/key/value projections (over the DIM inputs)
@@ -24,7 +24,7 @@ float32 exists: those cases are listed by name in `NOT_CLOSE_TO_FLOAT32`,
 with the reason, and keep the finiteness and replay checks.
 
 ``python -m tests.ops.test_numerics_stress`` prints the measured table that
-docs/hardening.md records.
+docs/dev/hardening.md records.
 
 Shape legend: B batch, T length, H heads, D key dim.
 """
@@ -94,7 +94,7 @@ NOT_CLOSE_TO_FLOAT32 = {
 
 # (map, scale, causal) where the float32 layer's kernel underflows: real keys, but every
 # product phi(q).phi(k) of some row is below float32's range. Eagerly the layer raises
-# `KernelUnderflowError` (in a graph those rows are NaN), never a silent 0 (docs/hardening.md,
+# `KernelUnderflowError` (in a graph those rows are NaN), never a silent 0 (docs/dev/hardening.md,
 # tests/ops/test_numerics_sweep.py). Causal keys cannot be shifted (it would leak the future):
 # favor+'s key exponent is ~ -|k'|^2/2 (with DIM=16 projections, ~-1e2 at x10); the others
 # meet a query whose few keys so far are all far below it at x1e3. Non-causal favor+ no longer

@@ -27,7 +27,7 @@ A row with no key must be exactly 0. The test asserts: no ``wrong`` rows, no
 ``zero`` rows, everything finite except flagged rows.
 
 ``python -m tests.ops.test_numerics_sweep`` prints the table of
-docs/hardening.md (map x scale x causal -> row classes).
+docs/dev/hardening.md (map x scale x causal -> row classes).
 
 Shape legend: B batch, T length, H heads, D key dim, M value dim.
 """
@@ -112,7 +112,7 @@ def sweep_case(name, scale, causal, layer=None, runner=None):
 
 
 # Scales between the decades where rows used to be wrong without a word (all maps were swept at x1, 3, 10,
-# 30, 100, 300, 1000; docs/hardening.md item 9): favor+ causal x30 had 10 wrong rows, glu causal x300 one.
+# 30, 100, 300, 1000; docs/dev/hardening.md item 9): favor+ causal x30 had 10 wrong rows, glu causal x300 one.
 BETWEEN = (("favor+", 30.0), ("glu", 300.0))
 
 

@@ -40,7 +40,7 @@ def _decay_conditioning(g, chunk_size, mask=None):
     The chunked path exponentiates differences of float32 cumulative sums of
     the log decay: the absolute error of such an exponent is about
     ``eps * |cumulative sum|``, which multiplies the relative error of the
-    weight it gives (docs/testing.md).
+    weight it gives (docs/dev/testing.md).
     """
     g = np.abs(np.asarray(g, "float64"))
     if mask is not None:
