@@ -68,10 +68,12 @@ def _register_model_loaders():
     for module, name in (
         ("keras_linattn.models.backbone", "LinearBackbone"),
         ("keras_linattn.models.causal_lm", "LinearCausalLM"),
-        ("keras_linattn.models.causal_lm", "_Round2LinearCausalLM"),
         ("keras_linattn.models.preprocessor", "LinearCausalLMPreprocessor"),
     ):
         registry.setdefault(f"keras_linattn>{name}", loader(module, name))
+    # The name older flat-layout LM files record (`keras_linattn.models._legacy.FLAT_LM_NAME`;
+    # spelled out here because importing that module imports keras_hub).
+    registry.setdefault("keras_linattn>_Round2LinearCausalLM", loader("keras_linattn.models._legacy", "FlatLM"))
 
 
 _register_model_loaders()

@@ -10,9 +10,9 @@ from keras_linattn import feature_maps as feature_maps_lib
 from keras_linattn._docstrings import fill
 from keras_linattn.layers import _projections
 from keras_linattn.layers._stages import OUTPUT_NORM_EPSILON, OutputNorm, ShortConvolution  # noqa: F401
+from keras_linattn.layers.spec import MECHANISM_ARGS_DOC, AttentionSpec
 from keras_linattn.ops import core as la_ops
 from keras_linattn.ops import rotary as rotary_ops
-from keras_linattn.recurrences.config import MECHANISM_ARGS_DOC, AttentionConfig
 
 
 def _get_map(feature_map):
@@ -104,25 +104,27 @@ class LinearAttention(_projections.ProjectedAttention):
         chunk_size=64,
         *,
         epsilon=la_ops.DEFAULT_EPSILON,
+        spec=None,
         **kwargs,
     ):
-        attention_config = AttentionConfig.pop(kwargs, feature_map=feature_map)
+        given_spec = spec is not None
+        spec = AttentionSpec.pop(kwargs, feature_map, spec=spec, chunk_size=chunk_size, epsilon=epsilon)
         super().__init__(num_heads, key_dim, value_dim, **kwargs)
-        attention_config.check_heads(num_heads, key_dim)
-        self.num_key_value_heads = attention_config.num_key_value_heads
-        self.rope_max_wavelength = attention_config.rope_max_wavelength
-        self.rope_scaling_factor = attention_config.rope_scaling_factor
-        _validation.check_positive_int("chunk_size", chunk_size)
-        if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not 0 <= epsilon < float("inf"):
-            raise ValueError(f"`epsilon` must be a non-negative finite number. Received: epsilon={epsilon!r}")
-        self.attention_config = attention_config
-        self.recurrence = attention_config.make_recurrence()
-        self.conv_size = attention_config.conv_size
+        spec.check_heads(num_heads, key_dim)
+        self.attention_spec = spec
+        self.num_key_value_heads = spec.num_key_value_heads
+        self.rope_max_wavelength = spec.rope_max_wavelength
+        self.rope_scaling_factor = spec.rope_scaling_factor
+        self.recurrence = spec.make_recurrence()
+        self.conv_size = spec.conv_size
         self.short_conv = ShortConvolution(self.conv_size)
         self.output_norm = OutputNorm(enabled=not self.recurrence.normalize)
-        self.feature_map = _get_map(feature_map)
-        self.chunk_size = chunk_size
-        self.epsilon = float(epsilon)
+        # A `FeatureMap` instance passed directly is the layer's own; from a
+        # spec (or a name or config) the layer builds a new one.
+        adopt = not given_spec and isinstance(feature_map, feature_maps_lib.FeatureMap)
+        self.feature_map = feature_map if adopt else spec.make_feature_map()
+        self.chunk_size = spec.chunk_size
+        self.epsilon = spec.epsilon
         self.feature_dim = key_dim if self.feature_map is None else self.feature_map.feature_dim(key_dim)
         self.recurrence.attach(self)
         self.short_conv.attach(self)
@@ -139,9 +141,8 @@ class LinearAttention(_projections.ProjectedAttention):
         super().build(query_shape, value_shape, key_shape)
         if self.feature_map is not None and not self.feature_map.built:
             self.feature_map.build((None, None, self.num_heads, self.key_dim))
-        # The order of the weights is that of round 2 (their index is their
-        # path in `.keras` files): the recurrence's, the convolution's, the
-        # output norm's.
+        # The order of the weights is fixed (their index is their path in
+        # `.keras` files): the recurrence's, the convolution's, the output norm's.
         self.recurrence.build(self)
         self.short_conv.build(self)
         self.output_norm.build(self)
@@ -363,5 +364,5 @@ class LinearAttention(_projections.ProjectedAttention):
             "feature_map": _serialize_map(self.feature_map),
             "chunk_size": self.chunk_size,
             "epsilon": self.epsilon,
-            **self.attention_config.get_config(),
+            **self.attention_spec.mechanism_config(),
         }

@@ -7,7 +7,6 @@
 
 import keras
 
-from keras_linattn import feature_maps as feature_maps_lib
 from keras_linattn._docstrings import fill
 from keras_linattn._tracking import CheckpointTracked
 from keras_linattn._validation import (
@@ -19,8 +18,8 @@ from keras_linattn._validation import (
     check_rate,
     check_seed,
 )
-from keras_linattn.layers.linear_attention import LinearAttention, _get_map, _serialize_map
-from keras_linattn.recurrences.config import MECHANISM_ARGS_DOC, AttentionConfig
+from keras_linattn.layers.linear_attention import LinearAttention
+from keras_linattn.layers.spec import MECHANISM_ARGS_DOC, AttentionSpec
 
 # The blocks' public classes live in transformer_encoder.py and transformer_decoder.py.
 __all__ = []
@@ -115,20 +114,26 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
         seed=None,
         normalization="layer_norm",
         feedforward="dense",
+        *,
+        spec=None,
         **kwargs,
     ):
-        attention_config = AttentionConfig.pop(kwargs, feature_map=feature_map, causal=self._causal)
+        spec = AttentionSpec.pop(
+            kwargs,
+            feature_map,
+            spec=spec,
+            causal=self._causal,
+            chunk_size=chunk_size,
+            epsilon=kwargs.pop("epsilon", AttentionSpec.epsilon),
+        )
         super().__init__(**kwargs)
-        self.attention_config = attention_config
+        self.attention_spec = spec
         self.num_heads = check_positive_int("num_heads", num_heads)
         self.intermediate_dim = check_positive_int("intermediate_dim", intermediate_dim)
         self.key_dim = check_optional_positive_int("key_dim", key_dim)
         self.value_dim = check_optional_positive_int("value_dim", value_dim)
-        attention_config.check_heads(self.num_heads, self.key_dim)
-        # A template (each attention layer owns a copy with the weights): kept
-        # out of Keras' layer tracking so it is not listed as an unbuilt sublayer.
-        object.__setattr__(self, "feature_map", _get_map(feature_map))
-        self.chunk_size = check_positive_int("chunk_size", chunk_size)
+        spec.check_heads(self.num_heads, self.key_dim)
+        self.chunk_size = spec.chunk_size
         self.dropout = check_rate("dropout", dropout)
         self.activation = _get_activation(activation)
         self.normalization = check_one_of("normalization", normalization, ("layer_norm", "rms_norm"))
@@ -173,18 +178,12 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
             num_heads=self.num_heads,
             key_dim=key_dim,
             value_dim=self.value_dim,
-            # A copy: the block's `feature_map` attribute stays an unbuilt
-            # template and the attention layer owns the weights.
-            feature_map=None
-            if self.feature_map is None
-            else feature_maps_lib.deserialize(_serialize_map(self.feature_map)),
-            chunk_size=self.chunk_size,
+            spec=self.attention_spec,  # the layer builds its own feature map and recurrence from it
             dropout=self.dropout,
             use_bias=self.use_bias,
             kernel_initializer=self._init(self.kernel_initializer),
             bias_initializer=self._init(self.bias_initializer),
             seed=self.seed,
-            **self.attention_config.get_config(),
             dtype=self.dtype_policy,
             name="self_attention",
         )
@@ -323,7 +322,7 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
                 "intermediate_dim": self.intermediate_dim,
                 "key_dim": self.key_dim,
                 "value_dim": self.value_dim,
-                "feature_map": _serialize_map(self.feature_map),
+                "feature_map": self.attention_spec.feature_map,
                 "chunk_size": self.chunk_size,
                 "dropout": self.dropout,
                 "activation": _serialize_activation(self.activation),
@@ -334,7 +333,9 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
                 "seed": self.seed,
                 "normalization": self.normalization,
                 "feedforward": self.feedforward,
-                **self.attention_config.get_config(),
+                **self.attention_spec.mechanism_config(),
             }
         )
+        if self.attention_spec.epsilon != AttentionSpec.epsilon:
+            config["epsilon"] = self.attention_spec.epsilon
         return config

@@ -1,4 +1,7 @@
-"""keras-hub teachers -> `LinearBackbone` / `LinearCausalLM` with the teacher's weights.
+"""The keras-hub adapter of `linearize`: keras-hub teachers -> `LinearBackbone` / `LinearCausalLM`.
+
+Imported only for a keras-hub teacher (`keras_linattn.linearization.convert`),
+so ``import keras_linattn`` never imports keras_hub.
 
 One adapter per keras-hub family: it reads the teacher's config, builds the
 `LinearBackbone` with the same architecture (norms, feed-forward, positions,
@@ -18,11 +21,12 @@ import keras
 import keras_hub
 import numpy as np
 
+from keras_linattn.layers.spec import ARGUMENTS, PRETRAINED_ARGUMENTS
 from keras_linattn.models.backbone import LinearBackbone
 from keras_linattn.models.causal_lm import LinearCausalLM
 from keras_linattn.models.preprocessor import LinearCausalLMPreprocessor
 
-__all__ = ["FAMILIES", "UNSUPPORTED", "linearize_keras_hub"]
+__all__ = ["FAMILIES", "UNSUPPORTED", "linearize", "linearize_keras_hub"]
 
 FAMILIES = ("GPT2Backbone", "LlamaBackbone", "Llama3Backbone")
 UNSUPPORTED = {
@@ -193,8 +197,6 @@ def _relinearize(backbone, feature_map, window_size, attention_kwargs):
     paths and shapes match, the new attention's own weights keep their
     initialization.
     """
-    from keras_linattn.recurrences.config import ARGUMENTS, PRETRAINED_ARGUMENTS
-
     config = backbone.get_config()
     for key in ARGUMENTS:
         if key not in PRETRAINED_ARGUMENTS:  # RoPE and GQA are the architecture's: kept
@@ -273,3 +275,8 @@ def linearize_keras_hub(teacher, *, feature_map="hedgehog", window_size=64, **at
             teacher.preprocessor.tokenizer, sequence_length=teacher.preprocessor.sequence_length
         )
     return LinearCausalLM(student, preprocessor=preprocessor)
+
+
+def linearize(teacher, *, feature_map, window_size, **attention_kwargs):
+    """`keras_linattn.linearize` for a keras-hub teacher (`linearize_keras_hub`)."""
+    return linearize_keras_hub(teacher, feature_map=feature_map, window_size=window_size, **attention_kwargs)

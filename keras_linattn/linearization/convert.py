@@ -17,7 +17,6 @@ import importlib.util
 import keras
 
 from keras_linattn import feature_maps
-from keras_linattn._validation import check_optional_positive_int
 from keras_linattn.linearization import _generic
 
 __all__ = ["linearize"]
@@ -123,7 +122,6 @@ def linearize(teacher, *, feature_map="hedgehog", window_size=64, **attention_kw
     >>> bool(np.allclose(student(x), teacher(x), atol=1e-5))
     True
     """
-    window_size = check_optional_positive_int("window_size", window_size)
     if isinstance(feature_map, str) and feature_map == "hedgehog":
         # LoLCATs: separate query and key maps, each the identity at start.
         feature_map = feature_maps.get("hedgehog", share_qk=False)

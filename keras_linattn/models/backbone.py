@@ -8,11 +8,10 @@ from keras import ops
 from keras_linattn import _validation
 from keras_linattn._docstrings import fill
 from keras_linattn._tracking import CheckpointTracked
-from keras_linattn.layers.linear_attention import _get_map, _serialize_map
+from keras_linattn.layers.spec import MECHANISM_ARGS_DOC, AttentionSpec
 from keras_linattn.layers.transformer import _make_norm
 from keras_linattn.layers.transformer_decoder import LinearTransformerDecoder
 from keras_linattn.models import _presets, generation
-from keras_linattn.recurrences.config import MECHANISM_ARGS_DOC, AttentionConfig
 
 __all__ = ["LinearBackbone"]
 
@@ -85,18 +84,19 @@ def _block_seed(seed, index):
     return int(np.random.SeedSequence([int(seed), int(index)]).generate_state(1)[0]) % (2**30)
 
 
-def _block_feature_map(feature_map, index):
-    """Config of block `index`'s copy of the template `feature_map`: a seeded map gets `_block_seed`.
+def _block_spec(spec, index):
+    """Block `index`'s spec: the backbone's, with a seeded feature map's seed replaced by `_block_seed`.
 
     Without it every block of a seeded LM drew the same random projection
     (favor+, favor_trig) or the same initial weights (trainable maps), and
     `RedrawRandomFeatures` redrew them equal.
     """
+    feature_map = spec.make_feature_map()
     seed = getattr(feature_map, "seed", None)
     if feature_map is None or seed is None or index == 0:
-        return _serialize_map(feature_map)
+        return spec
     config = dict(feature_map.get_config(), seed=_block_seed(seed, index))
-    return _serialize_map(type(feature_map).from_config(config))
+    return spec.replace(feature_map=type(feature_map).from_config(config))
 
 
 class _DecoderStack(CheckpointTracked, keras.layers.Layer):
@@ -125,18 +125,25 @@ class _DecoderStack(CheckpointTracked, keras.layers.Layer):
         feedforward="dense",
         use_bias=True,
         lora=None,
+        *,
+        spec=None,
         **kwargs,
     ):
-        attention_config = AttentionConfig.pop(kwargs, feature_map=feature_map)
+        spec = AttentionSpec.pop(
+            kwargs,
+            feature_map,
+            spec=spec,
+            chunk_size=chunk_size,
+            epsilon=kwargs.pop("epsilon", AttentionSpec.epsilon),
+        )
         super().__init__(**kwargs)
-        self.attention_config = attention_config
+        self.attention_spec = spec
         for name, value in (
             ("vocabulary_size", vocabulary_size),
             ("num_layers", num_layers),
             ("hidden_dim", hidden_dim),
             ("num_heads", num_heads),
             ("intermediate_dim", intermediate_dim),
-            ("chunk_size", chunk_size),
         ):
             _validation.check_positive_int(name, value)
         if max_sequence_length is not None:
@@ -153,12 +160,9 @@ class _DecoderStack(CheckpointTracked, keras.layers.Layer):
         self.hidden_dim = hidden_dim
         self.num_heads = num_heads
         self.intermediate_dim = intermediate_dim
-        # A template (each attention layer owns a copy with the weights): kept
-        # out of Keras' layer tracking so it is not listed as an unbuilt sublayer.
-        object.__setattr__(self, "feature_map", _get_map(feature_map))
-        attention_config.check_heads(num_heads, key_dim if key_dim is not None else hidden_dim // num_heads)
+        spec.check_heads(num_heads, key_dim if key_dim is not None else hidden_dim // num_heads)
         self.key_dim = key_dim
-        self.chunk_size = chunk_size
+        self.chunk_size = spec.chunk_size
         self.dropout = dropout
         self.max_sequence_length = max_sequence_length
         self.tie_embeddings = tie_embeddings
@@ -190,15 +194,13 @@ class _DecoderStack(CheckpointTracked, keras.layers.Layer):
                 num_heads=num_heads,
                 intermediate_dim=intermediate_dim,
                 key_dim=key_dim,
-                feature_map=_block_feature_map(self.feature_map, i),
-                chunk_size=chunk_size,
+                spec=_block_spec(spec, i),
                 dropout=dropout,
                 activation=activation,
                 layer_norm_epsilon=layer_norm_epsilon,
                 normalization=normalization,
                 feedforward=feedforward,
                 use_bias=use_bias,
-                **self.attention_config.get_config(),
                 dtype=self.dtype_policy,
                 name=f"decoder_block_{i}",
             )
@@ -346,8 +348,8 @@ class _DecoderStack(CheckpointTracked, keras.layers.Layer):
         spec.append(generation.StateSpec("position", (), "int32"))
         return spec
 
-    def _block_states(self, state):
-        """Splits a flat LM state into one tuple per block (the position, last, is left out)."""
+    def block_states(self, state):
+        """Splits a flat decode state into one tuple per block (the position, last, is left out)."""
         states, offset = [], 0
         for block in self.decoder_blocks:
             n = len(block.attention.state_spec())
@@ -355,7 +357,7 @@ class _DecoderStack(CheckpointTracked, keras.layers.Layer):
             offset += n
         return states
 
-    def _check_state(self, state, batch_size=None, name="state"):
+    def check_state(self, state, batch_size=None, name="state"):
         """Raises ValueError (naming `name`) unless `state` matches `state_spec`."""
         generation.check_state(self.state_spec(), state, batch_size=batch_size, name=name)
 
@@ -380,7 +382,7 @@ class _DecoderStack(CheckpointTracked, keras.layers.Layer):
         positions, end = self._positions(token_ids, padding_mask, start)
         x = self._embed(token_ids, positions)  # [B, T, dim]
         new_state = []
-        block_states = [None] * len(self.decoder_blocks) if state is None else self._block_states(state)
+        block_states = [None] * len(self.decoder_blocks) if state is None else self.block_states(state)
         for block, layer_state in zip(self.decoder_blocks, block_states, strict=True):
             if return_state:
                 x, layer_state = block(
@@ -409,8 +411,8 @@ class _DecoderStack(CheckpointTracked, keras.layers.Layer):
             ``(hidden [B, T, dim], new_state)``. Splitting a sequence in pieces
             and chaining the states gives the outputs of one pass.
         """
-        token_ids = self._check_token_ids(token_ids, "token_ids", 2)
-        self._check_state(state, batch_size=token_ids.shape[0])
+        batch_size = token_ids.shape[0] if hasattr(token_ids, "shape") else None
+        self.check_state(state, batch_size=batch_size)
         return self._forward(token_ids, padding_mask, list(state), training, return_state=True)
 
     # ---------------------------------------------------------- recurrent
@@ -429,14 +431,14 @@ class _DecoderStack(CheckpointTracked, keras.layers.Layer):
             ``(hidden_t [B, dim], new_state)``.
         """
         token_t = self._check_token_ids(token_t, "token_t", 1)
-        self._check_state(state, batch_size=token_t.shape[0])
+        self.check_state(state, batch_size=token_t.shape[0])
         position = ops.cast(state[-1], "int32")  # [B]
         token_t, bad = self._past_limit(
             token_t, position, "token_t", lambda: f"state position (state[-1])={_max_or_none(position)}"
         )
         x = self._embed(token_t, position)  # [B, dim]
         new_state = []
-        for block, layer_state in zip(self.decoder_blocks, self._block_states(state), strict=True):
+        for block, layer_state in zip(self.decoder_blocks, self.block_states(state), strict=True):
             x, layer_state = block.step(x, layer_state, training=training)  # [B, dim]
             new_state += list(layer_state)
         new_state.append(position + 1)
@@ -452,7 +454,7 @@ class _DecoderStack(CheckpointTracked, keras.layers.Layer):
                 "hidden_dim": self.hidden_dim,
                 "num_heads": self.num_heads,
                 "intermediate_dim": self.intermediate_dim,
-                "feature_map": _serialize_map(self.feature_map),
+                "feature_map": self.attention_spec.feature_map,
                 "key_dim": self.key_dim,
                 "chunk_size": self.chunk_size,
                 "dropout": self.dropout,
@@ -463,15 +465,25 @@ class _DecoderStack(CheckpointTracked, keras.layers.Layer):
                 "normalization": self.normalization,
                 "feedforward": self.feedforward,
                 "use_bias": self.use_bias,
-                **self.attention_config.get_config(),
+                **self.attention_spec.mechanism_config(),
             }
         )
+        if self.attention_spec.epsilon != AttentionSpec.epsilon:
+            config["epsilon"] = self.attention_spec.epsilon
         from keras_linattn.linearization import lora as lora_lib
 
         lora = lora_lib._lora_config(self)
         if lora is not None:  # only then: configs without adapters are unchanged
             config["lora"] = lora
         return config
+
+
+# The constructor settings a backbone (and its task) exposes as attributes.
+BACKBONE_SETTINGS = (
+    "vocabulary_size", "num_layers", "hidden_dim", "num_heads", "intermediate_dim", "key_dim", "chunk_size",
+    "dropout", "max_sequence_length", "tie_embeddings", "activation", "layer_norm_epsilon", "normalization",
+    "feedforward", "use_bias", "attention_spec",
+)  # fmt: skip
 
 
 def _layout_patterns(model, data):
@@ -591,6 +603,9 @@ class LinearBackbone(keras_hub.models.Backbone):
         )
         self.stack = stack
         self.token_embedding = stack.token_embedding
+        # The settings, as plain values (the layers are the stack's; see the properties below).
+        for name in BACKBONE_SETTINGS:
+            setattr(self, name, getattr(stack, name))
         # `call` takes token ids alone too (then `padding_mask=` is optional).
         self.input_spec = None
 
@@ -680,16 +695,74 @@ class LinearBackbone(keras_hub.models.Backbone):
             layout_map[pattern] = axes
         return layout_map
 
-    # The settings, layers and state methods are the stack's.
-    for _name in (
-        "vocabulary_size", "num_layers", "hidden_dim", "num_heads", "intermediate_dim", "key_dim", "chunk_size",
-        "dropout", "max_sequence_length", "tie_embeddings", "activation", "layer_norm_epsilon", "normalization",
-        "feedforward", "use_bias", "attention_config", "position_embedding", "decoder_blocks", "final_norm",
-        "feature_map", "state_spec", "get_initial_state", "call_with_state", "step", "_forward", "_block_states",
-        "_check_state", "_embed", "_positions",
-    ):  # fmt: skip
-        locals()[_name] = property(lambda self, _n=_name: getattr(self.stack, _n))
-    del _name
+    # ------------------------------------------------------- the layers
+    @property
+    def position_embedding(self):
+        """The learned position table (`max_sequence_length`), or None."""
+        return self.stack.position_embedding
+
+    @property
+    def decoder_blocks(self):
+        """The `LinearTransformerDecoder` blocks, in order."""
+        return self.stack.decoder_blocks
+
+    @property
+    def final_norm(self):
+        """The norm after the last block."""
+        return self.stack.final_norm
+
+    # ------------------------------------------------------ decode state
+    def state_spec(self):
+        """The decode state, described once: a list of `generation.StateSpec`.
+
+        Per block, its attention's `LinearAttention.state_spec` with names
+        prefixed by the block's (``<block>/S [H, C, M]``, ``<block>/z [H, C]``
+        for plain linear attention), then ``position []`` (int32). Shapes
+        exclude the batch dim.
+        """
+        return self.stack.state_spec()
+
+    def get_initial_state(self, batch_size):
+        """Empty state (`state_spec`): zeros for every block's attention state and a zero int32 position."""
+        return self.stack.get_initial_state(batch_size)
+
+    def check_state(self, state, batch_size=None, name="state"):
+        """Raises ValueError (naming `name` and the entry) unless `state` matches `state_spec`."""
+        self.stack.check_state(state, batch_size=batch_size, name=name)
+
+    def block_states(self, state):
+        """Splits a flat decode state into one tuple per block (the position, last, is left out)."""
+        return self.stack.block_states(state)
+
+    def call_with_state(self, token_ids, state, padding_mask=None, training=None):
+        """Runs a piece of a sequence in parallel, continuing from `state`.
+
+        Args:
+            token_ids: ``[B, T]`` int token ids.
+            state: from `get_initial_state`, `step` or a previous call.
+            padding_mask: optional ``[B, T]`` (1 = real token).
+
+        Returns:
+            ``(hidden [B, T, dim], new_state)``. Splitting a sequence in pieces
+            and chaining the states gives the outputs of one pass.
+        """
+        return self.stack.call_with_state(token_ids, state, padding_mask=padding_mask, training=training)
+
+    def step(self, token_t, state, training=None):
+        """One decoding step in recurrent form (constant time and memory).
+
+        Args:
+            token_t: ``[B]`` int token ids.
+            state: from `get_initial_state`, `call_with_state` or `step`.
+
+        Returns:
+            ``(hidden_t [B, dim], new_state)``.
+        """
+        return self.stack.step(token_t, state, training=training)
+
+    def embed(self, token_ids, positions):
+        """Token embeddings plus, with `max_sequence_length`, the learned positions (``[B, T, dim]``)."""
+        return self.stack._embed(token_ids, positions)
 
     def get_config(self):
         config = super().get_config()

@@ -9,15 +9,15 @@ from keras_linattn import _validation
 from keras_linattn import samplers as samplers_lib
 from keras_linattn._docstrings import fill
 from keras_linattn._tracking import CheckpointTracked
+from keras_linattn.layers.spec import MECHANISM_ARGS_DOC
 from keras_linattn.models import _presets, generation
-from keras_linattn.models.backbone import LinearBackbone, _unpack_inputs
+from keras_linattn.models.backbone import BACKBONE_SETTINGS, LinearBackbone, _unpack_inputs
 from keras_linattn.models.preprocessor import LinearCausalLMPreprocessor
-from keras_linattn.recurrences.config import MECHANISM_ARGS_DOC
 
 __all__ = ["LinearCausalLM"]
 
 
-# The round-2 constructor's positional arguments, in order.
+# The flat constructor's positional arguments, in order.
 _FLAT_POSITIONAL = (
     "vocabulary_size",
     "num_layers",
@@ -134,8 +134,8 @@ def _generate_uses_xla(model):
     XLA on a GPU; on a CPU, XLA only while the weights are small
     (`XLA_CPU_WEIGHT_BYTES`). Measured on a 2-core CPU
     (benchmarks/bench_linearized_decode.py, docs/linearize.md): XLA's fused
-    loop wins where per-op overhead dominates (width 64: the round-3
-    figures), and loses where matrix-vector products over large weights do
+    loop wins where per-op overhead dominates (width 64: docs/decoding.md),
+    and loses where matrix-vector products over large weights do
     (XLA's CPU dot is slower than TensorFlow's oneDNN kernels).
     """
     choice = getattr(model, "generate_jit_compile", "auto")
@@ -187,8 +187,8 @@ class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
 
         - ``LinearCausalLM(backbone, preprocessor=None)``, as in keras-hub;
         - ``LinearCausalLM(vocabulary_size=..., num_layers=..., ...)``: the
-          `LinearBackbone` arguments, passed flat (the round-2 constructor;
-          its `.keras` files load as they are).
+          `LinearBackbone` arguments, passed flat (the backbone is built
+          for you; older flat `.keras` files load as they are).
 
         The decode state (`state_spec`, `get_initial_state`, `call_with_state`,
         `step`) is the backbone's; everything that decodes -- `generate`, the
@@ -231,7 +231,7 @@ class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
 
     def __init__(self, backbone=None, preprocessor=None, *args, compile=True, **kwargs):
         if backbone is not None and not isinstance(backbone, keras.Model):
-            # The round-2 positional call, LinearCausalLM(vocabulary_size, num_layers, ...).
+            # The flat positional call, LinearCausalLM(vocabulary_size, num_layers, ...).
             positional = (backbone, preprocessor, *args)
             if len(positional) > len(_FLAT_POSITIONAL):
                 raise TypeError(f"LinearCausalLM takes at most {len(_FLAT_POSITIONAL)} positional arguments.")
@@ -271,18 +271,28 @@ class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
         logits = keras.layers.Activation("linear", dtype="float32", name="logits")(logits)
         super().__init__(inputs=inputs, outputs=logits, compile=compile, **kwargs)
         self.input_spec = None  # `call` takes token ids alone too (then `padding_mask=` is optional)
+        # The backbone's settings, as plain values (`lm.num_layers`, `lm.attention_spec`, ...).
+        for name in BACKBONE_SETTINGS:
+            setattr(self, name, getattr(backbone, name))
         self._generation = _FunctionCache()
         # XLA or a plain tf.function for `generate` (`_generate_uses_xla`): True, False or "auto".
         self.generate_jit_compile = "auto"
 
-    # The backbone's settings and layers, read through the task (round-2 attributes).
-    for _name in (
-        "vocabulary_size", "num_layers", "hidden_dim", "num_heads", "intermediate_dim", "key_dim", "chunk_size",
-        "dropout", "max_sequence_length", "tie_embeddings", "activation", "layer_norm_epsilon", "attention_config",
-        "position_embedding", "decoder_blocks", "final_norm", "feature_map",
-    ):  # fmt: skip
-        locals()[_name] = property(lambda self, _n=_name: getattr(self.backbone, _n))
-    del _name
+    # ------------------------------------------------------- the layers
+    @property
+    def position_embedding(self):
+        """The backbone's learned position table, or None."""
+        return self.backbone.position_embedding
+
+    @property
+    def decoder_blocks(self):
+        """The backbone's `LinearTransformerDecoder` blocks, in order."""
+        return self.backbone.decoder_blocks
+
+    @property
+    def final_norm(self):
+        """The backbone's final norm."""
+        return self.backbone.final_norm
 
     @property
     def token_embedding(self):
@@ -319,11 +329,6 @@ class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
         token_ids, padding_mask = _unpack_inputs(inputs, padding_mask)
         return self._head(self.backbone.stack(token_ids, padding_mask=padding_mask, training=training))
 
-    def _forward(self, token_ids, padding_mask, state, training, return_state):
-        """``(logits [B, T, V], state)``: the backbone's `_forward`, then the head."""
-        hidden, state = self.backbone._forward(token_ids, padding_mask, state, training, return_state)
-        return self._head(hidden), state
-
     def call_with_state(self, token_ids, state, padding_mask=None, training=None):
         """Runs a piece of a sequence in parallel, continuing from `state`.
 
@@ -348,11 +353,13 @@ class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
         """Empty state (`state_spec`): zeros for every block's attention state and a zero int32 position."""
         return self.backbone.get_initial_state(batch_size)
 
-    def _block_states(self, state):
-        return self.backbone._block_states(state)
+    def block_states(self, state):
+        """Splits a flat decode state into one tuple per block (`LinearBackbone.block_states`)."""
+        return self.backbone.block_states(state)
 
-    def _check_state(self, state, batch_size=None, name="state"):
-        self.backbone._check_state(state, batch_size=batch_size, name=name)
+    def check_state(self, state, batch_size=None, name="state"):
+        """Raises ValueError unless `state` matches `state_spec` (`LinearBackbone.check_state`)."""
+        self.backbone.check_state(state, batch_size=batch_size, name=name)
 
     def step(self, token_t, state, training=None):
         """One decoding step in recurrent form (constant time and memory).
@@ -663,40 +670,9 @@ class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
     def from_config(cls, config):
         config = dict(config)
         if "backbone" not in config:
-            # A round-2 file: the backbone's arguments, flat, and round 2's
-            # weight layout. A round-2 model was compiled only by its user;
-            # Keras restores that compile, if any, from the file.
-            config.pop("trainable", None)
-            return _Round2LinearCausalLM(**config, compile=False)
+            # An older file: the backbone's arguments, flat, and the weight
+            # layout of a single subclassed model (`models/_legacy.py`).
+            from keras_linattn.models import _legacy
+
+            return _legacy.load_flat_lm(config)
         return super().from_config(config)
-
-
-@keras.saving.register_keras_serializable(package="keras_linattn")
-class _Round2LinearCausalLM(LinearCausalLM):
-    """A `LinearCausalLM` loaded from a round-2 `.keras` file, which it saves back in that layout.
-
-    Round 2's LM was one subclassed model: Keras filed its weights under
-    ``decoder_blocks/...``, ``final_norm/...`` and ``layers/<embedding>``.
-    Keras' weight writer and reader walk ``model.layers`` first and then
-    ``dir(model)``, so this class lists the embeddings as its layers, reaches
-    the blocks and the final norm through `LinearCausalLM`'s attributes of
-    the same names, and leaves the backbone (no variables of its own) out of
-    the walk: the old files load, and save again, unchanged. Its config stays
-    round 2's flat one. Everything else is `LinearCausalLM`.
-    """
-
-    # Not a preset target: keras-hub's `from_preset` picks the task class whose
-    # `backbone_cls` matches the preset's backbone, which must be LinearCausalLM.
-    backbone_cls = None
-
-    def __dir__(self):
-        return [name for name in super().__dir__() if name not in ("backbone", "_backbone")]
-
-    @property
-    def layers(self):
-        return [layer for layer in (self.token_embedding, self.position_embedding) if layer is not None]
-
-    def get_config(self):
-        config = {"name": self.name, "trainable": self.trainable}
-        config.update({k: v for k, v in self.backbone.get_config().items() if k not in ("name", "trainable")})
-        return config

@@ -178,7 +178,7 @@ def check_generate_arguments(prompt_ids, max_length, padding_mask, vocabulary_si
 
 def prefill(model, prompt_ids, padding_mask, state):
     """Parallel pass over the prompt: ``(logits of the last position [B, V] float32, state)``."""
-    logits, state = model._forward(prompt_ids, padding_mask, state, False, return_state=True)  # [B, P, V]
+    logits, state = model.call_with_state(prompt_ids, state, padding_mask=padding_mask, training=False)  # [B, P, V]
     return ops.cast(logits[:, -1], "float32"), state
 
 

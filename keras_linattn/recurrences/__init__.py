@@ -10,10 +10,9 @@ Each submodule declares its public names in its ``__all__``; this package
 re-exports exactly those. CONTRIBUTING.md lists what a new recurrence needs.
 """
 
-from keras_linattn.recurrences import additive, base, config, decay, delta, registry, window
+from keras_linattn.recurrences import additive, base, decay, delta, registry, window
 from keras_linattn.recurrences.additive import AdditiveRecurrence
 from keras_linattn.recurrences.base import Recurrence
-from keras_linattn.recurrences.config import AttentionConfig
 from keras_linattn.recurrences.decay import DecayRecurrence
 from keras_linattn.recurrences.delta import DeltaRecurrence
 from keras_linattn.recurrences.registry import available, deserialize, get, get_class, register, serialize
@@ -22,7 +21,6 @@ from keras_linattn.recurrences.window import WindowRecurrence
 __all__ = [
     *additive.__all__,
     *base.__all__,
-    *config.__all__,
     *decay.__all__,
     *delta.__all__,
     *registry.__all__,

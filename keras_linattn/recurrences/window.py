@@ -50,7 +50,7 @@ class WindowRecurrence(Recurrence):
 
     def get_config(self):
         config = {"window_size": self.window_size}
-        if self.gamma is not None:  # round-2 configs stay as they were
+        if self.gamma is not None:  # configs without a gamma stay as they were
             config["gamma"] = self.gamma
         return config
 

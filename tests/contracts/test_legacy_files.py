@@ -42,7 +42,7 @@ def _load(name):
 
 
 @pytest.mark.parametrize("name", LAYERS)
-def test_round2_layer_file_loads_with_the_same_outputs(name):
+def test_older_layer_file_loads_with_the_same_outputs(name):
     data = np.load(os.path.join(HERE, f"{name}.npz"))
     model = _load(name)
     # Same weights, same ops: the outputs agree to float32 rounding of the
@@ -52,7 +52,7 @@ def test_round2_layer_file_loads_with_the_same_outputs(name):
 
 
 @pytest.mark.parametrize("name", LMS)
-def test_round2_lm_file_loads_with_the_same_logits_and_tokens(name):
+def test_older_lm_file_loads_with_the_same_logits_and_tokens(name):
     data = np.load(os.path.join(HERE, f"{name}.npz"))
     lm = _load(name)
     assert_close(lm(data["x"]), data["y"], n=256, paths=2, what=name)
@@ -61,7 +61,7 @@ def test_round2_lm_file_loads_with_the_same_logits_and_tokens(name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", LMS)
-def test_round2_lm_file_exports_to_the_same_tokens(tmp_path, name):
+def test_older_lm_file_exports_to_the_same_tokens(tmp_path, name):
     from keras_linattn import export
 
     data = np.load(os.path.join(HERE, f"{name}.npz"))

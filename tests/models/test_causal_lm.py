@@ -60,7 +60,7 @@ def _conditioning(lm, ids, per_channel=False):
     """Worst normalizer conditioning over the blocks' causal self-attention on
     what reaches it (the normalized hidden states of unpadded ``ids``); 1 for
     positive maps."""
-    x = lm.backbone._embed(ids, np.arange(ids.shape[1])[None])  # [B, T, hidden]
+    x = lm.backbone.embed(ids, np.arange(ids.shape[1])[None])  # [B, T, hidden]
     worst = 1.0
     for block in lm.decoder_blocks:
         h = block._attention_norm(x)  # [B, T, hidden]: the attention layer's input

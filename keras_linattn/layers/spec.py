@@ -1,0 +1,407 @@
+"""`AttentionSpec`: everything that defines one linear attention, validated once and passed down unchanged.
+
+The user's arguments (feature map, recurrence, short convolution, rotary
+positions, grouped-query heads, chunk size, epsilon) are read into one
+immutable `AttentionSpec` where they enter the package: `LinearAttention`,
+the transformer blocks, `LinearBackbone` / `LinearCausalLM` and
+`keras_linattn.linearize`. The backbone hands its spec to its blocks and the
+blocks to their attention layers (``spec=``); nothing below re-reads the
+arguments. Each attention layer builds its own feature map and recurrence
+from the spec (`make_feature_map`, `make_recurrence`), so no layer shares
+weights or state with another.
+
+The recurrence has two spellings, and both are first-class:
+
+- the shorthand arguments ``decay``, ``normalize``, ``window_size``,
+  ``update`` and ``window_gamma``, which name a built-in recurrence
+  (`shorthand_recurrence`);
+- ``recurrence=``: a registered name, a serialized config or a `Recurrence`
+  instance (``keras_linattn.recurrences.available()``), for every
+  recurrence, built-in or registered by the user.
+"""
+
+import dataclasses
+import json
+
+from keras_linattn import _validation
+from keras_linattn import feature_maps as feature_maps_lib
+from keras_linattn.ops import core as la_ops
+from keras_linattn.ops.rotary import _check_rope_arguments
+from keras_linattn.recurrences import registry
+from keras_linattn.recurrences.additive import AdditiveRecurrence
+from keras_linattn.recurrences.decay import DecayRecurrence
+from keras_linattn.recurrences.delta import DeltaRecurrence
+from keras_linattn.recurrences.window import WindowRecurrence
+
+__all__ = ["AttentionSpec"]
+
+DECAYS = (None, "fixed", "scalar", "channel")
+UPDATES = ("add", "delta")
+SHORTHAND_ARGUMENTS = ("decay", "normalize", "window_size", "update", "window_gamma")
+# Arguments for pretrained softmax models (rotary positions, grouped-query attention).
+PRETRAINED_ARGUMENTS = ("num_key_value_heads", "rope_max_wavelength", "rope_scaling_factor")
+# The keyword arguments `AttentionSpec.pop` takes out of a constructor's kwargs.
+ARGUMENTS = ("recurrence", "conv_size") + SHORTHAND_ARGUMENTS + PRETRAINED_ARGUMENTS
+
+# The mechanism arguments of `LinearAttention`, the blocks and the LM,
+# documented once (see `keras_linattn._docstrings.fill`).
+MECHANISM_ARGS_DOC = """\
+        spec: an `keras_linattn.layers.AttentionSpec` holding every
+            attention argument below (and `feature_map`, `chunk_size`,
+            `epsilon`), validated once. With `spec`, leave those arguments
+            at their defaults: a different value raises. Keyword-only.
+        decay, normalize, window_size, update: the shorthand spelling of the
+            recurrence (not with `recurrence`). `decay`: None, ``"fixed"``
+            (RetNet), ``"scalar"`` (Mamba2) or ``"channel"`` (GLA) gates,
+            `keras_linattn.recurrences.DecayRecurrence`. `normalize`: True
+            (default) divides by ``phi(q) . z``; False puts an RMSNorm on
+            each head's output instead. `window_size`: softmax over the last
+            W tokens plus linear attention over older ones
+            (`WindowRecurrence`; not with `decay` or ``normalize=False``).
+            `update`: ``"add"`` (default) or ``"delta"`` (DeltaNet,
+            `DeltaRecurrence`; needs ``normalize=False``, gates ``"fixed"``
+            or ``"scalar"`` only, no window). `decay`, `window_size` and the
+            delta rule are causal. Keyword-only.
+        window_gamma: None (default) or a number in (0, 1), with
+            `window_size` only: the window's softmax terms are weighted by a
+            learned per-head ``gamma = sigmoid(g)`` (g initialized so that
+            gamma starts at `window_gamma`; LoLCATs uses 0.1) and the linear
+            terms by 1, under the one shared normalizer. With a window at
+            least as long as the sequence the gamma cancels (exact softmax
+            attention). With `recurrence`, pass ``gamma=`` in the window
+            recurrence's config instead. Keyword-only.
+        recurrence: the state update and readout for any recurrence,
+            built-in or registered: a registered name
+            (`keras_linattn.recurrences.available()`: ``"additive"``,
+            ``"decay"``, ``"delta"``, ``"window"``), a serialized config or
+            a `Recurrence` instance (each attention layer builds its own
+            copy). Default: the additive recurrence, or the one the
+            shorthand arguments describe. Keyword-only.
+        conv_size: None (default) or an int K >= 2: a causal depthwise
+            convolution of size K over time on the projected q, k and v,
+            before the feature map (Based, "short convolution"). Padded
+            positions enter it as zeros. Its last ``K - 1`` inputs are part
+            of the decode state. Keyword-only.
+        num_key_value_heads: None (default: `num_heads`) or a divisor of
+            `num_heads` (grouped-query attention, as in Llama): the key and
+            value projections have that many heads (kernels
+            ``[dim, kv_heads, D]``), each shared by ``num_heads /
+            num_key_value_heads`` consecutive query heads. The state keeps
+            `num_heads` heads. Keyword-only.
+        rope_max_wavelength: None (default: no rotary embedding) or the base
+            of rotary position embeddings (10000 in Llama 2, 500000 in
+            Llama 3), applied to the queries and keys after the short
+            convolution and before the feature map (and the window's
+            softmax), in keras-hub's rotate-half layout. Positions count the
+            real tokens before a token (padded tokens take no position, so a
+            left-padded sequence gets the positions of the unpadded one);
+            the decode state carries the count (``position [B]``, float32).
+            Non-causal attention numbers queries and keys by their index.
+            Needs an even `key_dim`. Keyword-only.
+        rope_scaling_factor: positive number, default 1.0: positions are
+            divided by it (keras-hub's linear RoPE scaling). Keyword-only."""
+
+
+def shorthand_recurrence(decay=None, normalize=True, window_size=None, update="add", window_gamma=None):
+    """The built-in recurrence the shorthand arguments describe.
+
+    ``decay`` -> `DecayRecurrence`, ``window_size`` -> `WindowRecurrence`,
+    ``update="delta"`` -> `DeltaRecurrence`, none of them ->
+    `AdditiveRecurrence`. The recurrence validates its own values (e.g. a
+    positive `window_size`); this function checks the combinations.
+    """
+    if window_gamma is not None and window_size is None:
+        raise ValueError(
+            "`window_gamma` weights the softmax window's terms: it needs `window_size`. "
+            f"Received: window_gamma={window_gamma!r}, window_size=None"
+        )
+    if window_gamma is not None and (not _validation._is_real(window_gamma) or not 0.0 < window_gamma < 1.0):
+        raise ValueError(
+            "`window_gamma` (the initial weight of the window's softmax terms, a sigmoid) must be None or a "
+            f"number in (0, 1). Received: window_gamma={window_gamma!r}"
+        )
+    decay = _validation.check_one_of("decay", decay, DECAYS)
+    normalize = _validation.check_bool("normalize", normalize)
+    if window_size is not None and decay is not None:
+        raise ValueError(
+            "`window_size` cannot be combined with `decay`: the window's linear part holds the keys "
+            f"older than the window undecayed. Received: window_size={window_size!r}, decay={decay!r}"
+        )
+    if window_size is not None and not normalize:
+        raise ValueError(
+            "`window_size` needs `normalize=True`: the softmax window and the linear part share one "
+            f"normalizer. Received: window_size={window_size!r}, normalize={normalize!r}"
+        )
+    update = _validation.check_one_of("update", update, UPDATES)
+    if update == "delta":
+        if normalize:
+            raise ValueError(
+                "`update='delta'` has no normalizer (its state is not a sum of positive weights): pass "
+                "`normalize=False`, which puts an RMSNorm on each head's output. "
+                f"Received: update={update!r}, normalize={normalize!r}"
+            )
+        if window_size is not None or decay == "channel":
+            raise ValueError(
+                "`update='delta'` takes `decay=None`, 'fixed' or 'scalar' (one gate per head: Gated "
+                f"DeltaNet) and no window. Received: decay={decay!r}, window_size={window_size!r}"
+            )
+        return DeltaRecurrence(gate=decay)
+    if window_size is not None:
+        return WindowRecurrence(window_size, gamma=window_gamma)
+    if decay is not None:
+        return DecayRecurrence(gate=decay, normalize=normalize)
+    return AdditiveRecurrence(normalize=normalize)
+
+
+def _check_conv_size(conv_size):
+    conv_size = _validation.check_optional_positive_int("conv_size", conv_size)
+    if conv_size is not None and conv_size < 2:
+        raise ValueError(
+            "`conv_size` must be None or an integer >= 2 (a size-1 convolution is a per-channel "
+            f"scale, which the projections already have). Received: conv_size={conv_size!r}"
+        )
+    return conv_size
+
+
+def _check_epsilon(epsilon):
+    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not 0 <= epsilon < float("inf"):
+        raise ValueError(f"`epsilon` must be a non-negative finite number. Received: epsilon={epsilon!r}")
+    return float(epsilon)
+
+
+def _json_default(value):
+    if hasattr(value, "item") and hasattr(value, "dtype"):  # a NumPy scalar
+        return value.item()
+    raise TypeError(f"Attention configs must be JSON-serializable. Received: {value!r} ({type(value).__name__})")
+
+
+def _frozen(config):
+    """A serialized config as a JSON string (immutable; `_thawed` gives a fresh dict back)."""
+    return None if config is None else json.dumps(config, default=_json_default)
+
+
+def _thawed(text):
+    return None if text is None else json.loads(text)
+
+
+# The values of the layer's own arguments when no spec-holding value is given.
+DEFAULT_FEATURE_MAP = "elu"
+DEFAULT_CHUNK_SIZE = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """What defines one linear attention: built once from the user's arguments, then passed down unchanged.
+
+    `LinearAttention`, `LinearTransformerEncoder` / `LinearTransformerDecoder`
+    and `keras_linattn.models.LinearBackbone` / `LinearCausalLM` accept one
+    as ``spec=`` in place of the separate arguments. A backbone gives its
+    spec to every block and each block to its attention layer; each layer
+    builds its own feature map and recurrence from it. The spec holds
+    configs, not layers: it has no weights and never changes (its fields are
+    frozen; `replace` returns a new spec).
+
+    Build one with `AttentionSpec.create` (the arguments are validated
+    there, once).
+
+    Example:
+
+    >>> from keras_linattn.layers import AttentionSpec, LinearAttention
+    >>> spec = AttentionSpec.create(feature_map="hedgehog", window_size=16, conv_size=4)
+    >>> spec.recurrence["class_name"], spec.conv_size
+    ('WindowRecurrence', 4)
+    >>> layer = LinearAttention(num_heads=4, key_dim=16, spec=spec)
+    >>> layer.recurrence
+    WindowRecurrence(window_size=16)
+    """
+
+    feature_map_json: str | None
+    recurrence_json: str
+    conv_size: int | None = None
+    num_key_value_heads: int | None = None
+    rope_max_wavelength: float | None = None
+    rope_scaling_factor: float = 1.0
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    epsilon: float = la_ops.DEFAULT_EPSILON
+
+    # ------------------------------------------------------------ building
+    @classmethod
+    def create(
+        cls,
+        feature_map=DEFAULT_FEATURE_MAP,
+        *,
+        chunk_size=DEFAULT_CHUNK_SIZE,
+        epsilon=la_ops.DEFAULT_EPSILON,
+        causal=True,
+        **arguments,
+    ):
+        """Validates the attention arguments into a spec.
+
+        Args:
+            feature_map: a registered name, a serialized config, a
+                `FeatureMap` (its config is kept; each layer builds its own)
+                or None (the identity, for recurrences without a normalizer).
+            chunk_size: chunk length of the causal algorithm.
+            epsilon: relative guard of the normalizer.
+            causal: whether the attention that will use the spec is causal
+                (a causal-only recurrence raises for ``causal=False``).
+            **arguments: the mechanism arguments (`ARGUMENTS`): the shorthand
+                ``decay``, ``normalize``, ``window_size``, ``update``,
+                ``window_gamma``, or ``recurrence``; and ``conv_size``,
+                ``num_key_value_heads``, ``rope_max_wavelength``,
+                ``rope_scaling_factor``.
+
+        Raises:
+            TypeError: for an argument that is not an attention argument.
+            ValueError: for a bad value or combination, naming the argument.
+        """
+        unknown = sorted(set(arguments) - set(ARGUMENTS))
+        if unknown:
+            raise TypeError(f"Unknown attention arguments: {unknown}. Expected some of {list(ARGUMENTS)}")
+        shorthand = {name: arguments[name] for name in SHORTHAND_ARGUMENTS if name in arguments}
+        if shorthand.get("window_gamma", 0) is None:
+            del shorthand["window_gamma"]  # the default, e.g. from a config
+        recurrence = arguments.get("recurrence")
+        if recurrence is None:
+            recurrence = shorthand_recurrence(**shorthand)
+        elif shorthand:
+            raise ValueError(
+                "Pass either `recurrence` or the shorthand arguments (decay, normalize, window_size, update, "
+                "window_gamma), "
+                f"not both. Received: recurrence={recurrence!r}, "
+                + ", ".join(f"{k}={v!r}" for k, v in shorthand.items())
+            )
+        else:
+            recurrence = registry.get(recurrence)
+        feature_map = None if feature_map is None else feature_maps_lib.get(feature_map)
+        recurrence.check(feature_map, causal=causal)
+        rope_max_wavelength, rope_scaling_factor = _check_rope_arguments(
+            arguments.get("rope_max_wavelength"), arguments.get("rope_scaling_factor", 1.0)
+        )
+        return cls(
+            feature_map_json=_frozen(None if feature_map is None else feature_maps_lib.serialize(feature_map)),
+            recurrence_json=_frozen(registry.serialize(recurrence)),
+            conv_size=_check_conv_size(arguments.get("conv_size")),
+            num_key_value_heads=_validation.check_optional_positive_int(
+                "num_key_value_heads", arguments.get("num_key_value_heads")
+            ),
+            rope_max_wavelength=rope_max_wavelength,
+            rope_scaling_factor=rope_scaling_factor,
+            chunk_size=_validation.check_positive_int("chunk_size", chunk_size),
+            epsilon=_check_epsilon(epsilon),
+        )
+
+    @classmethod
+    def pop(cls, kwargs, feature_map=DEFAULT_FEATURE_MAP, *, spec=None, causal=True, **arguments):
+        """The spec of a constructor: `spec` itself, or one built from the attention arguments in `kwargs`.
+
+        Removes the mechanism arguments (`ARGUMENTS`) from `kwargs`.
+        `arguments` holds the constructor's own `chunk_size` / `epsilon`.
+        With a `spec`, any mechanism argument or a non-default
+        `feature_map`, `chunk_size` or `epsilon` raises ValueError (the
+        spec already holds them), and the spec is checked for `causal`.
+        """
+        given = {name: kwargs.pop(name) for name in ARGUMENTS if name in kwargs}
+        if spec is None:
+            return cls.create(feature_map, causal=causal, **arguments, **given)
+        if not isinstance(spec, AttentionSpec):
+            raise ValueError(f"`spec` must be an AttentionSpec. Received: spec={type(spec).__name__}")
+        defaults = {"chunk_size": DEFAULT_CHUNK_SIZE, "epsilon": la_ops.DEFAULT_EPSILON}
+        conflicting = sorted(given) + sorted(k for k, v in arguments.items() if v != defaults.get(k, v))
+        if feature_map != DEFAULT_FEATURE_MAP:
+            conflicting.insert(0, "feature_map")
+        if conflicting:
+            raise ValueError(
+                f"With `spec`, the spec holds the attention arguments: do not pass {conflicting} as well. "
+                f"Received: spec={spec!r}"
+            )
+        spec.check(causal=causal)
+        return spec
+
+    @classmethod
+    def from_config(cls, config):
+        """The spec of a `get_config` dict (extra keys are ignored)."""
+        config = dict(config)
+        feature_map = config.pop("feature_map", DEFAULT_FEATURE_MAP)
+        chunk_size = config.pop("chunk_size", DEFAULT_CHUNK_SIZE)
+        epsilon = config.pop("epsilon", la_ops.DEFAULT_EPSILON)
+        arguments = {name: config[name] for name in ARGUMENTS if name in config}
+        return cls.create(feature_map, chunk_size=chunk_size, epsilon=epsilon, **arguments)
+
+    def replace(self, **changes):
+        """A new spec with some fields changed (`feature_map=` takes a name, config or `FeatureMap`)."""
+        if "feature_map" in changes:
+            feature_map = changes.pop("feature_map")
+            if feature_map is not None:
+                feature_map = feature_maps_lib.serialize(feature_maps_lib.get(feature_map))
+            changes["feature_map_json"] = _frozen(feature_map)
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------- reading
+    @property
+    def feature_map(self):
+        """The feature map's serialized config (a fresh dict), or None for the identity."""
+        return _thawed(self.feature_map_json)
+
+    @property
+    def recurrence(self):
+        """The recurrence's serialized config (a fresh dict)."""
+        return _thawed(self.recurrence_json)
+
+    def make_feature_map(self):
+        """A new `FeatureMap` (unbuilt, its own weights) from the spec, or None for the identity."""
+        config = self.feature_map
+        return None if config is None else feature_maps_lib.deserialize(config)
+
+    def make_recurrence(self):
+        """A new `Recurrence` from the spec (each attention layer owns one)."""
+        return registry.deserialize(self.recurrence)
+
+    def check(self, causal=True):
+        """Raises ValueError if the recurrence cannot run in a ``causal`` (or not) attention with this map."""
+        self.make_recurrence().check(self.make_feature_map(), causal=causal)
+
+    def check_heads(self, num_heads, key_dim=None):
+        """Raises ValueError unless `num_key_value_heads` divides `num_heads` and RoPE gets an even `key_dim`."""
+        kv = self.num_key_value_heads
+        if kv is not None and num_heads % kv:
+            raise ValueError(
+                "`num_key_value_heads` must divide `num_heads` (each key/value head serves a group of "
+                f"query heads). Received: num_key_value_heads={kv}, num_heads={num_heads}"
+            )
+        if self.rope_max_wavelength is not None and key_dim is not None and key_dim % 2:
+            raise ValueError(
+                "Rotary position embeddings (`rope_max_wavelength`) need an even `key_dim` (each head "
+                f"vector is rotated in halves). Received: key_dim={key_dim}, "
+                f"rope_max_wavelength={self.rope_max_wavelength!r}"
+            )
+
+    def mechanism_config(self):
+        """``{"recurrence": <serialized>, "conv_size": K, <RoPE/GQA>}``: the mechanism part of `get_config`."""
+        return {
+            "recurrence": self.recurrence,
+            "conv_size": self.conv_size,
+            "num_key_value_heads": self.num_key_value_heads,
+            "rope_max_wavelength": self.rope_max_wavelength,
+            "rope_scaling_factor": self.rope_scaling_factor,
+        }
+
+    def get_config(self):
+        """Every field as the constructor arguments that rebuild it (`from_config`)."""
+        return {
+            "feature_map": self.feature_map,
+            "chunk_size": self.chunk_size,
+            "epsilon": self.epsilon,
+            **self.mechanism_config(),
+        }
+
+    def __repr__(self):
+        feature_map = self.feature_map
+        if isinstance(feature_map, dict):
+            feature_map = feature_map.get("registered_name") or feature_map.get("class_name")
+        recurrence = self.recurrence
+        parts = [f"feature_map={feature_map!r}", f"recurrence={recurrence.get('class_name')}{recurrence.get('config')}"]
+        for name in ("conv_size", "num_key_value_heads", "rope_max_wavelength"):
+            if getattr(self, name) is not None:
+                parts.append(f"{name}={getattr(self, name)!r}")
+        return f"AttentionSpec({', '.join(parts)})"
