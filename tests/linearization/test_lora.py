@@ -29,7 +29,12 @@ def _ids(length=10):
 def lora_trained():
     """A student with rank-2 adapters after 2 epochs of fit: ``(student, weights before, adapters,
     trainable variables right after enable_lora, ids)``. The tests below only read it (merge_lora
-    returns a new model), so it is built, compiled and fitted once."""
+    returns a new model), so it is built, compiled and fitted once.
+
+    A module fixture is built before the first test's own `clear_session` (conftest's autouse
+    fixture): without one here, its layers' generated names (`hedgehog_feature_map_1`, ...) would
+    depend on what the test module run before this one left in the process."""
+    keras.utils.clear_session(free_memory=False)
     student = _student()
     before = {v.path: np.asarray(v) for v in student.weights}
     adapters = enable_lora(student, rank=2, alpha=4)
