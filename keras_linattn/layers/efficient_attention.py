@@ -5,7 +5,7 @@ import numpy as np
 from keras import ops
 
 from keras_linattn import _validation
-from keras_linattn.layers import _projections
+from keras_linattn.layers import _attention_base
 from keras_linattn.ops import efficient as efficient_ops
 
 __all__ = ["EfficientAttention"]
@@ -15,8 +15,8 @@ _PROJECTIONS = {"random": False, "learned": True}
 
 
 @keras.saving.register_keras_serializable(package="keras_linattn")
-@_projections.document
-class EfficientAttention(_projections.ProjectedAttention):
+@_attention_base.document
+class EfficientAttention(_attention_base.ProjectedAttention):
     """Multi-head "efficient attention", optionally with Linformer projections.
 
         Per head, with projected queries ``Q [T, D]``, keys ``K [S, D]`` and
