@@ -24,6 +24,8 @@ in the layer's own Keras lists) for anything still unreached.
 
 import keras
 
+from keras_linattn import _compat
+
 __all__ = ["CheckpointTracked"]
 
 
@@ -56,7 +58,7 @@ def _keras_layers(layer):
     if isinstance(layer, CheckpointTracked):
         return []
     found = [layer]
-    for sublayer in layer._layers:
+    for sublayer in _compat.sublayers(layer):
         found += _keras_layers(sublayer)
     return found
 
@@ -67,26 +69,32 @@ class CheckpointTracked:
     See the module docstring. On other backends it does nothing.
     """
 
+    # TF's checkpoint hook (`_compat.check_trackable_children_hook`, checked below).
     def _trackable_children(self, save_type="checkpoint", **kwargs):
-        children = super()._trackable_children(save_type, **kwargs)
+        children = _compat.trackable_children(super(), save_type, **kwargs)
         if save_type != "checkpoint":
             return children
         present = {id(value) for value in children.values()}
-        for attribute in list(getattr(self, "_tracked", [])):
+        for attribute in _compat.tracked_collection_attributes(self):
             value = getattr(self, attribute, None)
             if isinstance(value, (list, tuple, dict)):
                 _walk(children, present, attribute.lstrip("_"), value)
-        own = list(self._trainable_variables) + list(self._non_trainable_variables)
+        own = _compat.own_variables(self)
         for index, variable in enumerate(own):
             _add(children, present, f"keras_variable_{index}", variable)
-        for index, generator in enumerate(self._seed_generators):
+        for index, generator in enumerate(_compat.seed_generators(self)):
             _add(children, present, f"keras_seed_generator_{index}", generator.state)
-        for index, layer in enumerate(self._layers):
+        for index, layer in enumerate(_compat.sublayers(self)):
             _add(children, present, f"keras_layer_{index}", layer)
             # A Keras layer (e.g. `Dropout`) keeps its seed generator in an
             # attribute TF does not follow: its state is added here, for it
             # and its own Keras sublayers (ours add theirs themselves).
-            generators = [generator for sublayer in _keras_layers(layer) for generator in sublayer._seed_generators]
+            generators = [
+                generator for sublayer in _keras_layers(layer) for generator in _compat.seed_generators(sublayer)
+            ]
             for number, generator in enumerate(generators):
                 _add(children, present, f"keras_layer_{index}_seed_generator_{number}", generator.state)
         return children
+
+
+_compat.check_trackable_children_hook()

@@ -2,6 +2,8 @@
 
 import keras
 
+from keras_linattn import _compat
+
 
 def under_xla():
     """Whether the ops being built will be compiled by XLA.
@@ -19,8 +21,4 @@ def under_xla():
 
     if tf.executing_eagerly():
         return False
-    try:
-        from tensorflow.python.ops import control_flow_util
-    except ImportError:  # pragma: no cover - a TensorFlow without the (private) helper
-        return False
-    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+    return _compat.tf_graph_under_xla(tf.compat.v1.get_default_graph())

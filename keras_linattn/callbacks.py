@@ -7,7 +7,7 @@ import shutil
 
 import keras
 
-from keras_linattn import _atomic
+from keras_linattn import _atomic, _compat
 from keras_linattn._validation import check_bool, check_positive_int
 
 __all__ = ["BackupAndRestore", "RedrawRandomFeatures", "batches_per_epoch", "random_feature_layers"]
@@ -26,7 +26,7 @@ def random_feature_layers(model):
     their feature maps); each layer is listed once even when shared.
     """
     found, seen = [], set()
-    for layer in model._flatten_layers(include_self=True, recursive=True):
+    for layer in _compat.flatten_layers(model, include_self=True, recursive=True):
         if id(layer) in seen:
             continue
         seen.add(id(layer))
@@ -122,12 +122,12 @@ class RedrawRandomFeatures(keras.callbacks.Callback):
         self.redraw_count = 0
         self._epoch = 0
         self._counted = 0
-        self._layers = []
+        self._redrawn = []
 
     def on_train_begin(self, logs=None):
         self._epoch = 0
         self._counted = 0
-        self._layers = random_feature_layers(self.model)
+        self._redrawn = random_feature_layers(self.model)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -146,7 +146,7 @@ class RedrawRandomFeatures(keras.callbacks.Callback):
         if _replayed(self.model, self._epoch, batch):
             return  # the restored maps already hold this position's draws
         if position > 0 and position % self.every_n_steps == 0:
-            for layer in self._layers:
+            for layer in self._redrawn:
                 # Unbuilt maps are templates (e.g. the `feature_map` attribute
                 # of LinearCausalLM and of the transformer blocks, which copy
                 # it): they hold no projection in use.
@@ -161,8 +161,8 @@ class RedrawRandomFeatures(keras.callbacks.Callback):
 def _seed_generators(model):
     """Every `keras.random.SeedGenerator` of the model's layers (dropout masks), in a fixed order."""
     found, seen = [], set()
-    for layer in model._flatten_layers(include_self=True, recursive=True):
-        for generator in getattr(layer, "_seed_generators", []) or []:
+    for layer in _compat.flatten_layers(model, include_self=True, recursive=True):
+        for generator in _compat.seed_generators(layer):
             if id(generator) not in seen:
                 seen.add(id(generator))
                 found.append(generator)
@@ -360,7 +360,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "BackupAndRestore needs a built model: call it on a batch (or `build`) before `fit`. "
                 f"Received: an unbuilt model {self.model.name!r}"
             )
-        _unwrap_train_function(self.model)
+        _compat.restore_train_function(self.model)
         self._epoch, self._since_save, self._sequence, self._resume, self._skip = 0, 0, 0, None, 0
         meta = self.read_metadata()
         if meta is None:
@@ -399,7 +399,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             generator.state.assign(keras.ops.convert_to_tensor(state, dtype=generator.state.dtype))
         self._sequence = meta["sequence"]
         self._epoch = meta["epoch"]
-        self.model._initial_epoch = meta["epoch"] or None
+        _compat.set_initial_epoch(self.model, meta["epoch"] or None)
         if meta["batch"] > 0:
             self._resume = (meta["epoch"], meta["batch"])
             self._skip = meta["batch"]
@@ -439,10 +439,10 @@ class BackupAndRestore(keras.callbacks.Callback):
             self._save(epoch + 1, 0)
 
     def on_train_end(self, logs=None):
-        _unwrap_train_function(self.model)
+        _compat.restore_train_function(self.model)
         if getattr(self.model, _RESUME_ATTR, None) is not None:
             setattr(self.model, _RESUME_ATTR, None)
-        self.model._initial_epoch = None
+        _compat.set_initial_epoch(self.model, None)
         if self.delete_checkpoint and os.path.isdir(self.backup_dir):
             shutil.rmtree(self.backup_dir, ignore_errors=True)
 
@@ -488,38 +488,15 @@ class BackupAndRestore(keras.callbacks.Callback):
 
 def _wrap_train_function(model, backup):
     """Makes the next ``backup._skip`` training batches draw their data and train nothing."""
-    original = model.train_function
     per_execution = _steps_per_execution(model)
 
-    # Keras' trainers call the train function with different arguments:
-    # TensorFlow's (and torch's) ``train_function(iterator) -> logs``, JAX's
-    # ``train_function(state, iterator) -> (logs, state)`` with the model's
-    # variables passed in and returned as a state tuple
-    # (keras/src/backend/jax/trainer.py). A replayed batch trains nothing, so
-    # on JAX it hands the state back unchanged.
-    def replay(*args):
-        if len(args) == 2:
-            state, iterator = args
-        elif len(args) == 1:
-            state, iterator = None, args[0]
-        else:
-            raise TypeError(f"A train function takes (iterator) or (state, iterator). Received: {len(args)} arguments")
+    def draw(iterator):
         count = min(per_execution, backup._skip)
         if not isinstance(iterator, (list, tuple)):  # the data iterator; a buffer already drawn needs nothing
             for _ in range(count):
                 next(iterator)
         backup._skip -= count
-        if backup._skip <= 0:
-            model.train_function = original
-        return {} if len(args) == 1 else ({}, state)
+        return backup._skip <= 0  # every replayed batch drawn: train again
 
-    replay._kla_original = original
-    model.train_function = replay
-
-
-def _unwrap_train_function(model):
-    function = getattr(model, "train_function", None)
-    while getattr(function, "_kla_original", None) is not None:
-        function = function._kla_original
-    if function is not None:
-        model.train_function = function
+    # The train function's call form differs per backend: `_compat.replace_train_function`.
+    _compat.replace_train_function(model, draw)

@@ -19,6 +19,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_linattn import _compat
+
 SERVING_DEFAULT = "serving_default"
 STEP = "step"
 GENERATE = "generate"
@@ -85,7 +87,7 @@ class ModelSpecs:
         check_exportable(model)
         self.model = model
         self.causal_lm = is_causal_lm(model)
-        self._inputs_struct = None
+        self._input_structure = None
         if input_signature is not None:
             specs = list(input_signature) if isinstance(input_signature, (list, tuple)) else [input_signature]
             for i, spec in enumerate(specs):
@@ -119,7 +121,7 @@ class ModelSpecs:
                 "model). Pass `input_signature=[tf.TensorSpec(shape, dtype, name=...)]`. "
                 f"Received: model={type(model).__name__}"
             )
-        self._inputs_struct = getattr(model, "_inputs_struct", None)
+        self._input_structure = _compat.functional_inputs_struct(model)
         specs = []
         for i, x in enumerate(inputs):
             shape = list(x.shape)
@@ -137,8 +139,8 @@ class ModelSpecs:
     def pack_inputs(self, tensors):
         """Puts flat input tensors back into the structure the model expects."""
         tensors = list(tensors)
-        if self._inputs_struct is not None:
-            return keras.tree.pack_sequence_as(self._inputs_struct, tensors)
+        if self._input_structure is not None:
+            return keras.tree.pack_sequence_as(self._input_structure, tensors)
         return tensors[0] if len(tensors) == 1 else tensors
 
     # ----------------------------------------------------------- outputs
@@ -164,7 +166,8 @@ class ModelSpecs:
         size = getattr(model, "vocabulary_size", None)
         if isinstance(size, int):
             return size
-        dims = [layer.input_dim for layer in model._flatten_layers() if isinstance(layer, keras.layers.Embedding)]
+        layers = _compat.flatten_layers(model)
+        dims = [layer.input_dim for layer in layers if isinstance(layer, keras.layers.Embedding)]
         return min(dims) if dims else None
 
     # ------------------------------------------------------------- state

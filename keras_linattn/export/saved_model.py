@@ -6,7 +6,7 @@ import uuid
 
 import keras
 
-from keras_linattn import _atomic
+from keras_linattn import _atomic, _compat
 from keras_linattn.export import _specs
 from keras_linattn.export import warmup as warmup_lib
 
@@ -57,13 +57,6 @@ def _resolve_version(base_dir, version):
     return version
 
 
-def _is_functional(model):
-    """A functional model (or a Sequential, which wraps one); checked by class name
-    so that no private `keras.src` module is imported."""
-    functional = any(cls.__name__ == "Functional" for cls in type(model).__mro__)
-    return functional or getattr(model, "_functional", None) is not None
-
-
 def _track(archive, model):
     """Tracks a model's layers (for lookup tables and variable lists).
 
@@ -73,7 +66,7 @@ def _track(archive, model):
     shape (wrong for a token-id model built with `build(None)`). Its layers
     are tracked instead; endpoint variables are collected in any case.
     """
-    if _is_functional(model):
+    if _compat.is_functional(model):
         archive.track(model)
         return
     for layer in model.layers:
@@ -113,9 +106,9 @@ def _one_copy_of_each_variable(archive):
     """
     import tensorflow as tf
 
-    trackable = getattr(archive, "_tf_trackable", None)
-    if trackable is None or keras.backend.backend() != "tensorflow":
+    if keras.backend.backend() != "tensorflow":
         return
+    trackable = _compat.export_archive_trackable(archive)
     for attr in ("variables", "trainable_variables", "non_trainable_variables"):
         listed = getattr(trackable, attr, None)
         if listed is None:
@@ -135,26 +128,16 @@ def _write_out(archive, export_dir, verbose=False):
     outside (the context's variable policy is part of TensorFlow's cache
     key). Listing the variables inside the same kind of save context lets
     the save reuse that trace (the limited test LM: 3.55 -> 2.43 s an
-    export; same graphs). On another backend, where those internals are
-    missing (another Keras or TensorFlow), or while a save is in progress, it
-    writes out as is.
+    export; same graphs). On another backend, or while a save is in
+    progress, it writes out as is. The internals it uses are
+    `keras_linattn._compat`'s (an error where they are missing).
     """
     import tensorflow as tf
 
     options = tf.saved_model.SaveOptions()
     _one_copy_of_each_variable(archive)
-    track = getattr(archive, "_filter_and_track_resources", None)
-    try:
-        from tensorflow.python.saved_model import save_context
-    except ImportError:  # pragma: no cover - other TensorFlow layouts
-        save_context = None
-    tensorflow_backend = keras.backend.backend() == "tensorflow"
-    if not tensorflow_backend or track is None or save_context is None or save_context.in_save_context():
-        archive.write_out(export_dir, options=options, verbose=verbose)
-        return
-    with save_context.save_context(options):
-        track()
-    archive._filter_and_track_resources = lambda: None  # done above; `write_out` would trace again
+    if keras.backend.backend() == "tensorflow" and not _compat.in_tf_save_context():
+        _compat.track_export_resources_once(archive, options)
     archive.write_out(export_dir, options=options, verbose=verbose)
 
 

@@ -2,7 +2,8 @@
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.util import deprecation
+
+from keras_linattn import _compat
 
 __all__ = ["SavedModelRunner"]
 
@@ -51,7 +52,7 @@ class SavedModelRunner:
         try:
             # The TF1 loader is deliberate (it is the path TF Serving and
             # saved_model_cli load through); its deprecation notice is not for users.
-            with self._graph.as_default(), deprecation.silence():
+            with self._graph.as_default(), _compat.silence_tf_deprecation():
                 meta = tf.compat.v1.saved_model.loader.load(self._session, self.tags, export_dir)
         except (OSError, RuntimeError, ValueError, tf.errors.OpError) as e:
             # Missing dir / saved_model.pb, corrupt protobuf, damaged variables, unknown tags.

@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 
-from keras_linattn import _tolerance
+from keras_linattn import _compat, _tolerance
 from keras_linattn.export import _specs, _verify_weights
 
 __all__ = ["VerificationError", "VerificationReport", "differences", "verify"]
@@ -167,7 +167,8 @@ def differences(actual, expected):
 
 
 def _leaf_layers(model):
-    return [layer for layer in model._flatten_layers(include_self=False) if not list(layer._flatten_layers(False))]
+    layers = _compat.flatten_layers(model, include_self=False)
+    return [layer for layer in layers if not list(_compat.flatten_layers(layer, include_self=False))]
 
 
 def _fan_in(layer, variable):
@@ -217,7 +218,7 @@ def _reduction_length(model, length):
 def _attention_layers(model):
     return [
         layer
-        for layer in model._flatten_layers(include_self=False)
+        for layer in _compat.flatten_layers(model, include_self=False)
         if callable(getattr(getattr(layer, "recurrence", None), "features", None)) and hasattr(layer, "epsilon")
     ]
 

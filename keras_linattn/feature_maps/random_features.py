@@ -11,6 +11,7 @@ Shape legend: H heads, m random features, D key dim.
 import numpy as np
 from keras import ops
 
+from keras_linattn import _compat
 from keras_linattn._validation import check_one_of, check_positive_float, check_positive_int, check_seed
 from keras_linattn.feature_maps.base import FeatureMap
 
@@ -169,7 +170,7 @@ class RandomFeatureMap(FeatureMap):
         Files written before ``draw_index`` existed hold the projection only;
         they load with ``draw_index = 0``.
         """
-        own = self._trainable_variables + self._non_trainable_variables
+        own = _compat.own_variables(self)
         if self.built and len(store.keys()) == len(own) - 1:
             self.projection.assign(store["0"])
             self.draw_index.assign(0)

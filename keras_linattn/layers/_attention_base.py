@@ -15,7 +15,7 @@ Shapes: B batch, T query length, S key length, H heads, D key dim, M value dim.
 import keras
 from keras import ops
 
-from keras_linattn import _validation
+from keras_linattn import _compat, _validation
 from keras_linattn._docstrings import fill
 from keras_linattn._tracking import CheckpointTracked
 
@@ -81,7 +81,7 @@ class _ProjectionDense(keras.layers.EinsumDense):
                 "frozen weights. Merge first: `merged = keras_linattn.linearization.merge_lora(model)`, then save "
                 "`merged`; or linearize a keras-hub teacher (a `LinearCausalLM`), whose files keep the adapters."
             )
-        store["0"] = self._kernel
+        store["0"] = _compat.unmerged_kernel(self)
         if self.bias is not None:
             store["1"] = self.bias
         store["lora_kernel_a"] = self.lora_kernel_a
@@ -94,7 +94,7 @@ class _ProjectionDense(keras.layers.EinsumDense):
                     f"The weights of {self.path!r} hold LoRA adapters but the layer has none: load them into a "
                     "model with the same adapters (`keras_linattn.linearization.enable_lora`)."
                 )
-            self._kernel.assign(store["0"])
+            _compat.unmerged_kernel(self).assign(store["0"])
             if self.bias is not None:
                 self.bias.assign(store["1"])
             self.lora_kernel_a.assign(store["lora_kernel_a"])

@@ -28,6 +28,8 @@ import json
 import os
 import warnings
 
+from keras_linattn import _compat
+
 __all__ = []
 
 MANIFEST_FILE = "linattn_manifest.json"
@@ -213,11 +215,7 @@ def check_weights_consumed(model, filepath):
     filepath = os.fspath(filepath)
     if not filepath.endswith(_WEIGHT_SUFFIXES) or not os.path.isfile(filepath):
         return
-    owners = [
-        layer
-        for layer in model._flatten_layers(include_self=True)
-        if layer._trainable_variables or layer._non_trainable_variables
-    ]
+    owners = [layer for layer in _compat.flatten_layers(model, include_self=True) if _compat.own_variables(layer)]
     stored = _stored_groups(filepath)
     if stored > len(owners):
         raise ValueError(
