@@ -1,6 +1,6 @@
 """The error model behind every numeric bound: the test suite's and `export.verify`'s.
 
-The test suite imports it as ``tests.tolerance`` (docs/testing.md);
+The test suite imports it as ``tests.tolerance`` (docs/dev/testing.md);
 `keras_linattn.export.verify` bounds export-vs-Keras differences with it.
 
 A bound is ``C_ROUND * eps(dtype) * sqrt(n) * conditioning``:
@@ -23,7 +23,7 @@ computations in the same precision (step against parallel, export against
 Keras) uses ``paths=2``: each side carries its own rounding error.
 
 Setting ``KLA_TOLERANCE_LOG=FILE`` appends ``test<TAB>error<TAB>bound`` for
-every check, which is how the margin reported in docs/testing.md is measured.
+every check, which is how the margin reported in docs/dev/testing.md is measured.
 """
 
 import math

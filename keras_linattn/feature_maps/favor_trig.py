@@ -40,7 +40,7 @@ class FavorTrigFeatureMap(RandomFeatureMap):
     `LinearAttention` (causal call and `step`) raises
     `keras_linattn.ops.core.KernelUnderflowError` eagerly, and in a graph
     makes every row from that key on NaN, with a NaN state so that later
-    pieces and steps stay flagged (docs/hardening.md, the log-space sweep).
+    pieces and steps stay flagged (docs/dev/hardening.md, the log-space sweep).
 
     Args:
         num_features: m, the number of random frequencies (``C = 2m``).

@@ -20,8 +20,8 @@ The recurrence has two spellings, and both are first-class:
   recurrence, built-in or registered by the user.
 """
 
+import copy
 import dataclasses
-import json
 
 from keras_linattn import _validation
 from keras_linattn import feature_maps as feature_maps_lib
@@ -169,19 +169,13 @@ def _check_epsilon(epsilon):
     return float(epsilon)
 
 
-def _json_default(value):
-    if hasattr(value, "item") and hasattr(value, "dtype"):  # a NumPy scalar
-        return value.item()
-    raise TypeError(f"Attention configs must be JSON-serializable. Received: {value!r} ({type(value).__name__})")
-
-
 def _frozen(config):
-    """A serialized config as a JSON string (immutable; `_thawed` gives a fresh dict back)."""
-    return None if config is None else json.dumps(config, default=_json_default)
+    """A private deep copy of a serialized config (the spec never hands it out; `_thawed` gives copies)."""
+    return copy.deepcopy(config)
 
 
-def _thawed(text):
-    return None if text is None else json.loads(text)
+def _thawed(config):
+    return copy.deepcopy(config)
 
 
 # The values of the layer's own arguments when no spec-holding value is given.
@@ -215,8 +209,10 @@ class AttentionSpec:
     WindowRecurrence(window_size=16)
     """
 
-    feature_map_json: str | None
-    recurrence_json: str
+    # Serialized configs, private copies: read them through `feature_map` /
+    # `recurrence` (fresh copies), build from them with `make_*`.
+    feature_map_config: dict | str | None = dataclasses.field(repr=False)
+    recurrence_config: dict = dataclasses.field(repr=False)
     conv_size: int | None = None
     num_key_value_heads: int | None = None
     rope_max_wavelength: float | None = None
@@ -279,8 +275,8 @@ class AttentionSpec:
             arguments.get("rope_max_wavelength"), arguments.get("rope_scaling_factor", 1.0)
         )
         return cls(
-            feature_map_json=_frozen(None if feature_map is None else feature_maps_lib.serialize(feature_map)),
-            recurrence_json=_frozen(registry.serialize(recurrence)),
+            feature_map_config=_frozen(None if feature_map is None else feature_maps_lib.serialize(feature_map)),
+            recurrence_config=_frozen(registry.serialize(recurrence)),
             conv_size=_check_conv_size(arguments.get("conv_size")),
             num_key_value_heads=_validation.check_optional_positive_int(
                 "num_key_value_heads", arguments.get("num_key_value_heads")
@@ -334,19 +330,22 @@ class AttentionSpec:
             feature_map = changes.pop("feature_map")
             if feature_map is not None:
                 feature_map = feature_maps_lib.serialize(feature_maps_lib.get(feature_map))
-            changes["feature_map_json"] = _frozen(feature_map)
+            changes["feature_map_config"] = _frozen(feature_map)
         return dataclasses.replace(self, **changes)
+
+    def __hash__(self):
+        return hash(repr(dataclasses.astuple(self)))
 
     # ------------------------------------------------------------- reading
     @property
     def feature_map(self):
         """The feature map's serialized config (a fresh dict), or None for the identity."""
-        return _thawed(self.feature_map_json)
+        return _thawed(self.feature_map_config)
 
     @property
     def recurrence(self):
         """The recurrence's serialized config (a fresh dict)."""
-        return _thawed(self.recurrence_json)
+        return _thawed(self.recurrence_config)
 
     def make_feature_map(self):
         """A new `FeatureMap` (unbuilt, its own weights) from the spec, or None for the identity."""

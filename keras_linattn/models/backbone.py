@@ -5,7 +5,7 @@ import keras_hub
 import numpy as np
 from keras import ops
 
-from keras_linattn import _validation
+from keras_linattn import _compat, _validation
 from keras_linattn._docstrings import fill
 from keras_linattn._tracking import CheckpointTracked
 from keras_linattn.layers.spec import MECHANISM_ARGS_DOC, AttentionSpec
@@ -22,7 +22,7 @@ def _is_concrete(x):
     if backend == "tensorflow":
         import tensorflow as tf
 
-        return tf.executing_eagerly() and not isinstance(x, tf.__internal__.SymbolicTensor)
+        return tf.executing_eagerly() and not _compat.is_tf_symbolic_tensor(x)
     if backend == "jax":
         import jax
 

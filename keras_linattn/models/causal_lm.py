@@ -5,7 +5,7 @@ import keras_hub
 import numpy as np
 from keras import ops
 
-from keras_linattn import _validation
+from keras_linattn import _compat, _validation
 from keras_linattn import samplers as samplers_lib
 from keras_linattn._docstrings import fill
 from keras_linattn._tracking import CheckpointTracked
@@ -15,6 +15,9 @@ from keras_linattn.models.backbone import BACKBONE_SETTINGS, LinearBackbone, _un
 from keras_linattn.models.preprocessor import LinearCausalLMPreprocessor
 
 __all__ = ["LinearCausalLM"]
+
+# `LinearCausalLM._symbolic_build` overrides this Keras hook: fail at import if Keras renamed it.
+_compat.check_symbolic_build_hook()
 
 
 # The flat constructor's positional arguments, in order.
@@ -440,9 +443,9 @@ class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
         # from a user are still refused there (accepting integral-valued
         # floats instead would not cover this case: a mean of ids is not
         # integral, and it would let users' float arrays through everywhere).
-        if data_batch is not None and getattr(self, "_distribute_strategy", None) is not None:
+        if data_batch is not None and _compat.explicit_distribute_strategy(self) is not None:
             data_batch = _integer_inputs(data_batch, self.input)
-        return super()._symbolic_build(iterator=iterator, data_batch=data_batch)
+        return _compat.symbolic_build(super(), iterator=iterator, data_batch=data_batch)
 
     # --------------------------------------------------------- generation
     def _compile(self, fn):

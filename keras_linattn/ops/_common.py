@@ -148,7 +148,7 @@ def _matmul(a, b, transpose_a=False, transpose_b=False):
     separate transpose before the matmul costs nothing in graph mode, but
     XLA on CPU folds it into the dot's layout and ran the non-causal core
     about 1.8x slower forward + backward (B=1, H=8, N=8192, 64 x 64; 96 vs
-    53 ms, `docs/benchmarks.md`). Other backends transpose, then multiply.
+    53 ms, `docs/dev/benchmarks.md`). Other backends transpose, then multiply.
     """
     if keras.backend.backend() == "tensorflow" and a.dtype == b.dtype:
         import tensorflow as tf
@@ -228,7 +228,7 @@ class KernelUnderflowError(ValueError):
     graph mode (`tf.function`, XLA, SavedModel, ONNX), where nothing can
     raise, such a row is NaN instead: never a silent 0 or a wrong value. The
     gated (``decay``) and window recurrences follow the same rule. See
-    docs/hardening.md.
+    docs/dev/hardening.md.
     """
 
 
@@ -315,7 +315,7 @@ def _divide_rows(num, den):
     ``out = num * r`` the same gradient is ``g * r`` and
     ``-sum(g * r * out)``: three passes. Measured on the attention core at
     N=8192 (forward + backward, CPU): about 5 ms of 60 non-causal and of 130
-    causal (`docs/benchmarks.md`). Tested against autodiff of ``num / den``.
+    causal (`docs/dev/benchmarks.md`). Tested against autodiff of ``num / den``.
     """
     r = 1.0 / den  # [..., 1]
     out = num * r  # [..., M]

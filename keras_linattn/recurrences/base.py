@@ -18,7 +18,7 @@ which recurrence it runs. A recurrence is registered by name with
 tests/contracts runs every registered recurrence.
 
 Why a plain class and not a `keras.layers.Layer`: the weights stay the
-attention layer's own variables, at the paths round-2 `.keras` files and
+attention layer's own variables, at the paths older `.keras` files and
 exported SavedModels name them (``.../linear_attention/vars/<i>``); a
 sublayer would move them to ``.../linear_attention/recurrence/vars/<i>``
 and old files would no longer load.

@@ -55,7 +55,7 @@ def _add_gate_weights(recurrence, gate):
         # old token goes through the product of the decays since. Mamba2's
         # initialization (A in [1, 16], dt in [1e-3, 1e-1], a random w) gives a
         # single head a memory of 1.4 to 14 tokens in the MQAR model, and the
-        # one-head Gated DeltaNet + conv4 stayed at chance at T=256 (docs/quality.md).
+        # one-head Gated DeltaNet + conv4 stayed at chance at T=256 (docs/dev/quality.md).
         recurrence.gate_kernel = recurrence.add_weight("gate_kernel", (h, d, h), "zeros")
         recurrence.gate_bias = recurrence.add_weight(
             "gate_bias", (h,), _inverse_softplus_of_log_uniform(1e-3, 1e-2, layer.seed)
@@ -86,7 +86,7 @@ def _gate_log_decay(recurrence, gate, keys):
 
 
 def _decay_conditioning(log_decay):
-    """1 + the largest summed ``|log a|`` over time: how far the chunked exponents reach (docs/testing.md)."""
+    """1 + the largest summed ``|log a|`` over time: how far the chunked exponents reach (docs/dev/testing.md)."""
     g = np.abs(np.asarray(ops.convert_to_numpy(log_decay), "float64"))
     return 1.0 + float(g.sum(axis=1).max()) if g.size else 1.0
 

@@ -47,7 +47,7 @@ def test_a_seeded_map_gives_each_block_its_own_seed_in_its_own_spec():
     # Block 0 gets the backbone's spec itself; the others a copy with only the seed changed.
     assert backbone.decoder_blocks[0].attention_spec is backbone.attention_spec
     other = backbone.decoder_blocks[1].attention_spec
-    assert dataclasses.replace(other, feature_map_json=backbone.attention_spec.feature_map_json) == (
+    assert dataclasses.replace(other, feature_map_config=backbone.attention_spec.feature_map_config) == (
         backbone.attention_spec
     )
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import keras_linattn
-from keras_linattn.models import LinearBackbone, LinearCausalLM
 from keras_linattn.linearization._keras_hub import linearize_keras_hub
+from keras_linattn.models import LinearBackbone, LinearCausalLM
 from tests.tolerance import assert_close
 
 T = 12
