@@ -22,7 +22,7 @@ class ShortConvolution:
     zeros.
 
     Args:
-        size: None (the identity) or K >= 2 (validated by `AttentionConfig`).
+        size: None (the identity) or K >= 2 (validated by `AttentionSpec`).
     """
 
     def __init__(self, size):
