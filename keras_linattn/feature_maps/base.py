@@ -26,13 +26,8 @@ class FeatureMap(CheckpointTracked, keras.layers.Layer):
     - `call_signature_parameters`: the names of `call`'s parameters
       (set by Keras); a ``key_mask`` parameter receives the key padding.
     - `seed`: the seed a map draws its weights from, if any.
-    - ``causal_key_out_of_range(inputs)``: an optional method with no
-      default here, for maps that cap causal key features (favor_trig):
-      ``[B, T, H]`` bool, True where a key's features were capped.
-      `LinearAttention` looks it up with ``hasattr`` and, for causal calls
-      whose recurrence does not cancel the key scale, flags every row
-      that attends to such a key (`KernelUnderflowError` eagerly, NaN in a
-      graph). A map without it never caps a key.
+    - `causal_key_out_of_range`: None, or a method for maps that cap
+      causal key features (favor_trig).
 
     Args:
         **kwargs: standard `keras.layers.Layer` arguments (`name`, `dtype`).
@@ -78,6 +73,16 @@ class FeatureMap(CheckpointTracked, keras.layers.Layer):
     `call` takes a ``key_mask`` parameter (favor+'s non-causal stabilizer,
     so that padded keys never enter its statistics). The empty default
     holds only before `Layer.__init__` has run: no ``key_mask`` is passed.
+    """
+
+    causal_key_out_of_range = None
+    """None, or a method ``causal_key_out_of_range(keys) -> [B, T, H]`` bool, True where a key's features were capped.
+
+    For maps that cap causal key features (favor_trig). `LinearAttention`
+    calls it on the keys of a causal call whose recurrence does not cancel
+    the key scale, and flags every row that attends to such a key
+    (`KernelUnderflowError` eagerly, NaN in a graph). None (the default):
+    the map never caps a key.
     """
 
     seed = None

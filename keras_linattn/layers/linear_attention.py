@@ -128,7 +128,7 @@ class LinearAttention(_projections.ProjectedAttention):
         self.feature_dim = key_dim if self.feature_map is None else self.feature_map.feature_dim(key_dim)
         self.recurrence.attach(self)
         self.short_conv.attach(self)
-        if self.compute_dtype == "float16" and not getattr(self.feature_map, "float16_safe", True):
+        if self.compute_dtype == "float16" and self.feature_map is not None and not self.feature_map.float16_safe:
             raise ValueError(
                 f"Feature map {type(self.feature_map).__name__} gives outputs beyond the float16 "
                 "range (inf/NaN) at ordinary input scales; use a float32 or bfloat16 policy. "
@@ -248,7 +248,8 @@ class LinearAttention(_projections.ProjectedAttention):
 
     def _checks_key_range(self):
         """True if the feature map caps causal keys (favor_trig) and the recurrence does not cancel it."""
-        return hasattr(self.feature_map, "causal_key_out_of_range") and not self.recurrence.key_scale_free
+        fm = self.feature_map
+        return fm is not None and fm.causal_key_out_of_range is not None and not self.recurrence.key_scale_free
 
     def _flag_keys_out_of_range(self, key, key_mask, out, parts):
         """Flags causal rows that attend to a key whose features a map had to cap (favor_trig).

@@ -14,7 +14,7 @@ The recurrence has two spellings, and both are first-class:
 
 - the shorthand arguments ``decay``, ``normalize``, ``window_size``,
   ``update`` and ``window_gamma``, which name a built-in recurrence
-  (`shorthand_recurrence`);
+  (`_shorthand_recurrence`);
 - ``recurrence=``: a registered name, a serialized config or a `Recurrence`
   instance (``keras_linattn.recurrences.available()``), for every
   recurrence, built-in or registered by the user.
@@ -102,7 +102,7 @@ MECHANISM_ARGS_DOC = """\
             divided by it (keras-hub's linear RoPE scaling). Keyword-only."""
 
 
-def shorthand_recurrence(decay=None, normalize=True, window_size=None, update="add", window_gamma=None):
+def _shorthand_recurrence(decay=None, normalize=True, window_size=None, update="add", window_gamma=None):
     """The built-in recurrence the shorthand arguments describe.
 
     ``decay`` -> `DecayRecurrence`, ``window_size`` -> `WindowRecurrence`,
@@ -259,7 +259,7 @@ class AttentionSpec:
             del shorthand["window_gamma"]  # the default, e.g. from a config
         recurrence = arguments.get("recurrence")
         if recurrence is None:
-            recurrence = shorthand_recurrence(**shorthand)
+            recurrence = _shorthand_recurrence(**shorthand)
         elif shorthand:
             raise ValueError(
                 "Pass either `recurrence` or the shorthand arguments (decay, normalize, window_size, update, "

@@ -92,7 +92,7 @@ def _block_spec(spec, index):
     `RedrawRandomFeatures` redrew them equal.
     """
     feature_map = spec.make_feature_map()
-    seed = getattr(feature_map, "seed", None)
+    seed = None if feature_map is None else feature_map.seed
     if feature_map is None or seed is None or index == 0:
         return spec
     config = dict(feature_map.get_config(), seed=_block_seed(seed, index))

@@ -275,7 +275,7 @@ def test_gates_are_in_the_unit_interval(rng):
         (dict(normalize=1), "`normalize` must be a bool"),
         (dict(conv_size=1), "`conv_size` must be None or an integer >= 2"),
         (dict(conv_size=2.0), "`conv_size` must be a positive integer or None"),
-        (dict(window_size=0), "`window_size` must be a positive integer or None"),
+        (dict(window_size=0), "`window_size` must be a positive int"),
         (dict(window_size=4, decay="scalar"), "`window_size` cannot be combined with `decay`"),
         (dict(window_size=4, normalize=False), "`window_size` needs `normalize=True`"),
         (dict(update="replace"), "`update` must be one of"),
