@@ -397,20 +397,30 @@ def test_silence_tf_deprecation_silences_only_inside():
     import logging
 
     import tensorflow as tf
+    from tensorflow.python.util import deprecation
 
+    # A function deprecated here (TF prints each function's notice once per
+    # process), and the logger at WARNING whatever earlier tests set.
+    def _fresh(name):
+        return deprecation.deprecated(None, f"{name} is a test function")(lambda: None)
+
+    inside, outside = _fresh("inside"), _fresh("outside")
     records = []
     handler = logging.Handler()
     handler.emit = records.append
     logger = tf.get_logger()
+    level = logger.level
+    logger.setLevel(logging.WARNING)
     logger.addHandler(handler)
     try:
         with _compat.silence_tf_deprecation():
-            tf.compat.v1.to_float(tf.constant(1))
+            inside()
         assert not [r for r in records if "deprecated" in r.getMessage()]
-        tf.compat.v1.to_float(tf.constant(1))  # a notice prints once per function: the first one outside
+        outside()
         assert [r for r in records if "deprecated" in r.getMessage()]
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 # ---------------------------------------------------------------- guards
