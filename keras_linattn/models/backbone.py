@@ -99,6 +99,27 @@ def _block_spec(spec, index):
     return spec.replace(feature_map=type(feature_map).from_config(config))
 
 
+def _check_sizes(vocabulary_size, num_layers, hidden_dim, num_heads, intermediate_dim, key_dim, max_sequence_length):
+    """Raises ValueError for a size that is not a positive int, or a width the heads do not divide."""
+    for name, value in (
+        ("vocabulary_size", vocabulary_size),
+        ("num_layers", num_layers),
+        ("hidden_dim", hidden_dim),
+        ("num_heads", num_heads),
+        ("intermediate_dim", intermediate_dim),
+    ):
+        _validation.check_positive_int(name, value)
+    if max_sequence_length is not None:
+        _validation.check_positive_int("max_sequence_length", max_sequence_length)
+    if key_dim is not None:
+        _validation.check_positive_int("key_dim", key_dim)
+    elif hidden_dim % num_heads:
+        raise ValueError(
+            "`hidden_dim` must be divisible by `num_heads` when `key_dim` is None. "
+            f"Received: hidden_dim={hidden_dim}, num_heads={num_heads}"
+        )
+
+
 class _DecoderStack(CheckpointTracked, keras.layers.Layer):
     """The layers and the decode state of `LinearBackbone` (see its docstring), as one Keras layer.
 
@@ -138,23 +159,7 @@ class _DecoderStack(CheckpointTracked, keras.layers.Layer):
         )
         super().__init__(**kwargs)
         self.attention_spec = spec
-        for name, value in (
-            ("vocabulary_size", vocabulary_size),
-            ("num_layers", num_layers),
-            ("hidden_dim", hidden_dim),
-            ("num_heads", num_heads),
-            ("intermediate_dim", intermediate_dim),
-        ):
-            _validation.check_positive_int(name, value)
-        if max_sequence_length is not None:
-            _validation.check_positive_int("max_sequence_length", max_sequence_length)
-        if key_dim is not None:
-            _validation.check_positive_int("key_dim", key_dim)
-        elif hidden_dim % num_heads:
-            raise ValueError(
-                "`hidden_dim` must be divisible by `num_heads` when `key_dim` is None. "
-                f"Received: hidden_dim={hidden_dim}, num_heads={num_heads}"
-            )
+        _check_sizes(vocabulary_size, num_layers, hidden_dim, num_heads, intermediate_dim, key_dim, max_sequence_length)
         self.vocabulary_size = vocabulary_size
         self.num_layers = num_layers
         self.hidden_dim = hidden_dim
@@ -172,41 +177,7 @@ class _DecoderStack(CheckpointTracked, keras.layers.Layer):
         self.feedforward = feedforward
         self.use_bias = use_bias
 
-        self.token_embedding = keras.layers.ReversibleEmbedding(
-            vocabulary_size,
-            hidden_dim,
-            tie_weights=tie_embeddings,
-            embeddings_initializer=keras.initializers.RandomNormal(stddev=0.02),
-            dtype=self.dtype_policy,
-            name="token_embedding",
-        )
-        self.position_embedding = None
-        if max_sequence_length is not None:
-            self.position_embedding = keras.layers.Embedding(
-                max_sequence_length,
-                hidden_dim,
-                embeddings_initializer=keras.initializers.RandomNormal(stddev=0.02),
-                dtype=self.dtype_policy,
-                name="position_embedding",
-            )
-        self.decoder_blocks = [
-            LinearTransformerDecoder(
-                num_heads=num_heads,
-                intermediate_dim=intermediate_dim,
-                key_dim=key_dim,
-                spec=_block_spec(spec, i),
-                dropout=dropout,
-                activation=activation,
-                layer_norm_epsilon=layer_norm_epsilon,
-                normalization=normalization,
-                feedforward=feedforward,
-                use_bias=use_bias,
-                dtype=self.dtype_policy,
-                name=f"decoder_block_{i}",
-            )
-            for i in range(num_layers)
-        ]
-        self.final_norm = _make_norm(normalization, layer_norm_epsilon, self.dtype_policy, "final_layer_norm")
+        self._make_layers()
         self.build(None)
         # LoRA adapters (`keras_linattn.linearization.enable_lora` sets these
         # and `get_config` records them, so that saved copies keep them).
@@ -215,6 +186,44 @@ class _DecoderStack(CheckpointTracked, keras.layers.Layer):
             from keras_linattn.linearization import lora as lora_lib
 
             lora_lib._restore_lora(self, lora)
+
+    def _make_layers(self):
+        """The embeddings, the blocks (each with its spec) and the final norm, from the settings."""
+        self.token_embedding = keras.layers.ReversibleEmbedding(
+            self.vocabulary_size,
+            self.hidden_dim,
+            tie_weights=self.tie_embeddings,
+            embeddings_initializer=keras.initializers.RandomNormal(stddev=0.02),
+            dtype=self.dtype_policy,
+            name="token_embedding",
+        )
+        self.position_embedding = None
+        if self.max_sequence_length is not None:
+            self.position_embedding = keras.layers.Embedding(
+                self.max_sequence_length,
+                self.hidden_dim,
+                embeddings_initializer=keras.initializers.RandomNormal(stddev=0.02),
+                dtype=self.dtype_policy,
+                name="position_embedding",
+            )
+        self.decoder_blocks = [
+            LinearTransformerDecoder(
+                num_heads=self.num_heads,
+                intermediate_dim=self.intermediate_dim,
+                key_dim=self.key_dim,
+                spec=_block_spec(self.attention_spec, i),
+                dropout=self.dropout,
+                activation=self.activation,
+                layer_norm_epsilon=self.layer_norm_epsilon,
+                normalization=self.normalization,
+                feedforward=self.feedforward,
+                use_bias=self.use_bias,
+                dtype=self.dtype_policy,
+                name=f"decoder_block_{i}",
+            )
+            for i in range(self.num_layers)
+        ]
+        self.final_norm = _make_norm(self.normalization, self.layer_norm_epsilon, self.dtype_policy, "final_layer_norm")
 
     def build(self, input_shape=None, padding_mask_shape=None):
         # Built in __init__ (the input shape never changes the weights); a
