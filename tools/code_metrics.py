@@ -36,7 +36,7 @@ def functions():
     for path in modules():
         tree = ast.parse(path.read_text())
 
-        def visit(node, prefix):
+        def visit(node, prefix, path=path):
             for child in ast.iter_child_nodes(node):
                 if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     name = f"{prefix}{child.name}"
@@ -46,9 +46,9 @@ def functions():
                         if isinstance(doc.value.value, str):
                             length -= doc.end_lineno - doc.lineno + 1
                     out.append((length, f"{_rel(path)}:{name}"))
-                    visit(child, name + ".")
+                    visit(child, name + ".", path)
                 elif isinstance(child, ast.ClassDef):
-                    visit(child, f"{prefix}{child.name}.")
+                    visit(child, f"{prefix}{child.name}.", path)
 
         visit(tree, "")
     return sorted(out, reverse=True)
@@ -69,10 +69,10 @@ def main():
     funcs = functions()
     naming = files_naming(args.name)
     print(f"{len(lines)} modules, {sum(lines.values())} lines")
-    print(f"\nlongest modules (lines):")
+    print("\nlongest modules (lines):")
     for path, n in sorted(lines.items(), key=lambda kv: -kv[1])[: args.top]:
         print(f"  {n:5d}  {path}")
-    print(f"\nlongest functions (lines):")
+    print("\nlongest functions (lines):")
     for n, name in funcs[: args.top]:
         print(f"  {n:5d}  {name}")
     print(f"\nfunctions over 80 lines: {sum(1 for n, _ in funcs if n > 80)}")
