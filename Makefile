@@ -53,7 +53,7 @@ test-jax: $(STAMP)
 
 # ruff (config: [tool.ruff] in pyproject.toml) over everything that is Python; run by .ci/run before the tests.
 # `make lint` checks the rules and that `ruff format` has nothing to change; `make format` applies both.
-RUFF_PATHS := keras_linattn keras_linattn_cli.py tests examples benchmarks export docs/_hooks
+RUFF_PATHS := keras_linattn keras_linattn_cli.py tests examples benchmarks export docs/_hooks tools
 lint: $(STAMP)
 	$(PY) -m ruff check $(RUFF_PATHS)
 	$(PY) -m ruff format --check $(RUFF_PATHS)
