@@ -13,8 +13,8 @@ weights or state with another.
 The recurrence has two spellings, and both are first-class:
 
 - the shorthand arguments ``decay``, ``normalize``, ``window_size``,
-  ``update`` and ``window_gamma``, which name a built-in recurrence
-  (`_shorthand_recurrence`);
+  ``update``, ``window_gamma`` and ``cache_size``, which name a built-in
+  recurrence (`_shorthand_recurrence`);
 - ``recurrence=``: a registered name, a serialized config or a `Recurrence`
   instance (``keras_linattn.recurrences.available()``), for every
   recurrence, built-in or registered by the user.
@@ -31,13 +31,14 @@ from keras_linattn.recurrences import registry
 from keras_linattn.recurrences.additive import AdditiveRecurrence
 from keras_linattn.recurrences.decay import DecayRecurrence
 from keras_linattn.recurrences.delta import DeltaRecurrence
+from keras_linattn.recurrences.sparse_cache import SparseCacheRecurrence
 from keras_linattn.recurrences.window import WindowRecurrence
 
 __all__ = ["AttentionSpec"]
 
 DECAYS = (None, "fixed", "scalar", "channel")
 UPDATES = ("add", "delta")
-SHORTHAND_ARGUMENTS = ("decay", "normalize", "window_size", "update", "window_gamma")
+SHORTHAND_ARGUMENTS = ("decay", "normalize", "window_size", "update", "window_gamma", "cache_size")
 # Arguments for pretrained softmax models (rotary positions, grouped-query attention).
 PRETRAINED_ARGUMENTS = ("num_key_value_heads", "rope_max_wavelength", "rope_scaling_factor")
 # The keyword arguments `AttentionSpec.pop` takes out of a constructor's kwargs.
@@ -69,14 +70,28 @@ MECHANISM_ARGS_DOC = """\
             terms by 1, under the one shared normalizer. With a window at
             least as long as the sequence the gamma cancels (exact softmax
             attention). With `recurrence`, pass ``gamma=`` in the window
-            recurrence's config instead. Keyword-only.
+            recurrence's config instead. With `cache_size`, it weighs the
+            cache's softmax terms too. Keyword-only.
+        cache_size: None (default) or an int N >= 0, with `window_size`
+            only: LoLA's sparse global cache
+            (`keras_linattn.recurrences.SparseCacheRecurrence`). Besides the
+            window, each head keeps the N older key-value pairs that the
+            linear state recalls worst (self-recall error
+            ``||v - phi(k)^T S / phi(k)^T z||^2``, scored when a pair leaves
+            the window) and attends to them with exact softmax under the
+            window's normalizer; the other older pairs go into the linear
+            state. N = 0 is the window alone; with ``window_size +
+            cache_size >= T`` exact softmax attention. The cache
+            (``cache_k [N, H, D]``, ``cache_v [N, H, M]``,
+            ``cache_valid [N, H]``) is part of the decode state.
+            Keyword-only.
         recurrence: the state update and readout for any recurrence,
             built-in or registered: a registered name
             (`keras_linattn.recurrences.available()`: ``"additive"``,
-            ``"decay"``, ``"delta"``, ``"window"``), a serialized config or
-            a `Recurrence` instance (each attention layer builds its own
-            copy). Default: the additive recurrence, or the one the
-            shorthand arguments describe. Keyword-only.
+            ``"decay"``, ``"delta"``, ``"sparse_cache"``, ``"window"``), a
+            serialized config or a `Recurrence` instance (each attention
+            layer builds its own copy). Default: the additive recurrence,
+            or the one the shorthand arguments describe. Keyword-only.
         conv_size: None (default) or an int K >= 2: a causal depthwise
             convolution of size K over time on the projected q, k and v,
             before the feature map (Based, "short convolution"). Padded
@@ -102,14 +117,22 @@ MECHANISM_ARGS_DOC = """\
             divided by it (keras-hub's linear RoPE scaling). Keyword-only."""
 
 
-def _shorthand_recurrence(decay=None, normalize=True, window_size=None, update="add", window_gamma=None):
+def _shorthand_recurrence(
+    decay=None, normalize=True, window_size=None, update="add", window_gamma=None, cache_size=None
+):
     """The built-in recurrence the shorthand arguments describe.
 
     ``decay`` -> `DecayRecurrence`, ``window_size`` -> `WindowRecurrence`,
+    ``window_size`` and ``cache_size`` -> `SparseCacheRecurrence`,
     ``update="delta"`` -> `DeltaRecurrence`, none of them ->
     `AdditiveRecurrence`. The recurrence validates its own values (e.g. a
     positive `window_size`); this function checks the combinations.
     """
+    if cache_size is not None and window_size is None:
+        raise ValueError(
+            "`cache_size` is the sparse cache beside a softmax window (LoLA): it needs `window_size`. "
+            f"Received: cache_size={cache_size!r}, window_size=None"
+        )
     if window_gamma is not None and window_size is None:
         raise ValueError(
             "`window_gamma` weights the softmax window's terms: it needs `window_size`. "
@@ -146,6 +169,8 @@ def _shorthand_recurrence(decay=None, normalize=True, window_size=None, update="
                 f"DeltaNet) and no window. Received: decay={decay!r}, window_size={window_size!r}"
             )
         return DeltaRecurrence(gate=decay)
+    if window_size is not None and cache_size is not None:
+        return SparseCacheRecurrence(window_size, cache_size, gamma=window_gamma)
     if window_size is not None:
         return WindowRecurrence(window_size, gamma=window_gamma)
     if decay is not None:
@@ -243,7 +268,7 @@ class AttentionSpec:
                 (a causal-only recurrence raises for ``causal=False``).
             **arguments: the mechanism arguments (`ARGUMENTS`): the shorthand
                 ``decay``, ``normalize``, ``window_size``, ``update``,
-                ``window_gamma``, or ``recurrence``; and ``conv_size``,
+                ``window_gamma``, ``cache_size``, or ``recurrence``; and ``conv_size``,
                 ``num_key_value_heads``, ``rope_max_wavelength``,
                 ``rope_scaling_factor``.
 
@@ -255,15 +280,16 @@ class AttentionSpec:
         if unknown:
             raise TypeError(f"Unknown attention arguments: {unknown}. Expected some of {list(ARGUMENTS)}")
         shorthand = {name: arguments[name] for name in SHORTHAND_ARGUMENTS if name in arguments}
-        if shorthand.get("window_gamma", 0) is None:
-            del shorthand["window_gamma"]  # the default, e.g. from a config
+        for name in ("window_gamma", "cache_size"):
+            if name in shorthand and shorthand[name] is None:
+                del shorthand[name]  # the default, e.g. from a config
         recurrence = arguments.get("recurrence")
         if recurrence is None:
             recurrence = _shorthand_recurrence(**shorthand)
         elif shorthand:
             raise ValueError(
                 "Pass either `recurrence` or the shorthand arguments (decay, normalize, window_size, update, "
-                "window_gamma), "
+                "window_gamma, cache_size), "
                 f"not both. Received: recurrence={recurrence!r}, "
                 + ", ".join(f"{k}={v!r}" for k, v in shorthand.items())
             )

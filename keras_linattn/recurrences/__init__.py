@@ -10,12 +10,13 @@ Each submodule declares its public names in its ``__all__``; this package
 re-exports exactly those. CONTRIBUTING.md lists what a new recurrence needs.
 """
 
-from keras_linattn.recurrences import additive, base, decay, delta, registry, window
+from keras_linattn.recurrences import additive, base, decay, delta, registry, sparse_cache, window
 from keras_linattn.recurrences.additive import AdditiveRecurrence
 from keras_linattn.recurrences.base import Recurrence
 from keras_linattn.recurrences.decay import DecayRecurrence
 from keras_linattn.recurrences.delta import DeltaRecurrence
 from keras_linattn.recurrences.registry import available, deserialize, get, get_class, register, serialize
+from keras_linattn.recurrences.sparse_cache import SparseCacheRecurrence
 from keras_linattn.recurrences.window import WindowRecurrence
 
 __all__ = [
@@ -24,5 +25,6 @@ __all__ = [
     *decay.__all__,
     *delta.__all__,
     *registry.__all__,
+    *sparse_cache.__all__,
     *window.__all__,
 ]

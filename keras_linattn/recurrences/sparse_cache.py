@@ -1,0 +1,186 @@
+"""The sparse global cache (LoLA): a softmax window, a softmax cache of the pairs the linear state recalls worst, and
+linear attention for every other older pair.
+
+Wraps `keras_linattn.ops.sparse_cache_attention` (the buffered window keys in
+front of the piece, the cache carried through a loop over the tokens),
+`sparse_cache_attention_step` and `sparse_cache_attention_reference`. The
+rule, the readout and the costs are in `keras_linattn.ops.sparse_cache`.
+"""
+
+import math
+
+import keras
+from keras import ops
+
+from keras_linattn import _state, _validation
+from keras_linattn.ops import sparse_cache as sparse_cache_ops
+from keras_linattn.ops._common import _mask_keys
+from keras_linattn.recurrences.base import Recurrence
+from keras_linattn.recurrences.registry import register
+
+__all__ = ["SparseCacheRecurrence"]
+
+
+@register("sparse_cache")
+class SparseCacheRecurrence(Recurrence):
+    """Softmax over the last `window_size` tokens and `cache_size` cached pairs; linear attention over the rest.
+
+    LoLA (McDermott, Heath and Parhi 2025, arXiv 2505.23666). When a pair
+    leaves the window, it and the cached pairs are scored by their
+    self-recall error against the linear state,
+    ``||v - phi(k)^T S / phi(k)^T z||^2``; the N highest stay in the cache
+    and the lowest is written into ``(S, z)`` (ties: the older pair goes).
+    The window's and the cache's softmax terms and the linear terms share
+    one max and one normalizer, as in `WindowRecurrence`: with
+    ``cache_size=0`` this is `WindowRecurrence`, and with
+    ``window_size + cache_size >= T`` exact softmax attention.
+
+    Decode state: ``S``, ``z``, the window ring (``window_k [W, H, D]``,
+    ``window_v [W, H, M]``, ``window_valid [W]``) and the cache
+    (``cache_k [N, H, D]``, ``cache_v [N, H, M]``, ``cache_valid [N, H]``,
+    1 = a pair, per head, oldest first): a fixed size at any length.
+
+    Args:
+        window_size: W, a positive int (the query's own token included).
+        cache_size: N, an int >= 0: the cache's slots per head.
+        gamma: None (default) or the initial value, in (0, 1), of a learned
+            per-head weight ``sigmoid(g)`` of the softmax terms (window and
+            cache), as `WindowRecurrence`'s (weight ``window_gamma_logit [H]``).
+    """
+
+    contract_configs = ({"window_size": 3, "cache_size": 2}, {"window_size": 2, "cache_size": 3, "gamma": 0.25})
+
+    def __init__(self, window_size, cache_size, gamma=None):
+        super().__init__()
+        self.window_size = _validation.check_positive_int("window_size", window_size)
+        self.cache_size = _validation.check_non_negative_int("cache_size", cache_size)
+        if gamma is not None and (not _validation._is_real(gamma) or not 0.0 < gamma < 1.0):
+            raise ValueError(
+                "`gamma` (the initial weight of the softmax terms, sigmoid of a learned logit) must be None or "
+                f"a number in (0, 1). Received: gamma={gamma!r}"
+            )
+        self.gamma = None if gamma is None else float(gamma)
+
+    def get_config(self):
+        config = {"window_size": self.window_size, "cache_size": self.cache_size}
+        if self.gamma is not None:
+            config["gamma"] = self.gamma
+        return config
+
+    def build(self, layer):
+        super().build(layer)
+        self.gamma_logit = None
+        if self.gamma is not None:
+            logit = math.log(self.gamma / (1.0 - self.gamma))
+            self.gamma_logit = self.add_weight(
+                "window_gamma_logit", (self.num_heads,), keras.initializers.Constant(logit)
+            )  # [H]
+
+    def _gamma(self):
+        """``sigmoid(g) [H]`` float32, or None without a gamma."""
+        return None if self.gamma is None else ops.sigmoid(self.gamma_logit)
+
+    def state_spec(self):
+        h, c, m = self.num_heads, self.feature_dim, self.value_dim
+        return [_state.StateSpec("S", (h, c, m), "float32"), _state.StateSpec("z", (h, c), "float32")]
+
+    def buffer_spec(self):
+        w, n, h, d, m = self.window_size, self.cache_size, self.num_heads, self.key_dim, self.value_dim
+        return [
+            _state.StateSpec("window_k", (w, h, d), "float32"),
+            _state.StateSpec("window_v", (w, h, m), "float32"),
+            _state.StateSpec("window_valid", (w,), "float32"),
+            _state.StateSpec("cache_k", (n, h, d), "float32"),
+            _state.StateSpec("cache_v", (n, h, m), "float32"),
+            _state.StateSpec("cache_valid", (n, h), "float32"),
+        ]
+
+    def _cache(self, state, dtype, training):
+        """``(keys, features, values, valid)`` of the state's cache; the features recomputed from the keys."""
+        keys = state["cache_k"]  # [B, N, H, D]
+        features = self.features(ops.cast(keys, dtype), False, True, training)  # [B, N, H, C]
+        return keys, features, state["cache_v"], state["cache_valid"]
+
+    def call(self, q, k, v, gate_keys, key_mask, state, causal=True, training=None):
+        w = self.window_size
+        if state is None:
+            state = self.zeros_like_spec(self.buffer_spec(), ops.shape(k)[0])
+            s0 = None
+        else:
+            s0 = (state["S"], state["z"])
+        real = ops.ones(ops.shape(k)[:2], "float32") if key_mask is None else ops.cast(key_mask, "float32")
+        k_all = ops.concatenate([ops.cast(state["window_k"], k.dtype), k], axis=1)  # [B, W + S, H, D]
+        v_all = ops.concatenate([ops.cast(state["window_v"], v.dtype), v], axis=1)  # [B, W + S, H, M]
+        ok_all = ops.concatenate([ops.cast(state["window_valid"], "float32"), real], axis=1)  # [B, W + S]
+        qf = self.features(q, True, True, training)  # [B, T, H, C]
+        kf_all = self.features(k_all, False, True, training)  # [B, W + S, H, C]
+        out, (s, z), (ck, _, cv, cok) = sparse_cache_ops.sparse_cache_attention(
+            q,
+            qf,
+            k_all,
+            kf_all,
+            v_all,
+            w,
+            self.cache_size,
+            ok_all > 0,
+            initial_state=s0,
+            initial_cache=self._cache(state, k.dtype, training),
+            return_state=True,
+            chunk_size=self.layer.chunk_size,
+            eps=self.layer.epsilon,
+            gamma=self._gamma(),
+        )  # [B, T, H, M]
+        return out, {
+            "S": s,
+            "z": z,
+            "window_k": ops.cast(k_all[:, -w:], "float32"),
+            "window_v": ops.cast(_mask_keys(v_all, ok_all > 0)[:, -w:], "float32"),
+            "window_valid": ok_all[:, -w:],
+            "cache_k": ck,
+            "cache_v": cv,
+            "cache_valid": cok,
+        }
+
+    def step(self, q, k, v, gate_keys, state, training=None):
+        buf_k = state["window_k"]  # [B, W, H, D]
+        # The oldest buffered key leaves the window now: its features and the cached keys' are scored.
+        qf = self.features(q[:, None], True, True, training)  # [B, 1, H, C]
+        kf_old = self.features(ops.cast(buf_k[:, :1], q.dtype), False, True, training)  # [B, 1, H, C]
+        out, (s, z), (wk, wv, wok), (ck, _, cv, cok) = sparse_cache_ops.sparse_cache_attention_step(
+            q,
+            qf[:, 0],
+            k,
+            v,
+            kf_old[:, 0],
+            (buf_k, state["window_v"], state["window_valid"]),
+            self._cache(state, q.dtype, training),
+            (state["S"], state["z"]),
+            eps=self.layer.epsilon,
+            gamma=self._gamma(),
+        )  # [B, H, M]
+        return out, {
+            "S": s,
+            "z": z,
+            "window_k": wk,
+            "window_v": wv,
+            "window_valid": wok,
+            "cache_k": ck,
+            "cache_v": cv,
+            "cache_valid": cok,
+        }
+
+    def oracle(self, q, k, v, gate_keys, key_mask, training=None):
+        qf = self.features(q, True, True, training)
+        kf = self.features(k, False, True, training)
+        return sparse_cache_ops.sparse_cache_attention_reference(
+            q,
+            qf,
+            k,
+            kf,
+            v,
+            self.window_size,
+            self.cache_size,
+            key_mask,
+            eps=self.layer.epsilon,
+            gamma=self._gamma(),
+        )
