@@ -14,13 +14,16 @@ Two kinds of files:
   reshaped copy matches). Stored tensors are hashed as they are read and
   dropped; only the weights that match nothing are looked at again.
 
-Each check returns a `WeightCheck`; `verify` turns it into a report row.
+Each check returns a `WeightCheck`; `check_files` turns those of the files
+`verify` was given into report rows.
 """
 
 import hashlib
 import os
 
 import numpy as np
+
+from keras_linattn.export._verify_report import _Check
 
 
 class WeightCheck:
@@ -233,3 +236,33 @@ def check_by_name(weights, path):
             missing.append((name, f"values differ (max {gap:.3g}; {changed:.2%} of its values changed)"))
         del stored, value
     return WeightCheck(len(weights), missing, unused=unused)
+
+
+# ------------------------------------------------------------ report rows
+def _check_weights(report, backend, what, check, say):
+    """A report row for a `WeightCheck`."""
+    detail = check.detail()
+    missing = len(check.missing)
+    row = report.add(_Check(backend, f"{what}:weights", (check.total,), missing, missing, 0, exact=True, detail=detail))
+    say(
+        f"{backend:12s} {what} weights: {check.exact}/{check.total} stored exactly" + (f" ({detail})" if detail else "")
+    )
+    return row
+
+
+def _check_onnx_weights(report, model, path, say):
+    if onnx_has_named_weights(path):
+        check = check_by_name(model_weights(model, skip_constant=False), path)
+    else:  # an older export: weights folded into constants, matched by value
+        check = check_by_value(model_weights(model), onnx_tensors(path), allow_folded=True)
+    return _check_weights(report, "onnx", os.path.basename(path), check, say)
+
+
+def check_files(run, model, saved_model_dir, onnx_paths):
+    """One row per file: the SavedModel's variables (`saved_model_dir`; None: none), then each of `onnx_paths`."""
+    if saved_model_dir is not None:
+        check = check_by_value(model_weights(model), saved_model_tensors(saved_model_dir))
+        _check_weights(run.report, "saved_model", "variables", check, run.say)
+    for path in onnx_paths:
+        if path is not None:
+            _check_onnx_weights(run.report, model, path, run.say)

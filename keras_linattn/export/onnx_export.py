@@ -468,11 +468,28 @@ def export_onnx(
         _check_path(generate_path, "generate_path")
     description = specs.describe()
     export_id = uuid.uuid4().hex
-    with_step = bool(specs.causal_lm and include_step)
     companions = {}  # kind -> path
-    if with_step:
+    if specs.causal_lm and include_step:
         companions["step"] = os.fspath(step_path or _default_step_path(path))
         companions["generate"] = os.fspath(generate_path or _default_generate_path(path))
+    targets = _check_targets(path, companions, overwrite)
+    variables = _export_variables(model)
+    names = _weight_names(variables)
+    weight_bytes = sum(int(np.prod(v.shape)) * np.dtype(str(v.dtype)).itemsize for v in variables)
+    external = weight_bytes > EXTERNAL_DATA_THRESHOLD if external_data == "auto" else bool(external_data)
+    weights_meta = {"weights": "named", "weight_bytes": weight_bytes, "external_data": external}
+    protos, used = {}, {}
+    for kind, fn, signature, graph_opset, meta in _graph_jobs(
+        specs, path, companions, opset, description, export_id, weights_meta
+    ):
+        say(f"converting the {kind} graph to ONNX (opset {graph_opset})")
+        protos[kind] = _convert(fn, signature, graph_opset, meta, variables=variables)
+        used[kind] = _name_weight_inputs(protos[kind], names)
+    return _publish(protos, used, targets, variables, names, external, export_id, say)
+
+
+def _check_targets(path, companions, overwrite):
+    """``{kind: path}`` of every graph to write: distinct paths, none existing unless `overwrite`."""
     targets = {"model": path, **companions}
     if len({os.path.abspath(p) for p in targets.values()}) != len(targets):
         raise ValueError(f"The exported graphs need distinct paths. Received: {targets}")
@@ -483,16 +500,21 @@ def export_onnx(
                 f"{existing[0]!r} already exists: pass `overwrite=True` (CLI: --overwrite) to replace it, "
                 f"or choose another path. Received: path={path!r}"
             )
-    variables = _export_variables(model)
-    names = _weight_names(variables)
-    weight_bytes = sum(int(np.prod(v.shape)) * np.dtype(str(v.dtype)).itemsize for v in variables)
-    external = weight_bytes > EXTERNAL_DATA_THRESHOLD if external_data == "auto" else bool(external_data)
-    weights_meta = {"weights": "named", "weight_bytes": weight_bytes, "external_data": external}
+    return targets
+
+
+def _graph_jobs(specs, path, companions, opset, description, export_id, weights_meta):
+    """``(kind, fn, input_signature, opset, metadata)`` of each graph to convert: the model, then its companions.
+
+    Each graph's metadata holds the model's `description`, its graph, the
+    `export_id`, the relative paths of the files it links to and
+    `weights_meta` (how the weights are stored).
+    """
     model_meta = dict(description, graph=_specs.SERVING_DEFAULT, export_id=export_id, **weights_meta)
     for kind, companion in companions.items():
         model_meta[f"{kind}_file"] = _relative(companion, path)
     jobs = [("model", specs.serving_fn(), specs.input_specs, opset, model_meta)]
-    if with_step:
+    if companions:
         links = {f"{kind}_file": _relative(p, companions["step"]) for kind, p in companions.items() if kind != "step"}
         step_meta = dict(description, graph=_specs.STEP, export_id=export_id, **links, **weights_meta)
         jobs.append(("step", specs.step_fn(), specs.step_signature(), opset, step_meta))
@@ -506,31 +528,25 @@ def export_onnx(
                 generate_meta,
             )
         )
-    protos, used = {}, {}
-    for kind, fn, signature, graph_opset, meta in jobs:
-        say(f"converting the {kind} graph to ONNX (opset {graph_opset})")
-        protos[kind] = _convert(fn, signature, graph_opset, meta, variables=variables)
-        used[kind] = _name_weight_inputs(protos[kind], names)
+    return jobs
+
+
+def _publish(protos, used, targets, variables, names, external, export_id, say):
+    """Stages every graph (and its external data) beside its target, then publishes them, the model last.
+
+    Returns:
+        `targets`, plus ``"data"`` (the external data files) with `external`.
+    """
     written = dict(targets)
     with contextlib.ExitStack() as stack:
         staging = {}  # parent directory -> staging directory
-        for kind in ("model", *companions):
+        for kind in targets:
             parent = _parent(targets[kind])
             if parent not in staging:
                 staging[parent] = stack.enter_context(_atomic.staging_dir(parent))
-        layouts, data_files = {}, {}
+        layouts = {}
         if external:
-            for parent, tmp in staging.items():
-                kinds = [kind for kind in protos if _parent(targets[kind]) == parent]
-                owner = "model" if "model" in kinds else kinds[0]
-                data_name = os.path.basename(targets[owner]) + ".data"
-                union = sorted(set().union(*(used[kind] for kind in kinds)))
-                say(f"writing {len(union)} weights to {os.path.join(parent, data_name)}")
-                offsets = _write_external_data(os.path.join(tmp, data_name), variables, union, export_id)
-                layout = {"__file__": data_name, "__index__": {names[i]: offsets[i] for i in union}}
-                layouts[parent] = layout
-                data_files[parent] = (os.path.join(tmp, data_name), os.path.join(parent, data_name))
-                _atomic.fault_point("onnx:data_staged")
+            layouts, data_files = _stage_external_data(staging, targets, used, variables, names, export_id, say)
             for staged, target in data_files.values():
                 _atomic.publish(staged, target)
             written["data"] = [target for _, target in data_files.values()]
@@ -545,9 +561,31 @@ def export_onnx(
                 _atomic.publish(staged_files[kind], targets[kind])
                 _atomic.fault_point(f"onnx:{kind}_published")
         protos.clear()
-        _atomic.publish(staged_files["model"], path)
+        _atomic.publish(staged_files["model"], targets["model"])
         _atomic.fault_point("onnx:model_published")
     return written
+
+
+def _stage_external_data(staging, targets, used, variables, names, export_id, say):
+    """Writes one external data file per directory (the weights its graphs use) into its staging directory.
+
+    Returns:
+        ``layouts``: ``{directory: the layout `_weight_tensor` points into}``;
+        ``data_files``: ``{directory: (staged file, target file)}``.
+    """
+    layouts, data_files = {}, {}
+    for parent, tmp in staging.items():
+        kinds = [kind for kind in used if _parent(targets[kind]) == parent]
+        owner = "model" if "model" in kinds else kinds[0]
+        data_name = os.path.basename(targets[owner]) + ".data"
+        union = sorted(set().union(*(used[kind] for kind in kinds)))
+        say(f"writing {len(union)} weights to {os.path.join(parent, data_name)}")
+        offsets = _write_external_data(os.path.join(tmp, data_name), variables, union, export_id)
+        layout = {"__file__": data_name, "__index__": {names[i]: offsets[i] for i in union}}
+        layouts[parent] = layout
+        data_files[parent] = (os.path.join(tmp, data_name), os.path.join(parent, data_name))
+        _atomic.fault_point("onnx:data_staged")
+    return layouts, data_files
 
 
 def _relative(target, origin):
