@@ -7,23 +7,23 @@ front of the piece, the cache carried through a loop over the tokens),
 rule, the readout and the costs are in `keras_linattn.ops.sparse_cache`.
 """
 
-import math
-
-import keras
 from keras import ops
 
 from keras_linattn import _state, _validation
 from keras_linattn.ops import sparse_cache as sparse_cache_ops
 from keras_linattn.ops._common import _mask_keys
-from keras_linattn.recurrences.base import Recurrence
 from keras_linattn.recurrences.registry import register
+from keras_linattn.recurrences.window import WindowRecurrence
 
 __all__ = ["SparseCacheRecurrence"]
 
 
 @register("sparse_cache")
-class SparseCacheRecurrence(Recurrence):
+class SparseCacheRecurrence(WindowRecurrence):
     """Softmax over the last `window_size` tokens and `cache_size` cached pairs; linear attention over the rest.
+
+    A `WindowRecurrence` (its window, gamma, weight and state) with a cache
+    beside the window.
 
     LoLA (McDermott, Heath and Parhi 2025, arXiv 2505.23666). When a pair
     leaves the window, it and the cached pairs are scored by their
@@ -51,45 +51,16 @@ class SparseCacheRecurrence(Recurrence):
     contract_configs = ({"window_size": 3, "cache_size": 2}, {"window_size": 2, "cache_size": 3, "gamma": 0.25})
 
     def __init__(self, window_size, cache_size, gamma=None):
-        super().__init__()
-        self.window_size = _validation.check_positive_int("window_size", window_size)
+        super().__init__(window_size, gamma=gamma)  # the window's checks, its gamma and its weight
         self.cache_size = _validation.check_non_negative_int("cache_size", cache_size)
-        if gamma is not None and (not _validation._is_real(gamma) or not 0.0 < gamma < 1.0):
-            raise ValueError(
-                "`gamma` (the initial weight of the softmax terms, sigmoid of a learned logit) must be None or "
-                f"a number in (0, 1). Received: gamma={gamma!r}"
-            )
-        self.gamma = None if gamma is None else float(gamma)
 
     def get_config(self):
-        config = {"window_size": self.window_size, "cache_size": self.cache_size}
-        if self.gamma is not None:
-            config["gamma"] = self.gamma
-        return config
-
-    def build(self, layer):
-        super().build(layer)
-        self.gamma_logit = None
-        if self.gamma is not None:
-            logit = math.log(self.gamma / (1.0 - self.gamma))
-            self.gamma_logit = self.add_weight(
-                "window_gamma_logit", (self.num_heads,), keras.initializers.Constant(logit)
-            )  # [H]
-
-    def _gamma(self):
-        """``sigmoid(g) [H]`` float32, or None without a gamma."""
-        return None if self.gamma is None else ops.sigmoid(self.gamma_logit)
-
-    def state_spec(self):
-        h, c, m = self.num_heads, self.feature_dim, self.value_dim
-        return [_state.StateSpec("S", (h, c, m), "float32"), _state.StateSpec("z", (h, c), "float32")]
+        config = super().get_config()
+        return {"window_size": config.pop("window_size"), "cache_size": self.cache_size, **config}
 
     def buffer_spec(self):
-        w, n, h, d, m = self.window_size, self.cache_size, self.num_heads, self.key_dim, self.value_dim
-        return [
-            _state.StateSpec("window_k", (w, h, d), "float32"),
-            _state.StateSpec("window_v", (w, h, m), "float32"),
-            _state.StateSpec("window_valid", (w,), "float32"),
+        n, h, d, m = self.cache_size, self.num_heads, self.key_dim, self.value_dim
+        return super().buffer_spec() + [
             _state.StateSpec("cache_k", (n, h, d), "float32"),
             _state.StateSpec("cache_v", (n, h, m), "float32"),
             _state.StateSpec("cache_valid", (n, h), "float32"),
