@@ -74,11 +74,11 @@ def _check_rank_alpha(rank, alpha):
         raise ValueError(f"`alpha` must be a positive number. Received: alpha={alpha!r}")
 
 
-def _stacks(model):
-    """The `LinearBackbone` decoder stacks inside `model` (their configs can record LoRA)."""
-    from keras_linattn.models.backbone import _DecoderStack
+def _backbones(model):
+    """The `LinearBackbone`s inside `model` (their configs can record LoRA)."""
+    from keras_linattn.models.backbone import LinearBackbone
 
-    return [layer for layer in walk_layers(model) if isinstance(layer, _DecoderStack)]
+    return [layer for layer in walk_layers(model) if isinstance(layer, LinearBackbone)]
 
 
 def enable_lora(model, rank=8, alpha=16):
@@ -111,49 +111,19 @@ def enable_lora(model, rank=8, alpha=16):
         for dense in _projections(layer):
             if dense.lora_enabled:
                 raise ValueError(f"LoRA is already enabled on {dense.path}. Received: rank={rank}")
-    stacks = _stacks(model)
-    recorded = {id(layer) for stack in stacks for block in stack.decoder_blocks for layer in walk_layers(block)}
+    backbones = _backbones(model)
+    recorded = {id(layer) for bb in backbones for block in bb.decoder_blocks for layer in walk_layers(block)}
     model.trainable = True
     _freeze(walk_layers(model)[1:])
     _add_adapters([layer for layer in attention if id(layer) in recorded], rank, alpha, in_config=True)
     _add_adapters([layer for layer in attention if id(layer) not in recorded], rank, alpha, in_config=False)
-    for stack in stacks:
-        stack.lora_rank, stack.lora_alpha = rank, alpha
+    for backbone in backbones:
+        backbone.lora_rank, backbone.lora_alpha = rank, alpha
     adapters = lora_variables(model)
     trainable = {id(v) for v in model.trainable_variables}
     if trainable != {id(v) for v in adapters}:
         raise RuntimeError("LoRA: the trainable variables are not exactly the adapters")
     return adapters
-
-
-def _restore_lora(stack, lora):
-    """Re-applies `enable_lora` to a `LinearBackbone`'s decoder stack built from a config with ``"lora"``."""
-    if not isinstance(lora, dict) or set(lora) != {"rank", "alpha"}:
-        raise ValueError(f'`lora` must be None or {{"rank": r, "alpha": a}}. Received: lora={lora!r}')
-    _check_rank_alpha(lora["rank"], lora["alpha"])
-    _freeze(walk_layers(stack)[1:])
-    _add_adapters([block.attention for block in stack.decoder_blocks], lora["rank"], lora["alpha"], in_config=True)
-    stack.lora_rank, stack.lora_alpha = lora["rank"], lora["alpha"]
-
-
-def _lora_config(stack):
-    """The ``"lora"`` entry of a decoder stack's config: None, or ``{"rank", "alpha"}``.
-
-    Raises:
-        ValueError: if variables other than the adapters were made trainable
-            after `enable_lora` (the config records only its layout).
-    """
-    if getattr(stack, "lora_rank", None) is None:
-        return None
-    adapters = {id(v) for block in stack.decoder_blocks for v in lora_variables(block)}
-    extra = [v.path for v in stack.variables if v.trainable and id(v) not in adapters]
-    if extra:
-        raise ValueError(
-            "The model has LoRA adapters and other trainable variables; its config records only "
-            "`enable_lora`'s layout (the adapters trainable, everything else frozen), so a saved copy would "
-            f"reload with these frozen. Freeze them again, or merge first (`merge_lora`). Received: {extra}"
-        )
-    return {"rank": stack.lora_rank, "alpha": stack.lora_alpha}
 
 
 def lora_variables(model):
@@ -169,17 +139,17 @@ def lora_variables(model):
 @contextlib.contextmanager
 def _without_lora_record(model):
     """Within: the model's config has no ``"lora"`` entry and its projections save merged kernels."""
-    stacks = [(stack, stack.lora_rank, stack.lora_alpha) for stack in _stacks(model)]
+    backbones = [(backbone, backbone.lora_rank, backbone.lora_alpha) for backbone in _backbones(model)]
     denses = [dense for layer in _attention_layers(model) for dense in _projections(layer) if dense.lora_enabled]
     try:
-        for stack, _, _ in stacks:
-            stack.lora_rank = stack.lora_alpha = None
+        for backbone, _, _ in backbones:
+            backbone.lora_rank = backbone.lora_alpha = None
         for dense in denses:
             dense.lora_save_merged = True
         yield
     finally:
-        for stack, rank, alpha in stacks:
-            stack.lora_rank, stack.lora_alpha = rank, alpha
+        for backbone, rank, alpha in backbones:
+            backbone.lora_rank, backbone.lora_alpha = rank, alpha
         for dense in denses:
             dense.lora_save_merged = False
 

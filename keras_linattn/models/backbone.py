@@ -120,372 +120,249 @@ def _check_sizes(vocabulary_size, num_layers, hidden_dim, num_heads, intermediat
         )
 
 
-class _DecoderStack(CheckpointTracked, keras.layers.Layer):
-    """The layers and the decode state of `LinearBackbone` (see its docstring), as one Keras layer.
+def _make_layers(settings, spec, dtype):
+    """``(token_embedding, position_embedding or None, blocks, final_norm)`` of a backbone, built."""
+    token_embedding = keras.layers.ReversibleEmbedding(
+        settings["vocabulary_size"],
+        settings["hidden_dim"],
+        tie_weights=settings["tie_embeddings"],
+        embeddings_initializer=keras.initializers.RandomNormal(stddev=0.02),
+        dtype=dtype,
+        name="token_embedding",
+    )
+    token_embedding.build((None, None))
+    position_embedding = None
+    if settings["max_sequence_length"] is not None:
+        position_embedding = keras.layers.Embedding(
+            settings["max_sequence_length"],
+            settings["hidden_dim"],
+            embeddings_initializer=keras.initializers.RandomNormal(stddev=0.02),
+            dtype=dtype,
+            name="position_embedding",
+        )
+        position_embedding.build((None, None))
+    seq_shape = (None, None, settings["hidden_dim"])
+    blocks = []
+    for i in range(settings["num_layers"]):
+        block = LinearTransformerDecoder(
+            num_heads=settings["num_heads"],
+            intermediate_dim=settings["intermediate_dim"],
+            key_dim=settings["key_dim"],
+            spec=_block_spec(spec, i),
+            dropout=settings["dropout"],
+            activation=settings["activation"],
+            layer_norm_epsilon=settings["layer_norm_epsilon"],
+            normalization=settings["normalization"],
+            feedforward=settings["feedforward"],
+            use_bias=settings["use_bias"],
+            dtype=dtype,
+            name=f"decoder_block_{i}",
+        )
+        block.build(seq_shape)
+        blocks.append(block)
+    final_norm = _make_norm(settings["normalization"], settings["layer_norm_epsilon"], dtype, "final_layer_norm")
+    final_norm.build(seq_shape)
+    return token_embedding, position_embedding, blocks, final_norm
 
-    `LinearBackbone` is a functional keras-hub model over this layer; the
-    embeddings, blocks, final norm and every state method live here.
+
+def _check_ids_form(token_ids, name, rank, max_sequence_length):
+    """`token_ids` as a tensor of the right rank, an integer dtype and a length within `max_sequence_length`."""
+    token_ids = ops.convert_to_tensor(token_ids)
+    if len(token_ids.shape) != rank:
+        shape = "[batch, length]" if rank == 2 else "[batch]"
+        raise ValueError(f"`{name}` must have shape {shape}. Received: {name}.shape={tuple(token_ids.shape)}")
+    if "int" not in str(token_ids.dtype):
+        raise ValueError(f"`{name}` must be integer token ids. Received: {name}.dtype={token_ids.dtype}")
+    if rank == 2 and token_ids.shape[1] is not None and max_sequence_length is not None:
+        if token_ids.shape[1] > max_sequence_length:
+            raise ValueError(
+                f"`{name}` is longer than max_sequence_length={max_sequence_length}. "
+                f"Received: {name}.shape={tuple(token_ids.shape)}"
+            )
+    return token_ids
+
+
+def _check_token_ids(token_ids, name, rank, vocabulary_size, max_sequence_length):
+    """`_check_ids_form`, then the range: checked (concrete ids) or a run-time assertion (traced)."""
+    token_ids = _check_ids_form(token_ids, name, rank, max_sequence_length)
+    if _is_concrete(token_ids) and int(ops.size(token_ids)) > 0:
+        # Concrete ids are checked (a negative id would silently wrap around
+        # in the embedding lookup); inside a traced graph (fit, XLA) they
+        # can't be without a per-step assertion.
+        low, high = int(ops.min(token_ids)), int(ops.max(token_ids))
+        if low < 0 or high >= vocabulary_size:
+            raise ValueError(f"`{name}` must be in [0, {vocabulary_size}). Received: min={low}, max={high}")
+    elif not _is_concrete(token_ids):
+        # Traced (fit, predict, SavedModel): a run-time assertion before the lookup.
+        ok = ops.logical_and(ops.all(token_ids >= 0), ops.all(token_ids < vocabulary_size))
+        token_ids = _validation.graph_assert(token_ids, ok, f"`{name}` must be in [0, {vocabulary_size})")
+    return token_ids
+
+
+def _past_limit(token_ids, last_index, name, received, vocabulary_size, max_sequence_length):
+    """The rule "a row holds at most `max_sequence_length` tokens", and what graphs do instead.
+
+    `last_index` is the index each token would have in its row (the
+    state's position plus its index in the piece; padding counts):
+    ``[B, T]`` or ``[B]``. Concrete values raise here (`received`, a
+    function, gives the message's values). In a traced graph the rule is
+    a run-time assertion (`_validation.graph_assert`), and the tokens
+    that break it or have an id outside the vocabulary are marked: their
+    outputs (and so the task's logits) are NaN, which is what graphs without assertions (XLA, ONNX)
+    return.
+
+    Returns:
+        ``(token_ids, bad)``: the ids (behind the assertion in graphs),
+        and None (concrete inputs) or the ``[B, T]`` / ``[B]`` bool mark.
+    """
+    limit = max_sequence_length
+    if _is_concrete(last_index):
+        if limit is not None and int(ops.size(last_index)) and int(ops.max(last_index)) >= limit:
+            raise ValueError(
+                f"`{name}` runs past max_sequence_length={limit}: a row would hold "
+                f"{int(ops.max(last_index)) + 1} tokens. Received: {received()}"
+            )
+        return token_ids, None
+    bad = ops.logical_or(token_ids < 0, token_ids >= vocabulary_size)
+    if limit is not None:
+        past = last_index >= limit
+        token_ids = _validation.graph_assert(
+            token_ids, ops.logical_not(ops.any(past)), f"`{name}` runs past max_sequence_length={limit}"
+        )
+        bad = ops.logical_or(bad, past)
+    return token_ids, bad
+
+
+def _positions(token_ids, padding_mask, start):
+    """Position of each token: real tokens before it (start [B] + prefix count)."""
+    if padding_mask is None:
+        length = ops.shape(token_ids)[1]
+        offsets = ops.arange(length, dtype="int32")[None, :]  # [1, T]
+        count = ops.zeros_like(start) + length
+    else:
+        mask = ops.cast(ops.cast(padding_mask, "bool"), "int32")  # [B, T], nonzero = real
+        offsets = ops.cumsum(mask, axis=1) - mask  # [B, T]
+        count = ops.sum(mask, axis=1)  # [B]
+    return start[:, None] + offsets, start + count  # [B, T], [B]
+
+
+def _check_padding_mask(padding_mask, token_ids):
+    if padding_mask is None:
+        return None
+    padding_mask = ops.convert_to_tensor(padding_mask)
+    static_match = len(padding_mask.shape) == 2 and all(
+        a is None or b is None or a == b for a, b in zip(padding_mask.shape, token_ids.shape, strict=True)
+    )
+    if not static_match:
+        raise ValueError(
+            "`padding_mask` must have the shape of the token ids [batch, length]. "
+            f"Received: padding_mask.shape={tuple(padding_mask.shape)}, "
+            f"token_ids.shape={tuple(token_ids.shape)}"
+        )
+    return padding_mask
+
+
+def _start_of(token_ids, state):
+    """The position of each row before `token_ids` (``[B]`` int32): the state's, or 0."""
+    if state is None:
+        return ops.zeros((ops.shape(token_ids)[0],), "int32")
+    return ops.cast(state[-1], "int32")
+
+
+def _prepare(token_ids, padding_mask, state, vocabulary_size, max_sequence_length):
+    """Checks a piece of sequences: ``(token_ids, padding_mask, positions [B, T], end [B], bad)``.
+
+    `start` is the state's position (0 without a state); `end` the position
+    after the piece; `bad` is None or the tokens whose outputs are NaN
+    (`_past_limit`).
+    """
+    token_ids = _check_token_ids(token_ids, "token_ids", 2, vocabulary_size, max_sequence_length)
+    padding_mask = _check_padding_mask(padding_mask, token_ids)
+    start = _start_of(token_ids, state)
+    last_index = start[:, None] + ops.arange(ops.shape(token_ids)[1], dtype="int32")[None, :]  # [B, T]
+    token_ids, bad = _past_limit(
+        token_ids,
+        last_index,
+        "token_ids",
+        lambda: f"state position={_max_or_none(start)}, token_ids.shape={tuple(token_ids.shape)}",
+        vocabulary_size,
+        max_sequence_length,
+    )
+    positions, end = _positions(token_ids, padding_mask, start)
+    return token_ids, padding_mask, positions, end, bad
+
+
+def _embed(token_embedding, position_embedding, token_ids, positions):
+    """Token embeddings, plus the learned positions (clipped to the table) when there is a table."""
+    x = token_embedding(token_ids)  # [B, T, dim] or [B, dim]
+    if position_embedding is not None:
+        limit = position_embedding.input_dim
+        x = x + position_embedding(ops.clip(positions, 0, limit - 1))  # [B, T, dim] or [B, dim]
+    return x
+
+
+class _MarkInvalid(keras.layers.Layer):
+    """The last node of `LinearBackbone`'s graph: NaN hidden states at the tokens `_TokenCheck` marks invalid.
+
+    A layer, not an op in the graph: the NaN constant is then made while
+    the graph is traced, not captured from outside it (which an exported
+    graph would take as an input). No weights.
     """
 
-    def __init__(
-        self,
-        vocabulary_size,
-        num_layers,
-        hidden_dim,
-        num_heads,
-        intermediate_dim,
-        feature_map="elu",
-        key_dim=None,
-        chunk_size=64,
-        dropout=0.0,
-        max_sequence_length=None,
-        tie_embeddings=True,
-        activation="gelu",
-        layer_norm_epsilon=1e-5,
-        normalization="layer_norm",
-        feedforward="dense",
-        use_bias=True,
-        lora=None,
-        *,
-        spec=None,
-        **kwargs,
-    ):
-        spec = AttentionSpec.pop(
-            kwargs,
-            feature_map,
-            spec=spec,
-            chunk_size=chunk_size,
-            epsilon=kwargs.pop("epsilon", AttentionSpec.epsilon),
-        )
+    def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.attention_spec = spec
-        _check_sizes(vocabulary_size, num_layers, hidden_dim, num_heads, intermediate_dim, key_dim, max_sequence_length)
-        self.vocabulary_size = vocabulary_size
-        self.num_layers = num_layers
-        self.hidden_dim = hidden_dim
-        self.num_heads = num_heads
-        self.intermediate_dim = intermediate_dim
-        spec.check_heads(num_heads, key_dim if key_dim is not None else hidden_dim // num_heads)
-        self.key_dim = key_dim
-        self.chunk_size = spec.chunk_size
-        self.dropout = dropout
-        self.max_sequence_length = max_sequence_length
-        self.tie_embeddings = tie_embeddings
-        self.activation = activation
-        self.layer_norm_epsilon = layer_norm_epsilon
-        self.normalization = normalization
-        self.feedforward = feedforward
-        self.use_bias = use_bias
-
-        self._make_layers()
-        self.build(None)
-        # LoRA adapters (`keras_linattn.linearization.enable_lora` sets these
-        # and `get_config` records them, so that saved copies keep them).
-        self.lora_rank = self.lora_alpha = None
-        if lora is not None:
-            from keras_linattn.linearization import lora as lora_lib
-
-            lora_lib._restore_lora(self, lora)
-
-    def _make_layers(self):
-        """The embeddings, the blocks (each with its spec) and the final norm, from the settings."""
-        self.token_embedding = keras.layers.ReversibleEmbedding(
-            self.vocabulary_size,
-            self.hidden_dim,
-            tie_weights=self.tie_embeddings,
-            embeddings_initializer=keras.initializers.RandomNormal(stddev=0.02),
-            dtype=self.dtype_policy,
-            name="token_embedding",
-        )
-        self.position_embedding = None
-        if self.max_sequence_length is not None:
-            self.position_embedding = keras.layers.Embedding(
-                self.max_sequence_length,
-                self.hidden_dim,
-                embeddings_initializer=keras.initializers.RandomNormal(stddev=0.02),
-                dtype=self.dtype_policy,
-                name="position_embedding",
-            )
-        self.decoder_blocks = [
-            LinearTransformerDecoder(
-                num_heads=self.num_heads,
-                intermediate_dim=self.intermediate_dim,
-                key_dim=self.key_dim,
-                spec=_block_spec(self.attention_spec, i),
-                dropout=self.dropout,
-                activation=self.activation,
-                layer_norm_epsilon=self.layer_norm_epsilon,
-                normalization=self.normalization,
-                feedforward=self.feedforward,
-                use_bias=self.use_bias,
-                dtype=self.dtype_policy,
-                name=f"decoder_block_{i}",
-            )
-            for i in range(self.num_layers)
-        ]
-        self.final_norm = _make_norm(self.normalization, self.layer_norm_epsilon, self.dtype_policy, "final_layer_norm")
-
-    def build(self, input_shape=None, padding_mask_shape=None):
-        # Built in __init__ (the input shape never changes the weights); a
-        # second build, e.g. `model.build((None, None))`, is a no-op.
-        if self.built:
-            return
-        seq_shape = (None, None, self.hidden_dim)
-        self.token_embedding.build((None, None))
-        if self.position_embedding is not None:
-            self.position_embedding.build((None, None))
-        for block in self.decoder_blocks:
-            block.build(seq_shape)
-        self.final_norm.build(seq_shape)
         self.built = True
 
-    def compute_output_shape(self, inputs_shape, padding_mask_shape=None):
-        # Declared, so that building the functional `LinearBackbone` does not
-        # trace `call` (JAX cannot compare symbolic lengths with the chunk size).
-        return tuple(inputs_shape) + (self.hidden_dim,)
+    def call(self, hidden, invalid):
+        return _nan_where(invalid, hidden)  # [B, T, dim]
 
-    # ------------------------------------------------------------ helpers
-    def _check_token_ids(self, token_ids, name, rank):
-        token_ids = ops.convert_to_tensor(token_ids)
-        if len(token_ids.shape) != rank:
-            shape = "[batch, length]" if rank == 2 else "[batch]"
-            raise ValueError(f"`{name}` must have shape {shape}. Received: {name}.shape={tuple(token_ids.shape)}")
-        if "int" not in str(token_ids.dtype):
-            raise ValueError(f"`{name}` must be integer token ids. Received: {name}.dtype={token_ids.dtype}")
-        if _is_concrete(token_ids) and int(ops.size(token_ids)) > 0:
-            # Concrete ids are checked (a negative id would silently wrap around
-            # in the embedding lookup); inside a traced graph (fit, XLA) they
-            # can't be without a per-step assertion.
-            low, high = int(ops.min(token_ids)), int(ops.max(token_ids))
-            if low < 0 or high >= self.vocabulary_size:
-                raise ValueError(f"`{name}` must be in [0, {self.vocabulary_size}). Received: min={low}, max={high}")
-        elif not _is_concrete(token_ids):
-            # Traced (fit, predict, SavedModel): a run-time assertion before the lookup.
-            ok = ops.logical_and(ops.all(token_ids >= 0), ops.all(token_ids < self.vocabulary_size))
-            token_ids = _validation.graph_assert(token_ids, ok, f"`{name}` must be in [0, {self.vocabulary_size})")
-        if rank == 2 and token_ids.shape[1] is not None and self.max_sequence_length is not None:
-            if token_ids.shape[1] > self.max_sequence_length:
-                raise ValueError(
-                    f"`{name}` is longer than max_sequence_length={self.max_sequence_length}. "
-                    f"Received: {name}.shape={tuple(token_ids.shape)}"
-                )
-        return token_ids
+    def compute_output_spec(self, hidden, invalid):
+        return keras.KerasTensor(hidden.shape, hidden.dtype)
 
-    def _past_limit(self, token_ids, last_index, name, received):
-        """The rule "a row holds at most `max_sequence_length` tokens", and what graphs do instead.
 
-        `last_index` is the index each token would have in its row (the
-        state's position plus its index in the piece; padding counts):
-        ``[B, T]`` or ``[B]``. Concrete values raise here (`received`, a
-        function, gives the message's values). In a traced graph the rule is
-        a run-time assertion (`_validation.graph_assert`), and the tokens
-        that break it or have an id outside the vocabulary are marked: their
-        outputs (and so the task's logits) are NaN, which is what graphs without assertions (XLA, ONNX)
-        return.
+class _TokenCheck(keras.layers.Layer):
+    """The first node of `LinearBackbone`'s graph: checks the token ids and the padding mask.
 
-        Returns:
-            ``(token_ids, bad)``: the ids (behind the assertion in graphs),
-            and None (concrete inputs) or the ``[B, T]`` / ``[B]`` bool mark.
-        """
-        limit = self.max_sequence_length
-        if _is_concrete(last_index):
-            if limit is not None and int(ops.size(last_index)) and int(ops.max(last_index)) >= limit:
-                raise ValueError(
-                    f"`{name}` runs past max_sequence_length={limit}: a row would hold "
-                    f"{int(ops.max(last_index)) + 1} tokens. Received: {received()}"
-                )
-            return token_ids, None
-        bad = ops.logical_or(token_ids < 0, token_ids >= self.vocabulary_size)
-        if limit is not None:
-            past = last_index >= limit
-            token_ids = _validation.graph_assert(
-                token_ids, ops.logical_not(ops.any(past)), f"`{name}` runs past max_sequence_length={limit}"
-            )
-            bad = ops.logical_or(bad, past)
-        return token_ids, bad
+    Returns ``(token_ids, positions, invalid)``: the ids (behind a run-time
+    range assertion in traced graphs), each token's position (real tokens
+    before it, ``[B, T]`` int32), and the ``[B, T]`` bool mark of the tokens
+    whose hidden states are NaN (an id outside the vocabulary or past
+    `max_sequence_length` in a traced graph; all False for concrete inputs,
+    which raise instead). No weights.
+    """
 
-    def _embed(self, token_ids, positions):
-        x = self.token_embedding(token_ids)  # [B, T, dim] or [B, dim]
-        if self.position_embedding is not None:
-            positions = ops.clip(positions, 0, self.max_sequence_length - 1)
-            x = x + self.position_embedding(positions)  # [B, T, dim] or [B, dim]
-        return x
+    def __init__(self, vocabulary_size, max_sequence_length, **kwargs):
+        super().__init__(**kwargs)
+        self.vocabulary_size = vocabulary_size
+        self.max_sequence_length = max_sequence_length
+        self.built = True
 
-    def _hidden(self, x, bad):
-        """The final norm, then NaN at the tokens marked in `bad` (see `_past_limit`)."""
-        return _nan_where(bad, self.final_norm(x))  # [..., dim]
-
-    def _positions(self, token_ids, padding_mask, start):
-        """Position of each token: real tokens before it (start [B] + prefix count)."""
-        if padding_mask is None:
-            length = ops.shape(token_ids)[1]
-            offsets = ops.arange(length, dtype="int32")[None, :]  # [1, T]
-            count = ops.zeros_like(start) + length
-        else:
-            mask = ops.cast(ops.cast(padding_mask, "bool"), "int32")  # [B, T], nonzero = real
-            offsets = ops.cumsum(mask, axis=1) - mask  # [B, T]
-            count = ops.sum(mask, axis=1)  # [B]
-        return start[:, None] + offsets, start + count  # [B, T], [B]
-
-    def _check_padding_mask(self, padding_mask, token_ids):
-        if padding_mask is None:
-            return None
-        padding_mask = ops.convert_to_tensor(padding_mask)
-        static_match = all(
-            a is None or b is None or a == b for a, b in zip(padding_mask.shape, token_ids.shape, strict=True)
+    def call(self, token_ids, padding_mask=None):
+        token_ids, _, positions, _, bad = _prepare(
+            token_ids, padding_mask, None, self.vocabulary_size, self.max_sequence_length
         )
-        if len(padding_mask.shape) != 2 or not static_match:
-            raise ValueError(
-                "`padding_mask` must have the shape of the token ids [batch, length]. "
-                f"Received: padding_mask.shape={tuple(padding_mask.shape)}, "
-                f"token_ids.shape={tuple(token_ids.shape)}"
-            )
-        return padding_mask
+        if bad is None:
+            bad = ops.zeros(ops.shape(token_ids), "bool")
+        return token_ids, ops.broadcast_to(positions, ops.shape(token_ids)), bad
 
-    def state_spec(self):
-        """The decode state, described once: a list of `generation.StateSpec`.
-
-        Per block, its attention's `LinearAttention.state_spec` with names
-        prefixed by the block's (``<block>/S [H, C, M]``, ``<block>/z [H, C]``
-        for plain linear attention), then ``position []`` (int32). Shapes
-        exclude the batch dim.
-        """
-        spec = []
-        for block in self.decoder_blocks:
-            for entry in block.attention.state_spec():
-                spec.append(entry._replace(name=f"{block.name}/{entry.name}"))
-        spec.append(generation.StateSpec("position", (), "int32"))
-        return spec
-
-    def block_states(self, state):
-        """Splits a flat decode state into one tuple per block (the position, last, is left out)."""
-        states, offset = [], 0
-        for block in self.decoder_blocks:
-            n = len(block.attention.state_spec())
-            states.append(tuple(state[offset : offset + n]))
-            offset += n
-        return states
-
-    def check_state(self, state, batch_size=None, name="state"):
-        """Raises ValueError (naming `name`) unless `state` matches `state_spec`."""
-        generation.check_state(self.state_spec(), state, batch_size=batch_size, name=name)
-
-    # ----------------------------------------------------------- parallel
-    def call(self, inputs, padding_mask=None, training=None):
-        token_ids, padding_mask = _unpack_inputs(inputs, padding_mask)
-        hidden, _ = self._forward(token_ids, padding_mask, None, training, return_state=False)
-        return hidden
-
-    def _forward(self, token_ids, padding_mask, state, training, return_state):
-        token_ids = self._check_token_ids(token_ids, "token_ids", 2)
-        padding_mask = self._check_padding_mask(padding_mask, token_ids)
-        batch = ops.shape(token_ids)[0]
-        start = ops.zeros((batch,), "int32") if state is None else ops.cast(state[-1], "int32")
-        last_index = start[:, None] + ops.arange(ops.shape(token_ids)[1], dtype="int32")[None, :]  # [B, T]
-        token_ids, bad = self._past_limit(
-            token_ids,
-            last_index,
-            "token_ids",
-            lambda: f"state position={_max_or_none(start)}, token_ids.shape={tuple(token_ids.shape)}",
+    def compute_output_spec(self, token_ids, padding_mask=None):
+        shape = tuple(token_ids.shape)
+        return (
+            keras.KerasTensor(shape, "int32"),
+            keras.KerasTensor(shape, "int32"),
+            keras.KerasTensor(shape, "bool"),
         )
-        positions, end = self._positions(token_ids, padding_mask, start)
-        x = self._embed(token_ids, positions)  # [B, T, dim]
-        new_state = []
-        block_states = [None] * len(self.decoder_blocks) if state is None else self.block_states(state)
-        for block, layer_state in zip(self.decoder_blocks, block_states, strict=True):
-            if return_state:
-                x, layer_state = block(
-                    x,
-                    padding_mask=padding_mask,
-                    training=training,
-                    return_state=True,
-                    initial_state=layer_state,
-                )  # [B, T, dim]
-                new_state += list(layer_state)
-            else:
-                x = block(x, padding_mask=padding_mask, training=training)  # [B, T, dim]
-        if return_state:
-            new_state.append(end)
-        return self._hidden(x, bad), new_state
 
-    def call_with_state(self, token_ids, state, padding_mask=None, training=None):
-        """Runs a piece of a sequence in parallel, continuing from `state`.
-
-        Args:
-            token_ids: ``[B, T]`` int token ids.
-            state: from `get_initial_state`, `step` or a previous call.
-            padding_mask: optional ``[B, T]`` (1 = real token).
-
-        Returns:
-            ``(hidden [B, T, dim], new_state)``. Splitting a sequence in pieces
-            and chaining the states gives the outputs of one pass.
-        """
-        batch_size = token_ids.shape[0] if hasattr(token_ids, "shape") else None
-        self.check_state(state, batch_size=batch_size)
-        return self._forward(token_ids, padding_mask, list(state), training, return_state=True)
-
-    # ---------------------------------------------------------- recurrent
-    def get_initial_state(self, batch_size):
-        """Empty state (`state_spec`): zeros for every block's attention state and a zero int32 position."""
-        return generation.zeros_state(self.state_spec(), batch_size)
-
-    def step(self, token_t, state, training=None):
-        """One decoding step in recurrent form (constant time and memory).
-
-        Args:
-            token_t: ``[B]`` int token ids.
-            state: from `get_initial_state`, `call_with_state` or `step`.
-
-        Returns:
-            ``(hidden_t [B, dim], new_state)``.
-        """
-        token_t = self._check_token_ids(token_t, "token_t", 1)
-        self.check_state(state, batch_size=token_t.shape[0])
-        position = ops.cast(state[-1], "int32")  # [B]
-        token_t, bad = self._past_limit(
-            token_t, position, "token_t", lambda: f"state position (state[-1])={_max_or_none(position)}"
-        )
-        x = self._embed(token_t, position)  # [B, dim]
-        new_state = []
-        for block, layer_state in zip(self.decoder_blocks, self.block_states(state), strict=True):
-            x, layer_state = block.step(x, layer_state, training=training)  # [B, dim]
-            new_state += list(layer_state)
-        new_state.append(position + 1)
-        return self._hidden(x, bad), new_state
-
-    # ------------------------------------------------------------- config
     def get_config(self):
         config = super().get_config()
-        config.update(
-            {
-                "vocabulary_size": self.vocabulary_size,
-                "num_layers": self.num_layers,
-                "hidden_dim": self.hidden_dim,
-                "num_heads": self.num_heads,
-                "intermediate_dim": self.intermediate_dim,
-                "feature_map": self.attention_spec.feature_map,
-                "key_dim": self.key_dim,
-                "chunk_size": self.chunk_size,
-                "dropout": self.dropout,
-                "max_sequence_length": self.max_sequence_length,
-                "tie_embeddings": self.tie_embeddings,
-                "activation": self.activation,
-                "layer_norm_epsilon": self.layer_norm_epsilon,
-                "normalization": self.normalization,
-                "feedforward": self.feedforward,
-                "use_bias": self.use_bias,
-                **self.attention_spec.mechanism_config(),
-            }
-        )
-        if self.attention_spec.epsilon != AttentionSpec.epsilon:
-            config["epsilon"] = self.attention_spec.epsilon
-        from keras_linattn.linearization import lora as lora_lib
-
-        lora = lora_lib._lora_config(self)
-        if lora is not None:  # only then: configs without adapters are unchanged
-            config["lora"] = lora
+        config.update({"vocabulary_size": self.vocabulary_size, "max_sequence_length": self.max_sequence_length})
         return config
 
+
+# How `.keras` files, presets and weight files name a backbone's weights: "blocks" (the backbone's
+# own layers, keras-hub's layout) or "stack" (one inner layer holding them all, as files written before
+# held them; `models/_legacy.py`).
+LAYOUTS = ("blocks", "stack")
 
 # The constructor settings a backbone (and its task) exposes as attributes.
 BACKBONE_SETTINGS = (
@@ -499,7 +376,7 @@ def _layout_patterns(model, data):
     """``{path regex: axes}`` of `LinearBackbone.get_layout_map` (mesh axis names `model`, `data`).
 
     Each regex starts with ``.*``: `LayoutMap` matches with `re.fullmatch`,
-    and a backbone's paths start with its stack's name (``decoder_stack/``).
+    and a path may carry a prefix (e.g. a name scope the model was built in).
     """
     block = r".*decoder_block_\d+"
     return {
@@ -515,7 +392,7 @@ def _layout_patterns(model, data):
 
 @keras.saving.register_keras_serializable(package="keras_linattn")
 @fill(mechanism_args=MECHANISM_ARGS_DOC)
-class LinearBackbone(keras_hub.models.Backbone):
+class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
     """Embeddings, `num_layers` causal linear-attention blocks and a final norm: the trunk of `LinearCausalLM`.
 
         token embedding (+ optional learned positions) -> `num_layers` x
@@ -524,6 +401,14 @@ class LinearBackbone(keras_hub.models.Backbone):
         directories, and a task (`LinearCausalLM`, or any head of yours) is
         built on top of it. Training runs the chunkwise-parallel causal path;
         `call_with_state` and `step` continue from a decode state of fixed size.
+
+        A functional model of its own layers, as keras-hub's backbones are:
+        ``token_ids`` and the optional ``padding_mask`` -> `token_check` (the
+        ids and mask checked, each token's position) -> `token_embedding`
+        (+ `position_embedding`) -> `decoder_blocks` -> `final_norm` ->
+        `mark_invalid` (NaN at tokens a traced graph finds invalid; see
+        `max_sequence_length`). `call_with_state` and `step` run the same
+        layers from a state.
 
         The state is a flat list: each block's attention state in order
         (`LinearAttention.state_spec`; ``S [B, H, C, M]`` and ``z [B, H, C]``
@@ -570,6 +455,15 @@ class LinearBackbone(keras_hub.models.Backbone):
     {mechanism_args}
                 Every block's attention gets them (their decode state joins
                 `state_spec`; decoding stays constant-cost per token).
+            lora: None, or ``{"rank": r, "alpha": a}``: `enable_lora`'s
+                adapters, as configs after `keras_linattn.linearization.enable_lora`
+                record them.
+            layout: how `.keras` files, presets and weight files name the
+                weights (`LAYOUTS`): ``"blocks"`` (default; the backbone's own
+                layers) or ``"stack"``, the paths of files written while one
+                inner layer held the blocks. A config without ``"layout"`` is
+                such a file's and loads as ``"stack"``; the model is the same
+                either way (`keras_linattn/models/_legacy.py`).
             **kwargs: `keras.Model` arguments (`name`, `dtype`).
 
         Call arguments:
@@ -591,36 +485,117 @@ class LinearBackbone(keras_hub.models.Backbone):
         TensorShape([2, 16, 64])
     """
 
-    def __init__(self, vocabulary_size, num_layers, hidden_dim, num_heads, intermediate_dim, **kwargs):
+    def __init__(
+        self,
+        vocabulary_size,
+        num_layers,
+        hidden_dim,
+        num_heads,
+        intermediate_dim,
+        feature_map="elu",
+        key_dim=None,
+        chunk_size=64,
+        dropout=0.0,
+        max_sequence_length=None,
+        tie_embeddings=True,
+        activation="gelu",
+        layer_norm_epsilon=1e-5,
+        normalization="layer_norm",
+        feedforward="dense",
+        use_bias=True,
+        lora=None,
+        layout="blocks",
+        *,
+        spec=None,
+        dtype=None,
+        **kwargs,
+    ):
         model_kwargs = {key: kwargs.pop(key) for key in ("name", "trainable") if key in kwargs}
-        dtype = kwargs.pop("dtype", None)
-        stack = _DecoderStack(
-            vocabulary_size,
-            num_layers,
-            hidden_dim,
-            num_heads,
-            intermediate_dim,
-            dtype=dtype,
-            name="decoder_stack",
-            **kwargs,
+        spec = AttentionSpec.pop(
+            kwargs,
+            feature_map,
+            spec=spec,
+            chunk_size=chunk_size,
+            epsilon=kwargs.pop("epsilon", AttentionSpec.epsilon),
         )
+        if kwargs:
+            raise TypeError(f"LinearBackbone got unexpected keyword arguments: {sorted(kwargs)}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"`layout` must be one of {LAYOUTS}. Received: layout={layout!r}")
+        _check_sizes(vocabulary_size, num_layers, hidden_dim, num_heads, intermediate_dim, key_dim, max_sequence_length)
+        spec.check_heads(num_heads, key_dim if key_dim is not None else hidden_dim // num_heads)
+        settings = {
+            "vocabulary_size": vocabulary_size,
+            "num_layers": num_layers,
+            "hidden_dim": hidden_dim,
+            "num_heads": num_heads,
+            "intermediate_dim": intermediate_dim,
+            "key_dim": key_dim,
+            "chunk_size": spec.chunk_size,
+            "dropout": dropout,
+            "max_sequence_length": max_sequence_length,
+            "tie_embeddings": tie_embeddings,
+            "activation": activation,
+            "layer_norm_epsilon": layer_norm_epsilon,
+            "normalization": normalization,
+            "feedforward": feedforward,
+            "use_bias": use_bias,
+            "attention_spec": spec,
+        }
+
+        # === Layers ===
+        token_embedding, position_embedding, decoder_blocks, final_norm = _make_layers(settings, spec, dtype)
+        token_check = _TokenCheck(vocabulary_size, max_sequence_length, dtype=dtype, name="token_check")
+        mark_invalid = _MarkInvalid(dtype=dtype, name="mark_invalid")
+
+        # === Functional model ===
         token_ids = keras.Input(shape=(None,), dtype="int32", name="token_ids")
-        padding_mask = keras.Input(shape=(None,), dtype="int32", name="padding_mask")
-        hidden = stack(token_ids, padding_mask=padding_mask)
+        padding_mask = keras.Input(shape=(None,), dtype="int32", name="padding_mask", optional=True)
+        checked_ids, positions, invalid = token_check(token_ids, padding_mask=padding_mask)
+        x = _embed(token_embedding, position_embedding, checked_ids, positions)  # [B, T, dim]
+        for block in decoder_blocks:
+            x = block(x, padding_mask=padding_mask)  # [B, T, dim]
+        hidden = mark_invalid(final_norm(x), invalid)  # [B, T, dim]
         super().__init__(
             inputs={"token_ids": token_ids, "padding_mask": padding_mask}, outputs=hidden, dtype=dtype, **model_kwargs
         )
-        self.stack = stack
-        self.token_embedding = stack.token_embedding
-        # The settings, as plain values (the layers are the stack's; see the properties below).
-        for name in BACKBONE_SETTINGS:
-            setattr(self, name, getattr(stack, name))
+        # Assigned after `Model.__init__`, which starts the records that
+        # `tf.train.Checkpoint` follows (`keras_linattn._tracking`).
+        self.token_check = token_check
+        self.token_embedding = token_embedding
+        self.position_embedding = position_embedding
+        self.decoder_blocks = decoder_blocks
+        self.final_norm = final_norm
+        self.mark_invalid = mark_invalid
+
+        # === Config ===
+        for name, value in settings.items():
+            setattr(self, name, value)
+        self.layout = layout
         # `call` takes token ids alone too (then `padding_mask=` is optional).
         self.input_spec = None
+        # LoRA adapters (`keras_linattn.linearization.enable_lora` sets these
+        # and `get_config` records them, so that saved copies keep them).
+        self.lora_rank = self.lora_alpha = None
+        if lora is not None:
+            self._restore_lora(lora)
 
     def call(self, inputs, padding_mask=None, training=None):
         token_ids, padding_mask = _unpack_inputs(inputs, padding_mask)
-        return self.stack(token_ids, padding_mask=padding_mask, training=training)
+        # Checked before the graph converts them (a float id would be cast silently).
+        token_ids = _check_ids_form(token_ids, "token_ids", 2, self.max_sequence_length)
+        return super().call({"token_ids": token_ids, "padding_mask": padding_mask}, training=training)
+
+    @property
+    def layers(self):
+        # The layers Keras' weight writer and reader walk first: in the "stack"
+        # layout, those of the files written before the blocks were the
+        # backbone's own (`models/_legacy.py`).
+        if getattr(self, "layout", "blocks") == "stack":
+            from keras_linattn.models import _legacy
+
+            return _legacy.stack_layout_layers(self, super().layers)
+        return super().layers
 
     # Presets: stale weight files removed and a sha256 manifest written at save, checked at load
     # (`keras_linattn.models._presets`).
@@ -634,8 +609,10 @@ class LinearBackbone(keras_hub.models.Backbone):
             return super().from_preset(preset, load_weights=load_weights, **kwargs)
 
     def load_weights(self, filepath, *args, **kwargs):
+        """Keras' `load_weights`, which also reads weights files written in the "stack" layout (`LAYOUTS`)."""
         _presets.verify_weights_path(filepath)
-        super().load_weights(filepath, *args, **kwargs)
+        with _presets.file_layout([self], filepath):
+            super().load_weights(filepath, *args, **kwargs)
         _presets.check_weights_consumed(self, filepath)
 
     @staticmethod
@@ -647,7 +624,7 @@ class LinearBackbone(keras_hub.models.Backbone):
         by its intermediate units over the model axis, so each device
         computes whole heads; the other dimension of each kernel is sharded
         over the data axis (FSDP-style). Variable paths of this backbone
-        (``decoder_stack/...``; the same inside a `LinearCausalLM`):
+        (the same inside a `LinearCausalLM`):
 
             token_embedding/embeddings            [V, d]      (model, data)
             token_embedding/reverse_embeddings    [d, V]      (data, model)   untied only
@@ -704,22 +681,6 @@ class LinearBackbone(keras_hub.models.Backbone):
             layout_map[pattern] = axes
         return layout_map
 
-    # ------------------------------------------------------- the layers
-    @property
-    def position_embedding(self):
-        """The learned position table (`max_sequence_length`), or None."""
-        return self.stack.position_embedding
-
-    @property
-    def decoder_blocks(self):
-        """The `LinearTransformerDecoder` blocks, in order."""
-        return self.stack.decoder_blocks
-
-    @property
-    def final_norm(self):
-        """The norm after the last block."""
-        return self.stack.final_norm
-
     # ------------------------------------------------------ decode state
     def state_spec(self):
         """The decode state, described once: a list of `generation.StateSpec`.
@@ -729,22 +690,35 @@ class LinearBackbone(keras_hub.models.Backbone):
         for plain linear attention), then ``position []`` (int32). Shapes
         exclude the batch dim.
         """
-        return self.stack.state_spec()
+        spec = []
+        for block in self.decoder_blocks:
+            for entry in block.attention.state_spec():
+                spec.append(entry._replace(name=f"{block.name}/{entry.name}"))
+        spec.append(generation.StateSpec("position", (), "int32"))
+        return spec
 
     def get_initial_state(self, batch_size):
         """Empty state (`state_spec`): zeros for every block's attention state and a zero int32 position."""
-        return self.stack.get_initial_state(batch_size)
+        return generation.zeros_state(self.state_spec(), batch_size)
 
     def check_state(self, state, batch_size=None, name="state"):
         """Raises ValueError (naming `name` and the entry) unless `state` matches `state_spec`."""
-        self.stack.check_state(state, batch_size=batch_size, name=name)
+        generation.check_state(self.state_spec(), state, batch_size=batch_size, name=name)
 
     def block_states(self, state):
         """Splits a flat decode state into one tuple per block (the position, last, is left out)."""
-        return self.stack.block_states(state)
+        states, offset = [], 0
+        for block in self.decoder_blocks:
+            n = len(block.attention.state_spec())
+            states.append(tuple(state[offset : offset + n]))
+            offset += n
+        return states
 
     def call_with_state(self, token_ids, state, padding_mask=None, training=None):
         """Runs a piece of a sequence in parallel, continuing from `state`.
+
+        The layers of the graph `call` runs, with each block's attention
+        started from its part of `state`.
 
         Args:
             token_ids: ``[B, T]`` int token ids.
@@ -755,7 +729,21 @@ class LinearBackbone(keras_hub.models.Backbone):
             ``(hidden [B, T, dim], new_state)``. Splitting a sequence in pieces
             and chaining the states gives the outputs of one pass.
         """
-        return self.stack.call_with_state(token_ids, state, padding_mask=padding_mask, training=training)
+        batch_size = token_ids.shape[0] if hasattr(token_ids, "shape") else None
+        self.check_state(state, batch_size=batch_size)
+        state = list(state)
+        token_ids, padding_mask, positions, end, bad = _prepare(
+            token_ids, padding_mask, state, self.vocabulary_size, self.max_sequence_length
+        )
+        x = self.embed(token_ids, positions)  # [B, T, dim]
+        new_state = []
+        for block, layer_state in zip(self.decoder_blocks, self.block_states(state), strict=True):
+            x, layer_state = block(
+                x, padding_mask=padding_mask, training=training, return_state=True, initial_state=layer_state
+            )  # [B, T, dim]
+            new_state += list(layer_state)
+        new_state.append(end)
+        return _nan_where(bad, self.final_norm(x)), new_state
 
     def step(self, token_t, state, training=None):
         """One decoding step in recurrent form (constant time and memory).
@@ -767,16 +755,99 @@ class LinearBackbone(keras_hub.models.Backbone):
         Returns:
             ``(hidden_t [B, dim], new_state)``.
         """
-        return self.stack.step(token_t, state, training=training)
+        token_t = _check_token_ids(token_t, "token_t", 1, self.vocabulary_size, self.max_sequence_length)
+        self.check_state(state, batch_size=token_t.shape[0])
+        position = ops.cast(state[-1], "int32")  # [B]
+        token_t, bad = _past_limit(
+            token_t,
+            position,
+            "token_t",
+            lambda: f"state position (state[-1])={_max_or_none(position)}",
+            self.vocabulary_size,
+            self.max_sequence_length,
+        )
+        x = self.embed(token_t, position)  # [B, dim]
+        new_state = []
+        for block, layer_state in zip(self.decoder_blocks, self.block_states(state), strict=True):
+            x, layer_state = block.step(x, layer_state, training=training)  # [B, dim]
+            new_state += list(layer_state)
+        new_state.append(position + 1)
+        return _nan_where(bad, self.final_norm(x)), new_state
 
     def embed(self, token_ids, positions):
         """Token embeddings plus, with `max_sequence_length`, the learned positions (``[B, T, dim]``)."""
-        return self.stack._embed(token_ids, positions)
+        return _embed(self.token_embedding, self.position_embedding, token_ids, positions)
 
+    # ------------------------------------------------------------- config
     def get_config(self):
         config = super().get_config()
-        stack_config = self.stack.get_config()
-        for key in ("name", "trainable", "dtype"):
-            stack_config.pop(key, None)
-        config.update(stack_config)
+        config.update(
+            {
+                "vocabulary_size": self.vocabulary_size,
+                "num_layers": self.num_layers,
+                "hidden_dim": self.hidden_dim,
+                "num_heads": self.num_heads,
+                "intermediate_dim": self.intermediate_dim,
+                "feature_map": self.attention_spec.feature_map,
+                "key_dim": self.key_dim,
+                "chunk_size": self.chunk_size,
+                "dropout": self.dropout,
+                "max_sequence_length": self.max_sequence_length,
+                "tie_embeddings": self.tie_embeddings,
+                "activation": self.activation,
+                "layer_norm_epsilon": self.layer_norm_epsilon,
+                "normalization": self.normalization,
+                "feedforward": self.feedforward,
+                "use_bias": self.use_bias,
+                **self.attention_spec.mechanism_config(),
+            }
+        )
+        if self.attention_spec.epsilon != AttentionSpec.epsilon:
+            config["epsilon"] = self.attention_spec.epsilon
+        lora = self._lora_entry()
+        if lora is not None:  # only then: configs without adapters are unchanged
+            config["lora"] = lora
+        if self.layout != "stack":  # configs of the "stack" layout are those older files hold
+            config["layout"] = self.layout
         return config
+
+    def _restore_lora(self, lora):
+        """`enable_lora` again, on a backbone built from a config with ``"lora": {"rank", "alpha"}``."""
+        from keras_linattn.linearization import enable_lora
+
+        if not isinstance(lora, dict) or set(lora) != {"rank", "alpha"}:
+            raise ValueError(f'`lora` must be None or {{"rank": r, "alpha": a}}. Received: lora={lora!r}')
+        frozen = not self.trainable
+        enable_lora(self, rank=lora["rank"], alpha=lora["alpha"])  # sets lora_rank, lora_alpha
+        if frozen:  # `enable_lora` makes the model trainable (its adapters); a frozen backbone stays frozen
+            self.trainable = False
+
+    def _lora_entry(self):
+        """The config's ``"lora"`` entry: None, or ``{"rank", "alpha"}`` after `enable_lora`.
+
+        Raises:
+            ValueError: if variables other than the adapters were made
+                trainable after `enable_lora` (the config records only its
+                layout).
+        """
+        if self.lora_rank is None:
+            return None
+        from keras_linattn.linearization import lora_variables
+
+        adapters = {id(v) for v in lora_variables(self)}
+        extra = [v.path for v in self.variables if v.trainable and id(v) not in adapters]
+        if extra:
+            raise ValueError(
+                "The model has LoRA adapters and other trainable variables; its config records only "
+                "`enable_lora`'s layout (the adapters trainable, everything else frozen), so a saved copy would "
+                f"reload with these frozen. Freeze them again, or merge first (`merge_lora`). Received: {extra}"
+            )
+        return {"rank": self.lora_rank, "alpha": self.lora_alpha}
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        # A config without "layout" was written when the blocks lived in one
+        # inner layer: its weights are filed under that layer's paths.
+        config.setdefault("layout", "stack")
+        return super().from_config(config)

@@ -324,13 +324,18 @@ class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
             _presets.check_tokenizer_fits(task.preprocessor, task.backbone)
         return task
 
+    def load_weights(self, filepath, *args, **kwargs):
+        """Keras' `load_weights`, which also reads weights files of the backbone's "stack" layout."""
+        with _presets.file_layout([self.backbone], filepath):
+            super().load_weights(filepath, *args, **kwargs)
+
     # ----------------------------------------------------------- parallel
     def _head(self, hidden):
         return ops.cast(self.backbone.token_embedding(hidden, reverse=True), "float32")  # [..., V]
 
     def call(self, inputs, padding_mask=None, training=None):
         token_ids, padding_mask = _unpack_inputs(inputs, padding_mask)
-        return self._head(self.backbone.stack(token_ids, padding_mask=padding_mask, training=training))
+        return self._head(self.backbone(token_ids, padding_mask=padding_mask, training=training))
 
     def call_with_state(self, token_ids, state, padding_mask=None, training=None):
         """Runs a piece of a sequence in parallel, continuing from `state`.

@@ -46,7 +46,7 @@ def test_a_flipped_weight_bit_is_refused_naming_the_file(tmp_path):
     preset = _saved(tmp_path)
     path = os.path.join(preset, "model.weights.h5")
     with h5py.File(path, "r") as f:
-        offset = f["layers/__decoder_stack/token_embedding/vars/0"].id.get_offset()
+        offset = f["layers/reversible_embedding/vars/0"].id.get_offset()
     with open(path, "r+b") as f:
         f.seek(offset + 3)  # the high byte of the first float32: its sign and exponent
         byte = f.read(1)[0]
