@@ -5,7 +5,8 @@
 Each round runs one process per tree (alternating, so drift on a shared
 machine hits both): a `LinearAttention` causal forward (B=1, T=2048,
 hedgehog, window 32) and `LinearCausalLM.generate` (2 layers, width 64,
-window 16, 64 new tokens, plain `tf.function`), each the median of 5 timed
+window 16, 64 new tokens, plain `tf.function`) and that LM's eager forward
+on ``[2, 512]`` token ids, each the median of 5 timed
 calls after a warm-up. Reports per-tree medians over rounds and their ratio.
 For checking that a refactoring left speed unchanged; not a benchmark of
 record.
@@ -40,7 +41,9 @@ lm = LinearCausalLM(vocabulary_size=256, num_layers=2, hidden_dim=64, num_heads=
 lm.generate_jit_compile = False
 prompt = np.ones((1, 8), "int32")
 gen = median_ms(lambda: lm.generate(prompt, max_length=72))
-print(json.dumps({"forward_ms": fwd, "generate_ms": gen}))
+ids = np.random.default_rng(1).integers(0, 256, size=(2, 512)).astype("int32")
+lm_fwd = median_ms(lambda: np.asarray(lm(ids)))
+print(json.dumps({"forward_ms": fwd, "generate_ms": gen, "lm_forward_ms": lm_fwd}))
 """
 
 
@@ -65,7 +68,7 @@ def main():
             runs[name].append(run(getattr(args, name)))
             print(f"round {r + 1} {name}: {runs[name][-1]}", flush=True)
     summary = {}
-    for key in ("forward_ms", "generate_ms"):
+    for key in ("forward_ms", "generate_ms", "lm_forward_ms"):
         old = statistics.median(row[key] for row in runs["old"])
         new = statistics.median(row[key] for row in runs["new"])
         summary[key] = {"old": round(old, 2), "new": round(new, 2), "new/old": round(new / old, 3)}

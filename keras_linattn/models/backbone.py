@@ -165,6 +165,31 @@ def _make_layers(settings, spec, dtype):
     return token_embedding, position_embedding, blocks, final_norm
 
 
+def _build_graph(settings, spec, dtype):
+    """A backbone's layers and functional graph: ``(layers by attribute name, inputs, hidden states)``."""
+    token_embedding, position_embedding, decoder_blocks, final_norm = _make_layers(settings, spec, dtype)
+    token_check = _TokenCheck(
+        settings["vocabulary_size"], settings["max_sequence_length"], dtype=dtype, name="token_check"
+    )
+    mark_invalid = _MarkInvalid(dtype=dtype, name="mark_invalid")
+    token_ids = keras.Input(shape=(None,), dtype="int32", name="token_ids")
+    padding_mask = keras.Input(shape=(None,), dtype="int32", name="padding_mask", optional=True)
+    checked_ids, positions, invalid = token_check(token_ids, padding_mask=padding_mask)
+    x = _embed(token_embedding, position_embedding, checked_ids, positions)  # [B, T, dim]
+    for block in decoder_blocks:
+        x = block(x, padding_mask=padding_mask)  # [B, T, dim]
+    hidden = mark_invalid(final_norm(x), invalid)  # [B, T, dim]
+    layers = {
+        "token_check": token_check,
+        "token_embedding": token_embedding,
+        "position_embedding": position_embedding,
+        "decoder_blocks": decoder_blocks,
+        "final_norm": final_norm,
+        "mark_invalid": mark_invalid,
+    }
+    return layers, {"token_ids": token_ids, "padding_mask": padding_mask}, hidden
+
+
 def _check_ids_form(token_ids, name, rank, max_sequence_length):
     """`token_ids` as a tensor of the right rank, an integer dtype and a length within `max_sequence_length`."""
     token_ids = ops.convert_to_tensor(token_ids)
@@ -314,6 +339,8 @@ class _MarkInvalid(keras.layers.Layer):
         self.built = True
 
     def call(self, hidden, invalid):
+        if _is_concrete(invalid):  # concrete inputs raise in `_TokenCheck` instead: nothing is marked
+            return hidden
         return _nan_where(invalid, hidden)  # [B, T, dim]
 
     def compute_output_spec(self, hidden, invalid):
@@ -543,30 +570,12 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
             "attention_spec": spec,
         }
 
-        # === Layers ===
-        token_embedding, position_embedding, decoder_blocks, final_norm = _make_layers(settings, spec, dtype)
-        token_check = _TokenCheck(vocabulary_size, max_sequence_length, dtype=dtype, name="token_check")
-        mark_invalid = _MarkInvalid(dtype=dtype, name="mark_invalid")
-
-        # === Functional model ===
-        token_ids = keras.Input(shape=(None,), dtype="int32", name="token_ids")
-        padding_mask = keras.Input(shape=(None,), dtype="int32", name="padding_mask", optional=True)
-        checked_ids, positions, invalid = token_check(token_ids, padding_mask=padding_mask)
-        x = _embed(token_embedding, position_embedding, checked_ids, positions)  # [B, T, dim]
-        for block in decoder_blocks:
-            x = block(x, padding_mask=padding_mask)  # [B, T, dim]
-        hidden = mark_invalid(final_norm(x), invalid)  # [B, T, dim]
-        super().__init__(
-            inputs={"token_ids": token_ids, "padding_mask": padding_mask}, outputs=hidden, dtype=dtype, **model_kwargs
-        )
-        # Assigned after `Model.__init__`, which starts the records that
-        # `tf.train.Checkpoint` follows (`keras_linattn._tracking`).
-        self.token_check = token_check
-        self.token_embedding = token_embedding
-        self.position_embedding = position_embedding
-        self.decoder_blocks = decoder_blocks
-        self.final_norm = final_norm
-        self.mark_invalid = mark_invalid
+        layers, inputs, hidden = _build_graph(settings, spec, dtype)
+        super().__init__(inputs=inputs, outputs=hidden, dtype=dtype, **model_kwargs)
+        # The layers are assigned after `Model.__init__`, which starts the
+        # records that `tf.train.Checkpoint` follows (`keras_linattn._tracking`).
+        for name, layer in layers.items():
+            setattr(self, name, layer)
 
         # === Config ===
         for name, value in settings.items():
