@@ -1,0 +1,99 @@
+"""The recall-by-distance task generator, and a smoke run of `python -m benchmarks.bench_recall --quick`."""
+
+import json
+
+import numpy as np
+import pytest
+
+from benchmarks import bench_recall as bench
+
+
+def _first_occurrence_before(row, token, position):
+    earlier = np.flatnonzero(row[:position] == token)
+    assert len(earlier) == 1, (token, earlier)  # a queried key appears once before its query
+    return int(earlier[0])
+
+
+@pytest.mark.parametrize("t,w,pairs,queries,vocab", [(64, 4, 4, 2, 64), (256, 8, 12, 8, 128), (96, 6, 5, 1, 40)])
+def test_keys_sit_at_the_requested_distances(t, w, pairs, queries, vocab):
+    bucket_list = bench.buckets(w, t)
+    final = bench.stratified_distances(30, bucket_list, seed=5)
+    tokens, targets, distances = bench.generate(
+        len(final),
+        t,
+        num_pairs=pairs,
+        num_queries=queries,
+        final_distances=final,
+        other_buckets=[(lo, hi) for _, lo, hi in bucket_list],
+        vocabulary_size=vocab,
+        seed=9,
+    )
+    filler, keys, values = bench.vocabulary_layout(vocab)
+    assert tokens.shape == targets.shape == distances.shape == (len(final), t)
+    np.testing.assert_array_equal(distances[:, -1], final)  # the last query, at the requested distance
+    for row in range(len(final)):
+        seq = tokens[row]
+        is_key = (seq >= keys[0]) & (seq < keys[1])
+        # Each pair: a key followed by a value; `pairs` distinct keys, each seen once more per query.
+        key_tokens, counts = np.unique(seq[is_key], return_counts=True)
+        assert len(key_tokens) == pairs and counts.sum() == pairs + queries
+        assert np.all((seq >= 1) & (seq < vocab))
+        scored = np.flatnonzero(targets[row] != bench.IGNORE)
+        assert len(scored) == queries and scored[-1] == t - 1
+        for q in scored:
+            key = seq[q]
+            assert keys[0] <= key < keys[1]
+            p = _first_occurrence_before(seq, key, q)
+            assert q - p == distances[row, q]  # measured here from the tokens, not from the generator
+            assert seq[p + 1] == targets[row, q] and values[0] <= targets[row, q] < values[1]
+            if q + 1 < t:
+                assert seq[q + 1] == targets[row, q]  # an earlier query is followed by its answer
+        assert np.all(distances[row][scored] >= 2) and np.all(distances[row][scored] < t)
+        others = np.ones(t, bool)
+        for q in scored:
+            p = q - distances[row, q]
+            others[[p, p + 1, q]] = False
+            if q + 1 < t:
+                others[q + 1] = False
+        rest = seq[others]
+        n_filler = np.sum((rest >= filler[0]) & (rest < filler[1]))
+        assert n_filler == len(rest) - 2 * (pairs - queries)  # the rest: filler and the distractor pairs
+
+
+def test_last_query_distance_lands_in_its_bucket():
+    bucket_list = bench.buckets(8, 256)
+    assert [(lo, hi) for _, lo, hi in bucket_list] == [(2, 8), (8, 32), (32, 255)]
+    d = bench.stratified_distances(50, bucket_list, seed=0)
+    for i, (_, lo, hi) in enumerate(bucket_list):
+        assert np.all((d[50 * i : 50 * (i + 1)] >= lo) & (d[50 * i : 50 * (i + 1)] < hi))
+
+
+def test_generator_is_deterministic_and_rejects_bad_configs():
+    kwargs = dict(num_pairs=4, num_queries=2, other_buckets=[(2, 8)], vocabulary_size=64)
+    a = bench.generate(5, 64, final_distances=[3] * 5, seed=1, **kwargs)
+    b = bench.generate(5, 64, final_distances=[3] * 5, seed=1, **kwargs)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(x, y)
+    with pytest.raises(ValueError, match="final_distances"):
+        bench.generate(5, 64, final_distances=[1] * 5, seed=1, **kwargs)
+    with pytest.raises(ValueError, match="num_queries"):
+        bench.generate(5, 64, final_distances=[3] * 5, seed=1, **{**kwargs, "num_queries": 5})
+    with pytest.raises(ValueError, match="empty"):
+        bench.buckets(8, 30)
+
+
+def test_quick_run_writes_every_row(tmp_path):
+    out = tmp_path / "recall.json"
+    assert bench.main(["--quick", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert [r["name"] for r in results["rows"]] == list(bench.ROWS)
+    names = [n for n, _, _ in results["buckets"]]
+    assert names == list(bench.BUCKET_NAMES)
+    for r in results["rows"]:
+        assert set(r["accuracy"]) == {*names, "all"}
+        assert all(0.0 <= a <= 1.0 for a in r["accuracy"].values()), r
+        assert sum(r["count"][n] for n in names) == r["count"]["all"] == 3 * bench.QUICK["num_eval"]
+    memory = results["memory"]
+    assert memory["cache_size"] >= 1 and memory["window_plus_cache_over_kv"] <= 0.25
+    assert results["command"].endswith("--quick --out " + str(out))
+    assert results["peak_rss_bytes"] > 0
