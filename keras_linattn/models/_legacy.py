@@ -146,10 +146,9 @@ def holds_stack_layout(filepath):
         return any(STACK_LAYER_PATH in key for key in index.get("weight_map", {}))
     if not os.path.isfile(filepath):
         return False
-    found = []
     with h5py.File(filepath, "r") as f:
-        f.visit(lambda name: found.append(True) if name.endswith(STACK_LAYER_PATH) else None)
-    return bool(found)
+        # `visit` stops at the first name for which the function returns something other than None.
+        return bool(f.visit(lambda name: True if name.endswith(STACK_LAYER_PATH) else None))
 
 
 @contextlib.contextmanager

@@ -370,7 +370,7 @@ class _TokenCheck(keras.layers.Layer):
         )
         if bad is None:
             bad = ops.zeros(ops.shape(token_ids), "bool")
-        return token_ids, ops.broadcast_to(positions, ops.shape(token_ids)), bad
+        return token_ids, positions, bad  # positions: [B, T] (the start [B] plus each offset)
 
     def compute_output_spec(self, token_ids, padding_mask=None):
         shape = tuple(token_ids.shape)
