@@ -29,14 +29,24 @@ positions only. The rows of the table:
 - teacher: the softmax model (its KV cache is T pairs per head and layer);
 - LoLCATs student: `linearize(teacher, window_size=W)` (hedgehog maps,
   identity at start), then `attention_transfer` (maps and window gamma);
+- ``lolcats_lw``: the same with ``linear_weight`` (``--linear-weight``,
+  default 0.001: the learned weight of the linear terms), transferred;
 - sliding window alone: the teacher's weights in the window layer with a
   feature map that returns 0 (`examples.linearize.pipeline.window_only`),
   so the linear part is off; no training;
-- sparse-cache student: `linearize(teacher, window_size=W, cache_size=N)`
-  (LoLA), no training, ``W + N = T / 4``;
+- sparse-cache student: `linearize(teacher, window_size=W, cache_size=N,
+  linear_weight=...)` (LoLA), no training, ``W + N = T / 4``;
+- ``sparse_cache_lolcats``: the same cache on the transferred ``lolcats_lw``
+  student's weights (LoLA's setting: a cache added to a LoLCATs model);
 - delta-rule student: `linearize(teacher, window_size=None,
   update="delta", normalize=False)` (hedgehog maps, no window: the delta rule
   takes none), then the same attention transfer.
+
+The filler (``--filler``) is uniform random ids (default), a repeated
+pattern (``repeat``: the passkey test's haystack) or the standard library's
+source (``text``). ``--eval-filler``, ``--eval-pairs`` and
+``--eval-queries`` evaluate on other rows than the teacher trains on, e.g.
+a few pairs in a haystack for a teacher trained on dense rows.
 
 Every window student uses the same ``window_gamma`` (``--window-gamma``,
 default 0.9 as in ``examples/linearize``: LoLCATs' 0.1 starts far from the
@@ -65,6 +75,8 @@ from benchmarks._common import proc_status_bytes  # noqa: E402
 RESULTS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "recall.json")
 IGNORE = -1
 BUCKET_NAMES = ("inside window", "1-4x window", "4-32x window")
+FILLERS = ("random", "repeat", "text")
+REPEAT_PERIOD = 16
 
 FULL = dict(
     sequence_length=256,
@@ -111,8 +123,20 @@ QUICK = dict(
 
 
 # -------------------------------------------------------------------- the task
-def vocabulary_layout(vocabulary_size):
-    """Disjoint token ranges ``(filler, keys, values)``, each ``(start, stop)``; id 0 is never used."""
+def vocabulary_layout(vocabulary_size, filler="random"):
+    """Disjoint token ranges ``(filler, keys, values)``, each ``(start, stop)``; id 0 is never used.
+
+    ``filler="text"``: the filler is ASCII text (ids 1-127, the characters'
+    codes), keys and values split the ids from 128 up. ``"random"`` and
+    ``"repeat"`` take the same ranges.
+    """
+    if filler not in FILLERS:
+        raise ValueError(f"`filler` must be one of {FILLERS}. Received: filler={filler!r}")
+    if filler == "text":
+        if vocabulary_size < 160:
+            raise ValueError(f"Text filler needs `vocabulary_size` >= 160. Received: vocabulary_size={vocabulary_size}")
+        keys = (128, 128 + (vocabulary_size - 128) // 2)
+        return (1, 128), keys, (keys[1], vocabulary_size)
     if vocabulary_size < 16:
         raise ValueError(f"`vocabulary_size` must be at least 16. Received: vocabulary_size={vocabulary_size}")
     filler = (1, vocabulary_size // 4)
@@ -138,8 +162,27 @@ def _free(occupied, *positions):
     return all(0 <= p < len(occupied) and not occupied[p] for p in positions)
 
 
+def text_codes(max_chars=400_000):
+    """The standard library's source as ASCII codes (`uint8` in 1-127; other characters become ``?``)."""
+    from examples.char_lm.data import load_stdlib_corpus
+
+    codes = np.frombuffer(load_stdlib_corpus(max_chars).encode("ascii", "replace"), np.uint8).copy()
+    codes[codes == 0] = ord("?")
+    return codes
+
+
 def generate(
-    num_rows, sequence_length, *, num_pairs, num_queries, final_distances, other_buckets, vocabulary_size, seed
+    num_rows,
+    sequence_length,
+    *,
+    num_pairs,
+    num_queries,
+    final_distances,
+    other_buckets,
+    vocabulary_size,
+    seed,
+    filler="random",
+    text=None,
 ):
     """Rows of the retrieval task (see the module docstring).
 
@@ -149,6 +192,14 @@ def generate(
         other_buckets: ``[(lo, hi)]``: each earlier query draws a bucket, then
             a distance ``lo <= d < hi`` in it.
 
+        filler: ``"random"`` (uniform filler ids); ``"repeat"``: one fixed
+            pattern of `REPEAT_PERIOD` filler ids (drawn from ``seed=0``,
+            the same for every call) repeated, from a random phase per row:
+            the passkey test's haystack, which a linear state recalls well;
+            or ``"text"``: each row a slice of `text` (ASCII codes, see
+            `text_codes`). The pairs and queries are written over it.
+        text: the codes for ``filler="text"``.
+
     Returns:
         ``(tokens, targets, distances)``, each ``[num_rows, T]`` int32:
         `targets` is the value at each query position and -1 elsewhere,
@@ -157,7 +208,7 @@ def generate(
     t = sequence_length
     if not 1 <= num_queries <= num_pairs:
         raise ValueError(f"Need 1 <= num_queries <= num_pairs. Received: {num_queries}, {num_pairs}")
-    filler, keys, values = vocabulary_layout(vocabulary_size)
+    filler_ids, keys, values = vocabulary_layout(vocabulary_size, filler)
     if keys[1] - keys[0] < num_pairs:
         raise ValueError(f"Too few key tokens ({keys[1] - keys[0]}) for num_pairs={num_pairs}")
     if 2 * num_pairs + 2 * num_queries > (3 * t) // 4:
@@ -166,7 +217,17 @@ def generate(
     if final_distances.shape != (num_rows,) or final_distances.min() < 2 or final_distances.max() > t - 1:
         raise ValueError(f"`final_distances` must be {num_rows} ints in [2, {t - 1}]")
     rng = np.random.default_rng(seed)
-    tokens = rng.integers(*filler, size=(num_rows, t)).astype(np.int32)
+    if filler == "text":
+        if text is None or len(text) <= t:
+            raise ValueError(f"`filler='text'` needs `text` longer than T={t}")
+        starts = rng.integers(0, len(text) - t, size=num_rows)
+        tokens = np.stack([text[s : s + t] for s in starts]).astype(np.int32)
+    elif filler == "repeat":
+        pattern = np.random.default_rng(0).integers(*filler_ids, size=REPEAT_PERIOD)
+        phase = rng.integers(0, REPEAT_PERIOD, size=(num_rows, 1))
+        tokens = pattern[(phase + np.arange(t)[None]) % REPEAT_PERIOD].astype(np.int32)
+    else:
+        tokens = rng.integers(*filler_ids, size=(num_rows, t)).astype(np.int32)
     targets = np.full((num_rows, t), IGNORE, np.int32)
     distances = np.full((num_rows, t), IGNORE, np.int32)
     for row in range(num_rows):
@@ -211,6 +272,18 @@ def stratified_distances(num_per_bucket, bucket_list, seed):
     return np.concatenate([rng.integers(lo, hi, size=num_per_bucket) for _, lo, hi in bucket_list])
 
 
+_TEXT = {}
+
+
+def _filler_args(cfg, filler=None):
+    filler = filler or cfg.get("filler", "random")
+    if filler != "text":
+        return {"filler": filler}
+    if "codes" not in _TEXT:
+        _TEXT["codes"] = text_codes()
+    return {"filler": filler, "text": _TEXT["codes"]}
+
+
 def training_rows(cfg, num_rows, seed):
     bucket_list = buckets(cfg["window_size"], cfg["sequence_length"])
     pairs = [(lo, hi) for _, lo, hi in bucket_list]
@@ -225,22 +298,30 @@ def training_rows(cfg, num_rows, seed):
         other_buckets=pairs,
         vocabulary_size=cfg["vocabulary_size"],
         seed=seed + 1,
+        **_filler_args(cfg),
     )
 
 
 def evaluation_rows(cfg, seed=1):
-    """``num_eval`` rows per bucket; only the last query is scored."""
+    """``num_eval`` rows per bucket; only the last query is scored.
+
+    The rows' filler, pairs and queries are ``eval_filler``,
+    ``eval_num_pairs`` and ``eval_num_queries`` where the config has them
+    (e.g. a few pairs in a repeated haystack, the passkey setting, for a
+    teacher trained on dense rows), else the training rows'.
+    """
     bucket_list = buckets(cfg["window_size"], cfg["sequence_length"])
     final = stratified_distances(cfg["num_eval"], bucket_list, seed)
     tokens, targets, distances = generate(
         len(final),
         cfg["sequence_length"],
-        num_pairs=cfg["num_pairs"],
-        num_queries=cfg["num_queries"],
+        num_pairs=cfg.get("eval_num_pairs") or cfg["num_pairs"],
+        num_queries=cfg.get("eval_num_queries") or cfg["num_queries"],
         final_distances=final,
         other_buckets=[(lo, hi) for _, lo, hi in bucket_list],
         vocabulary_size=cfg["vocabulary_size"],
         seed=seed + 1,
+        **_filler_args(cfg, cfg.get("eval_filler")),
     )
     return tokens, targets[:, -1], distances[:, -1]
 
@@ -361,29 +442,37 @@ def accuracy_by_bucket(model, tokens, targets, distances, cfg):
 
 
 # ------------------------------------------------------------------------ main
-ROWS = ("teacher", "lolcats", "window_only", "sparse_cache", "delta")
+ROWS = ("teacher", "lolcats", "lolcats_lw", "window_only", "sparse_cache", "sparse_cache_lolcats", "delta")
 ROW_TITLES = {
     "teacher": "teacher (softmax, full KV cache)",
     "lolcats": "LoLCATs: hedgehog + window, attention transfer",
+    "lolcats_lw": "LoLCATs with a small linear weight, attention transfer",
     "window_only": "sliding window alone (linear part 0)",
-    "sparse_cache": "sparse cache (LoLA): window + cache, no training",
+    "sparse_cache": "sparse cache (LoLA), small linear weight, no training",
+    "sparse_cache_lolcats": "sparse cache (LoLA) on the small-linear-weight LoLCATs maps",
     "delta": "delta rule (hedgehog, no window), attention transfer",
 }
+# Rows built from another row's trained student (its weights copied; the cache itself is not trained).
+_BASE_ROW = {"sparse_cache_lolcats": "lolcats_lw"}
+_TRANSFERRED = ("lolcats", "lolcats_lw", "delta")
 
 
 def make_student(name, teacher, cfg):
     import keras_linattn
 
-    w, gamma = cfg["window_size"], cfg["window_gamma"]
+    w, gamma, lw = cfg["window_size"], cfg["window_gamma"], cfg["linear_weight"]
     if name == "lolcats":
         return keras_linattn.linearize(teacher, window_size=w, window_gamma=gamma)
+    if name == "lolcats_lw":
+        return keras_linattn.linearize(teacher, window_size=w, window_gamma=gamma, linear_weight=lw)
     if name == "window_only":
         from examples.linearize.pipeline import window_only
 
         student = window_only(teacher, w)  # gamma cancels with a zero linear part
         return student
-    if name == "sparse_cache":
-        return keras_linattn.linearize(teacher, window_size=w, cache_size=cfg["cache_size"], window_gamma=gamma)
+    if name in ("sparse_cache", "sparse_cache_lolcats"):
+        n = cfg["cache_size"]
+        return keras_linattn.linearize(teacher, window_size=w, cache_size=n, window_gamma=gamma, linear_weight=lw)
     if name == "delta":
         return keras_linattn.linearize(teacher, window_size=None, update="delta", normalize=False)
     raise ValueError(f"Unknown row {name!r}")
@@ -404,16 +493,31 @@ def run(cfg, rows, log):
         if cfg.get("save_teacher"):
             teacher.save_weights(cfg["save_teacher"])
     tokens, targets, distances = evaluation_rows(cfg)
+    built = {}
+
+    def trained(name):
+        """The row's student, its attention transfer done once (a base row is shared)."""
+        if name not in built:
+            keras.utils.set_random_seed(1)
+            model = make_student(name, teacher, cfg)
+            info = transfer(model, teacher, cfg, seed=20_000) if name in _TRANSFERRED else None
+            built[name] = (model, info)
+        return built[name]
+
     for name in rows:
         start = time.perf_counter()
         record = {"name": name, "title": ROW_TITLES[name]}
         if name == "teacher":
             model = teacher
-        else:
-            keras.utils.set_random_seed(1)
+        elif name in _BASE_ROW:
+            base, info = trained(_BASE_ROW[name])
             model = make_student(name, teacher, cfg)
-            if name in ("lolcats", "delta"):
-                record["transfer"] = transfer(model, teacher, cfg, seed=20_000)
+            model.set_weights(base.get_weights())  # the same weights in the same order; the cache adds none
+            record["weights_from"] = _BASE_ROW[name]
+        else:
+            model, info = trained(name)
+            if info is not None:
+                record["transfer"] = info
         record["build_and_train_s"] = time.perf_counter() - start
         record["accuracy"], record["count"] = accuracy_by_bucket(model, tokens, targets, distances, cfg)
         record["wall_s"] = time.perf_counter() - start
@@ -441,11 +545,31 @@ def parse_args(argv=None):
     )
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {ROWS}")
+    p.add_argument(
+        "--filler",
+        choices=FILLERS,
+        default="random",
+        help="what fills the rows between the pairs: uniform random ids, a repeated pattern (the passkey "
+        "test's haystack), or the standard library's source text",
+    )
+    p.add_argument("--num-pairs", type=int, default=None, help="key-value pairs per row")
+    p.add_argument(
+        "--eval-filler", choices=FILLERS, default=None, help="the evaluation rows' filler (default: --filler)"
+    )
+    p.add_argument("--eval-pairs", type=int, default=None, help="pairs per evaluation row (default: --num-pairs)")
+    p.add_argument("--eval-queries", type=int, default=None, help="queries per evaluation row (default: --num-queries)")
+    p.add_argument("--num-queries", type=int, default=None, help="queried pairs per row (the last at T - 1)")
     p.add_argument("--teacher-steps", type=int, default=None)
     p.add_argument("--transfer-steps", type=int, default=None)
     p.add_argument("--num-eval", type=int, default=None, help="evaluation rows per bucket")
     p.add_argument("--cache-size", type=int, default=None, help="sparse cache N (default T/4 - W)")
     p.add_argument("--window-gamma", type=float, default=0.9)
+    p.add_argument(
+        "--linear-weight",
+        type=float,
+        default=0.001,
+        help="initial linear weight of the *_lw and sparse-cache rows (the LoLCATs row keeps 1)",
+    )
     p.add_argument("--no-jit", action="store_true", help="train the teacher without XLA")
     p.add_argument("--save-teacher", default=None, help="write the trained teacher's weights (.weights.h5)")
     p.add_argument("--load-teacher", default=None, help="load the teacher's weights instead of training it")
@@ -460,7 +584,13 @@ def parse_args(argv=None):
 
 def config_from_args(args):
     cfg = dict(QUICK if args.quick else FULL)
-    for key in ("teacher_steps", "transfer_steps", "num_eval"):
+    cfg["filler"] = args.filler
+    cfg["eval_filler"], cfg["eval_num_pairs"], cfg["eval_num_queries"] = (
+        args.eval_filler,
+        args.eval_pairs,
+        args.eval_queries,
+    )
+    for key in ("num_pairs", "num_queries", "teacher_steps", "transfer_steps", "num_eval"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
     if args.no_jit:
@@ -468,6 +598,7 @@ def config_from_args(args):
     t, w = cfg["sequence_length"], cfg["window_size"]
     cfg["cache_size"] = args.cache_size if args.cache_size is not None else t // 4 - w
     cfg["window_gamma"] = args.window_gamma
+    cfg["linear_weight"] = args.linear_weight
     cfg["save_teacher"], cfg["load_teacher"] = args.save_teacher, args.load_teacher
     return cfg
 

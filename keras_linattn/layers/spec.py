@@ -38,7 +38,15 @@ __all__ = ["AttentionSpec"]
 
 DECAYS = (None, "fixed", "scalar", "channel")
 UPDATES = ("add", "delta")
-SHORTHAND_ARGUMENTS = ("decay", "normalize", "window_size", "update", "window_gamma", "cache_size")
+SHORTHAND_ARGUMENTS = (
+    "decay",
+    "normalize",
+    "window_size",
+    "update",
+    "window_gamma",
+    "cache_size",
+    "linear_weight",
+)
 # Arguments for pretrained softmax models (rotary positions, grouped-query attention).
 PRETRAINED_ARGUMENTS = ("num_key_value_heads", "rope_max_wavelength", "rope_scaling_factor")
 # The keyword arguments `AttentionSpec.pop` takes out of a constructor's kwargs.
@@ -72,6 +80,15 @@ MECHANISM_ARGS_DOC = """\
             attention). With `recurrence`, pass ``gamma=`` in the window
             recurrence's config instead. With `cache_size`, it weighs the
             cache's softmax terms too. Keyword-only.
+        linear_weight: None (default: 1) or a number > 0, with
+            `window_size` only: the initial value of a learned per-head
+            weight ``exp(l)`` of the linear terms (numerator and
+            normalizer). Each softmax term is at most 1, while the linear
+            terms of a long past add up; a small value (0.001 on the recall benchmark) keeps a
+            linearized student's sharp window (and cache) matches from
+            being averaged away. Attention transfer trains it. With
+            `recurrence`, pass ``linear_weight=`` in the window
+            recurrence's config instead. Keyword-only.
         cache_size: None (default) or an int N >= 0, with `window_size`
             only: LoLA's sparse global cache
             (`keras_linattn.recurrences.SparseCacheRecurrence`). Besides the
@@ -118,7 +135,13 @@ MECHANISM_ARGS_DOC = """\
 
 
 def _shorthand_recurrence(
-    decay=None, normalize=True, window_size=None, update="add", window_gamma=None, cache_size=None
+    decay=None,
+    normalize=True,
+    window_size=None,
+    update="add",
+    window_gamma=None,
+    cache_size=None,
+    linear_weight=None,
 ):
     """The built-in recurrence the shorthand arguments describe.
 
@@ -142,6 +165,11 @@ def _shorthand_recurrence(
         raise ValueError(
             "`window_gamma` (the initial weight of the window's softmax terms, a sigmoid) must be None or a "
             f"number in (0, 1). Received: window_gamma={window_gamma!r}"
+        )
+    if linear_weight is not None and window_size is None:
+        raise ValueError(
+            "`linear_weight` weights the linear terms beside a softmax window: it needs `window_size`. "
+            f"Received: linear_weight={linear_weight!r}, window_size=None"
         )
     decay = _validation.check_one_of("decay", decay, DECAYS)
     normalize = _validation.check_bool("normalize", normalize)
@@ -170,9 +198,9 @@ def _shorthand_recurrence(
             )
         return DeltaRecurrence(gate=decay)
     if window_size is not None and cache_size is not None:
-        return SparseCacheRecurrence(window_size, cache_size, gamma=window_gamma)
+        return SparseCacheRecurrence(window_size, cache_size, gamma=window_gamma, linear_weight=linear_weight)
     if window_size is not None:
-        return WindowRecurrence(window_size, gamma=window_gamma)
+        return WindowRecurrence(window_size, gamma=window_gamma, linear_weight=linear_weight)
     if decay is not None:
         return DecayRecurrence(gate=decay, normalize=normalize)
     return AdditiveRecurrence(normalize=normalize)
@@ -268,7 +296,7 @@ class AttentionSpec:
                 (a causal-only recurrence raises for ``causal=False``).
             **arguments: the mechanism arguments (`ARGUMENTS`): the shorthand
                 ``decay``, ``normalize``, ``window_size``, ``update``,
-                ``window_gamma``, ``cache_size``, or ``recurrence``; and ``conv_size``,
+                ``window_gamma``, ``cache_size``, ``linear_weight``, or ``recurrence``; and ``conv_size``,
                 ``num_key_value_heads``, ``rope_max_wavelength``,
                 ``rope_scaling_factor``.
 
@@ -280,7 +308,7 @@ class AttentionSpec:
         if unknown:
             raise TypeError(f"Unknown attention arguments: {unknown}. Expected some of {list(ARGUMENTS)}")
         shorthand = {name: arguments[name] for name in SHORTHAND_ARGUMENTS if name in arguments}
-        for name in ("window_gamma", "cache_size"):
+        for name in ("window_gamma", "cache_size", "linear_weight"):
             if name in shorthand and shorthand[name] is None:
                 del shorthand[name]  # the default, e.g. from a config
         recurrence = arguments.get("recurrence")
@@ -289,7 +317,7 @@ class AttentionSpec:
         elif shorthand:
             raise ValueError(
                 "Pass either `recurrence` or the shorthand arguments (decay, normalize, window_size, update, "
-                "window_gamma, cache_size), "
+                "window_gamma, cache_size, linear_weight), "
                 f"not both. Received: recurrence={recurrence!r}, "
                 + ", ".join(f"{k}={v!r}" for k, v in shorthand.items())
             )

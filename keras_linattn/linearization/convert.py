@@ -92,7 +92,11 @@ def linearize(teacher, *, feature_map="hedgehog", window_size=64, **attention_kw
             ``chunk_size``, ``conv_size``, ``epsilon``). With a window,
             ``window_gamma`` defaults to LoLCATs' 0.1 (the learnable
             per-head weight of the softmax terms; it cancels when the window
-            covers the sequence). ``dtype=`` is the student's dtype policy
+            covers the sequence). ``linear_weight`` (default None: 1) starts
+            the learned weight of the linear terms; a small value (0.001
+            on the recall benchmark) keeps the window's sharp matches from being averaged away
+            by the linear terms of a long past (docs/recurrences.md, "The
+            linear weight"). ``dtype=`` is the student's dtype policy
             (every rebuilt layer's, e.g. ``"mixed_bfloat16"``); by default
             each layer keeps its teacher layer's.
 

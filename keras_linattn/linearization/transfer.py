@@ -47,16 +47,17 @@ from keras_linattn.linearization._generic import is_softmax_attention
 
 __all__ = ["DivergenceWarning", "NonFiniteLossError", "attention_pairs", "attention_transfer", "transfer_variables"]
 
-# Names of the window's learnable gamma weight on a LinearAttention layer.
-_GAMMA_NAMES = ("window_gamma_logit", "window_gamma", "gamma")
+# Names of the window's learnable weights on a LinearAttention layer: its gamma, and its linear weight.
+_GAMMA_NAMES = ("window_gamma_logit", "window_gamma", "gamma", "window_linear_weight_log")
 
 
 def transfer_variables(layer):
     """The variables attention transfer trains in one `LinearAttention` layer.
 
     The trainable weights of its feature map, and the window's learnable
-    per-head gamma if the layer has one (a trainable weight of the layer
-    itself named ``window_gamma_logit``, as `WindowRecurrence` names it, or
+    per-head gamma and linear weight if the layer has them (trainable
+    weights of the layer itself named ``window_gamma_logit`` and
+    ``window_linear_weight_log``, as `WindowRecurrence` names them, or
     ``window_gamma`` or ``gamma``; not one of its projections',
     convolution's or output norm's). The projections, the short convolution
     and everything outside the attention stay as they are.

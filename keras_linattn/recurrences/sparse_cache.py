@@ -46,12 +46,21 @@ class SparseCacheRecurrence(WindowRecurrence):
         gamma: None (default) or the initial value, in (0, 1), of a learned
             per-head weight ``sigmoid(g)`` of the softmax terms (window and
             cache), as `WindowRecurrence`'s (weight ``window_gamma_logit [H]``).
+        linear_weight: None (default) or the initial value, > 0, of a learned
+            per-head weight of the linear terms, as `WindowRecurrence`'s
+            (weight ``window_linear_weight_log [H]``). The self-recall error
+            that picks the cached pairs does not depend on it.
     """
 
-    contract_configs = ({"window_size": 3, "cache_size": 2}, {"window_size": 2, "cache_size": 3, "gamma": 0.25})
+    contract_configs = (
+        {"window_size": 3, "cache_size": 2},
+        {"window_size": 2, "cache_size": 3, "gamma": 0.25},
+        {"window_size": 2, "cache_size": 2, "gamma": 0.5, "linear_weight": 0.3},
+    )
 
-    def __init__(self, window_size, cache_size, gamma=None):
-        super().__init__(window_size, gamma=gamma)  # the window's checks, its gamma and its weight
+    def __init__(self, window_size, cache_size, gamma=None, linear_weight=None):
+        # the window's checks, its gamma and linear weight, and their weights
+        super().__init__(window_size, gamma=gamma, linear_weight=linear_weight)
         self.cache_size = _validation.check_non_negative_int("cache_size", cache_size)
 
     def get_config(self):

@@ -34,11 +34,26 @@ class WindowRecurrence(Recurrence):
             ``gamma = sigmoid(g)`` of the softmax terms (LoLCATs: 0.1). The
             weight ``window_gamma_logit [H]`` (g, float32) is trainable; with
             ``W >= T`` gamma cancels and the output is exact softmax attention.
+        linear_weight: None (default: the linear terms weigh 1) or the
+            initial value, > 0, of a learned per-head weight
+            ``lambda = exp(l)`` of the linear terms (in the numerator and
+            the normalizer; the weight ``window_linear_weight_log [H]``,
+            float32, trainable). It is applied to the query features, so it
+            is one multiply per query. The softmax terms are at most 1 each
+            (the largest is 1, or gamma), while the linear terms of a long
+            past add up: with hedgehog maps at copy, 256 older tokens weigh
+            about 16 and a sharp window match is lost. A small
+            `linear_weight` (0.001 on `benchmarks/bench_recall.py`) lets a linearized student start close
+            to its window's attention. With ``W >= T`` it cancels like gamma.
     """
 
-    contract_configs = ({"window_size": 3}, {"window_size": 3, "gamma": 0.25})
+    contract_configs = (
+        {"window_size": 3},
+        {"window_size": 3, "gamma": 0.25},
+        {"window_size": 2, "gamma": 0.5, "linear_weight": 0.3},
+    )
 
-    def __init__(self, window_size, gamma=None):
+    def __init__(self, window_size, gamma=None, linear_weight=None):
         super().__init__()
         self.window_size = _validation.check_positive_int("window_size", window_size)
         if gamma is not None and (not _validation._is_real(gamma) or not 0.0 < gamma < 1.0):
@@ -47,11 +62,21 @@ class WindowRecurrence(Recurrence):
                 f"a number in (0, 1). Received: gamma={gamma!r}"
             )
         self.gamma = None if gamma is None else float(gamma)
+        if linear_weight is not None and (
+            not _validation._is_real(linear_weight) or not 0.0 < linear_weight < math.inf
+        ):
+            raise ValueError(
+                "`linear_weight` (the initial weight of the linear terms, exp of a learned log) must be None "
+                f"or a finite number > 0. Received: linear_weight={linear_weight!r}"
+            )
+        self.linear_weight = None if linear_weight is None else float(linear_weight)
 
     def get_config(self):
         config = {"window_size": self.window_size}
         if self.gamma is not None:  # configs without a gamma stay as they were
             config["gamma"] = self.gamma
+        if self.linear_weight is not None:
+            config["linear_weight"] = self.linear_weight
         return config
 
     def build(self, layer):
@@ -62,6 +87,21 @@ class WindowRecurrence(Recurrence):
             self.gamma_logit = self.add_weight(
                 "window_gamma_logit", (self.num_heads,), keras.initializers.Constant(logit)
             )  # [H]
+        self.linear_weight_log = None
+        if self.linear_weight is not None:
+            self.linear_weight_log = self.add_weight(
+                "window_linear_weight_log",
+                (self.num_heads,),
+                keras.initializers.Constant(math.log(self.linear_weight)),
+            )  # [H]
+
+    def features(self, x, is_query, causal=True, training=None, key_mask=None):
+        """``phi(x)``; a query's features times the linear weight ``exp(l) [H]`` when there is one."""
+        f = super().features(x, is_query, causal, training, key_mask)
+        if not is_query or self.linear_weight_log is None:
+            return f
+        weight = ops.cast(ops.exp(self.linear_weight_log), f.dtype)  # [H]
+        return f * weight[:, None]  # features [..., H, C]
 
     def _gamma(self):
         """``sigmoid(g) [H]`` float32, or None without a gamma."""

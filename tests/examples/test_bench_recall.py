@@ -97,3 +97,72 @@ def test_quick_run_writes_every_row(tmp_path):
     assert memory["cache_size"] >= 1 and memory["window_plus_cache_over_kv"] <= 0.25
     assert results["command"].endswith("--quick --out " + str(out))
     assert results["peak_rss_bytes"] > 0
+
+
+def test_text_filler_keeps_the_text_between_the_pairs():
+    text = np.frombuffer(b"def f(x):\n    return x + 1\n\n" * 20, np.uint8)
+    tokens, targets, distances = bench.generate(
+        4,
+        64,
+        num_pairs=4,
+        num_queries=3,
+        final_distances=[3, 10, 20, 40],
+        other_buckets=[(2, 8), (8, 32)],
+        vocabulary_size=256,
+        seed=2,
+        filler="text",
+        text=text,
+    )
+    filler, keys, values = bench.vocabulary_layout(256, "text")
+    assert filler == (1, 128) and keys == (128, 192) and values == (192, 256)
+    np.testing.assert_array_equal(distances[:, -1], [3, 10, 20, 40])
+    for row in tokens:
+        plain = row < 128
+        assert plain.sum() == 64 - 2 * 4 - 3 - 2  # four pairs, three queries, the two earlier ones answered
+        # The text positions hold one contiguous slice of the text, written over where the pairs are.
+        starts = [s for s in range(len(text) - 64) if np.array_equal(text[s : s + 64][plain], row[plain])]
+        assert starts, row
+    assert np.all(targets[:, -1] >= 192)
+    with pytest.raises(ValueError, match="needs `text`"):
+        bench.generate(
+            1,
+            64,
+            num_pairs=2,
+            num_queries=1,
+            final_distances=[3],
+            other_buckets=[(2, 8)],
+            vocabulary_size=256,
+            seed=0,
+            filler="text",
+            text=text[:50],
+        )
+    with pytest.raises(ValueError, match="vocabulary_size"):
+        bench.vocabulary_layout(128, "text")
+    with pytest.raises(ValueError, match="filler"):
+        bench.vocabulary_layout(256, "words")
+
+
+def test_text_codes_are_ascii_without_zero():
+    codes = bench.text_codes(5000)
+    assert codes.dtype == np.uint8 and len(codes) == 5000
+    assert codes.min() >= 1 and codes.max() < 128
+
+
+def test_repeat_filler_is_one_pattern_at_a_random_phase():
+    kwargs = dict(num_pairs=3, num_queries=2, other_buckets=[(2, 8)], vocabulary_size=64, filler="repeat")
+    tokens, _, _ = bench.generate(6, 64, final_distances=[3, 4, 5, 6, 7, 3], seed=4, **kwargs)
+    again, _, _ = bench.generate(2, 64, final_distances=[3, 3], seed=11, **kwargs)
+    filler, _, _ = bench.vocabulary_layout(64, "repeat")
+    p = bench.REPEAT_PERIOD
+    pattern = None
+    phases = set()
+    for row in np.concatenate([tokens, again]):
+        plain = row < filler[1]
+        assert plain.sum() == 64 - 2 * 3 - 2 - 1
+        if pattern is None:  # read the pattern off the first row: one period where it is plain
+            start = next(s for s in range(64 - p) if plain[s : s + p].all())
+            pattern = np.roll(row[start : start + p], start)  # pattern[i % p] at position i (phase 0)
+        fits = [f for f in range(p) if np.array_equal(row[plain], pattern[(f + np.arange(64)) % p][plain])]
+        assert len(fits) >= 1, row  # the same pattern in every row and call, at some phase
+        phases.add(fits[0])
+    assert len(phases) > 1  # the phase varies
