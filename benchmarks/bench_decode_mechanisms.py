@@ -34,6 +34,7 @@ PRESETS = {
     "channel decay + conv4": dict(decay="channel", conv_size=4),
     "conv4 + window64": dict(conv_size=4, window_size=64),
     "fixed decay without normalizer": dict(decay="fixed", normalize=False),
+    "window64 + cache64 (LoLA)": dict(window_size=64, cache_size=64, linear_weight=0.001),
 }
 TARGET = 1.2
 

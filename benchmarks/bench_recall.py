@@ -75,6 +75,7 @@ from benchmarks._common import proc_status_bytes  # noqa: E402
 RESULTS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "recall.json")
 IGNORE = -1
 BUCKET_NAMES = ("inside window", "1-4x window", "4-32x window")
+LONG_BUCKET = "32-128x window"  # only in rows longer than 32 W + 1 (``--eval-length``)
 FILLERS = ("random", "repeat", "text")
 REPEAT_PERIOD = 16
 
@@ -145,10 +146,15 @@ def vocabulary_layout(vocabulary_size, filler="random"):
 
 
 def buckets(window_size, sequence_length):
-    """``[(name, lo, hi)]``: query distances ``lo <= d < hi`` inside, 1-4x and 4-32x the window."""
+    """``[(name, lo, hi)]``: query distances ``lo <= d < hi`` inside, 1-4x and 4-32x the window.
+
+    Rows longer than ``32 W + 1`` get a fourth bucket, 32-128x the window.
+    """
     top = min(32 * window_size, sequence_length - 1)
     out = [(BUCKET_NAMES[0], 2, window_size), (BUCKET_NAMES[1], window_size, 4 * window_size)]
     out.append((BUCKET_NAMES[2], 4 * window_size, top))
+    if sequence_length - 1 > 32 * window_size:
+        out.append((LONG_BUCKET, 32 * window_size, min(128 * window_size, sequence_length - 1)))
     for name, lo, hi in out:
         if hi <= lo:
             raise ValueError(
@@ -302,6 +308,11 @@ def training_rows(cfg, num_rows, seed):
     )
 
 
+def eval_length(cfg):
+    """The evaluation rows' length: ``eval_length`` where the config has one, else the training length."""
+    return cfg.get("eval_length") or cfg["sequence_length"]
+
+
 def evaluation_rows(cfg, seed=1):
     """``num_eval`` rows per bucket; only the last query is scored.
 
@@ -310,11 +321,12 @@ def evaluation_rows(cfg, seed=1):
     (e.g. a few pairs in a repeated haystack, the passkey setting, for a
     teacher trained on dense rows), else the training rows'.
     """
-    bucket_list = buckets(cfg["window_size"], cfg["sequence_length"])
+    t = eval_length(cfg)
+    bucket_list = buckets(cfg["window_size"], t)
     final = stratified_distances(cfg["num_eval"], bucket_list, seed)
     tokens, targets, distances = generate(
         len(final),
-        cfg["sequence_length"],
+        t,
         num_pairs=cfg.get("eval_num_pairs") or cfg["num_pairs"],
         num_queries=cfg.get("eval_num_queries") or cfg["num_queries"],
         final_distances=final,
@@ -434,7 +446,7 @@ def accuracy_by_bucket(model, tokens, targets, distances, cfg):
         predictions.append(np.asarray(last_prediction(tf.constant(tokens[start : start + size]))))
     correct = np.concatenate(predictions) == targets
     acc, count = {}, {}
-    for name, lo, hi in buckets(cfg["window_size"], cfg["sequence_length"]):
+    for name, lo, hi in buckets(cfg["window_size"], eval_length(cfg)):
         sel = (distances >= lo) & (distances < hi)
         acc[name], count[name] = float(correct[sel].mean()), int(sel.sum())
     acc["all"], count["all"] = float(correct.mean()), int(correct.size)
@@ -554,6 +566,9 @@ def parse_args(argv=None):
     )
     p.add_argument("--num-pairs", type=int, default=None, help="key-value pairs per row")
     p.add_argument(
+        "--eval-length", type=int, default=None, help="the evaluation rows' length (default: the training length)"
+    )
+    p.add_argument(
         "--eval-filler", choices=FILLERS, default=None, help="the evaluation rows' filler (default: --filler)"
     )
     p.add_argument("--eval-pairs", type=int, default=None, help="pairs per evaluation row (default: --num-pairs)")
@@ -585,6 +600,7 @@ def parse_args(argv=None):
 def config_from_args(args):
     cfg = dict(QUICK if args.quick else FULL)
     cfg["filler"] = args.filler
+    cfg["eval_length"] = args.eval_length
     cfg["eval_filler"], cfg["eval_num_pairs"], cfg["eval_num_queries"] = (
         args.eval_filler,
         args.eval_pairs,
@@ -612,7 +628,7 @@ def main(argv=None):
     def log(msg):
         print(f"[bench_recall] {msg}", flush=True)
 
-    t, w, n = cfg["sequence_length"], cfg["window_size"], cfg["cache_size"]
+    t, w, n = eval_length(cfg), cfg["window_size"], cfg["cache_size"]  # the KV cache at the evaluated length
     results = {
         "command": "python -m benchmarks.bench_recall " + shlex.join(sys.argv[1:] if argv is None else argv),
         "environment": {

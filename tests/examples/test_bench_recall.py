@@ -63,6 +63,12 @@ def test_keys_sit_at_the_requested_distances(t, w, pairs, queries, vocab):
 def test_last_query_distance_lands_in_its_bucket():
     bucket_list = bench.buckets(8, 256)
     assert [(lo, hi) for _, lo, hi in bucket_list] == [(2, 8), (8, 32), (32, 255)]
+    long = bench.buckets(8, 1024)
+    assert long[:2] == bucket_list[:2] and long[2:] == [("4-32x window", 32, 256), (bench.LONG_BUCKET, 256, 1023)]
+    assert len(bench.buckets(8, 257)) == 3 and len(bench.buckets(8, 258)) == 4
+    cfg = bench.config_from_args(bench.parse_args(["--quick", "--eval-length", "160", "--num-eval", "3"]))
+    tokens, _, distances = bench.evaluation_rows(cfg)
+    assert tokens.shape == (12, 160) and distances[-3:].min() >= 128  # 4 buckets of 3 rows; the last 32-128x
     d = bench.stratified_distances(50, bucket_list, seed=0)
     for i, (_, lo, hi) in enumerate(bucket_list):
         assert np.all((d[50 * i : 50 * (i + 1)] >= lo) & (d[50 * i : 50 * (i + 1)] < hi))
