@@ -24,6 +24,10 @@ __all__ = ["linearize"]
 # LoLCATs' initial weight of the window's softmax terms: sigmoid(-2.197) = 0.1.
 LOLCATS_WINDOW_GAMMA = 0.1
 
+# The initial weight of the linear terms beside a sparse cache (LoLA, used without training): small, so that the
+# window's and the cache's sharp matches are not averaged away (docs/recurrences.md, "The linear weight").
+LOLA_LINEAR_WEIGHT = 0.001
+
 # Adapters for model families, imported only for a teacher of that family:
 # (name of the package the teacher's class comes from, module of the adapter).
 _FAMILY_ADAPTERS = (("keras_hub", "keras_linattn.linearization._keras_hub"),)
@@ -92,10 +96,11 @@ def linearize(teacher, *, feature_map="hedgehog", window_size=64, **attention_kw
             ``chunk_size``, ``conv_size``, ``epsilon``). With a window,
             ``window_gamma`` defaults to LoLCATs' 0.1 (the learnable
             per-head weight of the softmax terms; it cancels when the window
-            covers the sequence). ``linear_weight`` (default None: 1) starts
-            the learned weight of the linear terms; a small value (0.001
-            on the recall benchmark) keeps the window's sharp matches from being averaged away
-            by the linear terms of a long past (docs/recurrences.md, "The
+            covers the sequence). ``linear_weight`` starts the learned weight
+            of the linear terms: default None (1) with the window alone,
+            `LOLA_LINEAR_WEIGHT` (0.001) with a ``cache_size`` (LoLA is used
+            without training; at weight 1 the linear terms of a long past
+            average the window's and the cache's sharp matches away: docs/recurrences.md, "The
             linear weight"). ``dtype=`` is the student's dtype policy
             (every rebuilt layer's, e.g. ``"mixed_bfloat16"``); by default
             each layer keeps its teacher layer's.
@@ -131,4 +136,6 @@ def linearize(teacher, *, feature_map="hedgehog", window_size=64, **attention_kw
         feature_map = feature_maps.get("hedgehog", share_qk=False)
     if window_size is not None:
         attention_kwargs.setdefault("window_gamma", LOLCATS_WINDOW_GAMMA)
+        if attention_kwargs.get("cache_size") is not None:
+            attention_kwargs.setdefault("linear_weight", LOLA_LINEAR_WEIGHT)
     return _adapter(teacher)(teacher, feature_map=feature_map, window_size=window_size, **attention_kwargs)

@@ -129,3 +129,13 @@ def test_linearize_passes_the_linear_weight():
     recurrence = student.get_layer("att1").recurrence
     assert recurrence.get_config() == {"window_size": 3, "cache_size": 1, "gamma": 0.1, "linear_weight": 0.05}
     assert np.all(np.isfinite(np.asarray(student(data(2)))))
+
+
+def test_linearize_defaults_the_linear_weight_with_a_cache_only():
+    from tests.linearization._models import causal_teacher
+
+    teacher, _ = causal_teacher()
+    cached = keras_linattn.linearize(teacher, window_size=3, cache_size=1).get_layer("att1").recurrence
+    assert cached.linear_weight == keras_linattn.linearization.convert.LOLA_LINEAR_WEIGHT == 0.001
+    window = keras_linattn.linearize(teacher, window_size=3).get_layer("att1").recurrence
+    assert window.linear_weight is None and "linear_weight" not in window.get_config()

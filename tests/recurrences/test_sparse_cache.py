@@ -338,7 +338,13 @@ def test_linearize_with_a_cache_covering_the_sequence_is_the_teacher():
     student = keras_linattn.linearize(teacher, window_size=4, cache_size=T - 4)
     attention = student.get_layer("att1")
     assert isinstance(attention.recurrence, SparseCacheRecurrence)
-    assert attention.recurrence.get_config() == {"window_size": 4, "cache_size": T - 4, "gamma": 0.1}
+    # linearize's defaults with a cache: LoLCATs' gamma and LoLA's small linear weight.
+    assert attention.recurrence.get_config() == {
+        "window_size": 4,
+        "cache_size": T - 4,
+        "gamma": 0.1,
+        "linear_weight": 0.001,
+    }
     x = data(4)
     # As tests/linearization/test_linearize.py: embed, two attention layers, the head.
     n = FEATURES + 2 * (DIM + KEY_DIM + 2 * T + HEADS * KEY_DIM) + DIM
