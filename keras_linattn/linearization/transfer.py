@@ -48,7 +48,7 @@ from keras_linattn.linearization._generic import is_softmax_attention
 __all__ = ["DivergenceWarning", "NonFiniteLossError", "attention_pairs", "attention_transfer", "transfer_variables"]
 
 # Names of the window's learnable weights on a LinearAttention layer: its gamma, and its linear weight.
-_GAMMA_NAMES = ("window_gamma_logit", "window_gamma", "gamma", "window_linear_weight_log")
+_WINDOW_WEIGHT_NAMES = ("window_gamma_logit", "window_gamma", "gamma", "window_linear_weight_log")
 
 
 def transfer_variables(layer):
@@ -73,7 +73,7 @@ def transfer_variables(layer):
     chosen = [] if layer.feature_map is None else list(layer.feature_map.trainable_weights)
     inner = {id(v) for sub in walk_layers(layer)[1:] for v in sub.weights}
     for v in layer.trainable_weights:
-        if id(v) not in inner and v.name in _GAMMA_NAMES and all(v is not c for c in chosen):
+        if id(v) not in inner and v.name in _WINDOW_WEIGHT_NAMES and all(v is not c for c in chosen):
             chosen.append(v)
     return chosen
 
