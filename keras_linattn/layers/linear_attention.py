@@ -160,11 +160,12 @@ class LinearAttention(_projections.ProjectedAttention):
         if initial_state is not None:
             _state.check_state(self.state_spec(), initial_state, name="initial_state")
             parts = self._split_state(initial_state)
-        (query, key, value), gate_keys, new_parts = self._before_recurrence(
+        (query, key, value), gate_keys, unrotated, new_parts = self._before_recurrence(
             query, key, value, key_mask, use_causal_mask, parts
         )
+        extra = {"unrotated": unrotated} if self.recurrence.reads_unrotated else {}
         out, recurrence_parts = self.recurrence.call(
-            query, key, value, gate_keys, key_mask, parts, causal=use_causal_mask, training=training
+            query, key, value, gate_keys, key_mask, parts, causal=use_causal_mask, training=training, **extra
         )  # [B, T, H, M]
         if use_causal_mask and self._checks_key_range():
             out, recurrence_parts = self._flag_keys_out_of_range(key, key_mask, out, recurrence_parts)
@@ -174,7 +175,9 @@ class LinearAttention(_projections.ProjectedAttention):
     def _before_recurrence(self, query, key, value, key_mask, causal, parts):
         """The stages between the projections and the recurrence: key padding, short convolution, RoPE.
 
-        Returns ``((q, k, v), gate_keys, new_parts)``.
+        Returns ``((q, k, v), gate_keys, unrotated, new_parts)``, ``unrotated``
+        the ``(q, k)`` before the rotary embedding (for recurrences that
+        `reads_unrotated`; q and k themselves without one).
         """
         # Padded keys enter the map as zeros, so maps with statistics over
         # keys (the non-causal stabilizers of favor+/favor_trig) never see
@@ -185,9 +188,10 @@ class LinearAttention(_projections.ProjectedAttention):
         # its padding is the keys'.
         query_mask = key_mask if causal else None
         (query, key, value), new_parts = self.short_conv(query, key, value, key_mask, query_mask, parts)
+        unrotated = (query, key)
         if self.rope_max_wavelength is not None:
             query, key, new_parts["position"] = self._rotate(query, key, key_mask, causal, parts)
-        return (query, key, value), gate_keys, new_parts
+        return (query, key, value), gate_keys, unrotated, new_parts
 
     def attention_inputs(self, query, value, key=None, key_mask=None, use_causal_mask=False):
         """The queries, keys and values the feature map and the recurrence see, from a fresh state.
@@ -215,7 +219,7 @@ class LinearAttention(_projections.ProjectedAttention):
         if key_mask is not None:
             key_mask = ops.cast(key_mask, "bool")
         q, k, v = self.project(query, value, key)
-        (q, k, v), _, _ = self._before_recurrence(q, k, v, key_mask, use_causal_mask, None)
+        (q, k, v), _, _, _ = self._before_recurrence(q, k, v, key_mask, use_causal_mask, None)
         return q, k, v
 
     def _rotate(self, query, key, key_mask, causal, parts):
@@ -343,13 +347,14 @@ class LinearAttention(_projections.ProjectedAttention):
         gate_keys = k
         q, k, v = q[:, 0], k[:, 0], v[:, 0]  # [B, H, D|D|M]
         (q, k, v), new_parts = self.short_conv.step(q, k, v, parts)
+        extra = {"unrotated": (q, k)} if self.recurrence.reads_unrotated else {}
         if self.rope_max_wavelength is not None:
             position = parts["position"]  # [B]
             rope = (self.rope_max_wavelength, self.rope_scaling_factor)
             q = rotary_ops.rotary_embedding(q, position, *rope)  # [B, H, D]
             k = rotary_ops.rotary_embedding(k, position, *rope)  # [B, H, D]
             new_parts["position"] = position + 1.0
-        out, recurrence_parts = self.recurrence.step(q, k, v, gate_keys, parts, training=training)  # [B, H, M]
+        out, recurrence_parts = self.recurrence.step(q, k, v, gate_keys, parts, training=training, **extra)  # [B, H, M]
         if self._checks_key_range():
             out, recurrence_parts = self._flag_keys_out_of_range(k[:, None], None, out[:, None], recurrence_parts)
             out = out[:, 0]  # [B, H, M]

@@ -46,6 +46,8 @@ SHORTHAND_ARGUMENTS = (
     "window_gamma",
     "cache_size",
     "linear_weight",
+    "linear_rope",
+    "linear_mean",
 )
 # Arguments for pretrained softmax models (rotary positions, grouped-query attention).
 PRETRAINED_ARGUMENTS = ("num_key_value_heads", "rope_max_wavelength", "rope_scaling_factor")
@@ -89,6 +91,15 @@ MECHANISM_ARGS_DOC = """\
             being averaged away. Attention transfer trains it. With
             `recurrence`, pass ``linear_weight=`` in the window
             recurrence's config instead. Keyword-only.
+        linear_rope, linear_mean: None (default: True and False), with
+            `window_size` only (not `cache_size`): for length past the
+            training length. ``linear_rope=False`` gives the linear part
+            the features of the queries and keys before the rotary
+            embedding (the window's softmax keeps it), so no absolute
+            position reaches it. ``linear_mean=True`` makes the linear terms
+            a mean over the older keys instead of a sum, so their share of
+            the normalizer does not grow with the length of the past. See
+            `keras_linattn.recurrences.WindowRecurrence`. Keyword-only.
         cache_size: None (default) or an int N >= 0, with `window_size`
             only: LoLA's sparse global cache
             (`keras_linattn.recurrences.SparseCacheRecurrence`). Besides the
@@ -142,6 +153,8 @@ def _shorthand_recurrence(
     window_gamma=None,
     cache_size=None,
     linear_weight=None,
+    linear_rope=None,
+    linear_mean=None,
 ):
     """The built-in recurrence the shorthand arguments describe.
 
@@ -171,6 +184,13 @@ def _shorthand_recurrence(
             "`linear_weight` weights the linear terms beside a softmax window: it needs `window_size`. "
             f"Received: linear_weight={linear_weight!r}, window_size=None"
         )
+    for name, value in (("linear_rope", linear_rope), ("linear_mean", linear_mean)):
+        if value is not None and (window_size is None or cache_size is not None):
+            raise ValueError(
+                f"`{name}` is an option of the softmax window's linear part: it needs `window_size` and "
+                f"no `cache_size`. Received: {name}={value!r}, window_size={window_size!r}, "
+                f"cache_size={cache_size!r}"
+            )
     decay = _validation.check_one_of("decay", decay, DECAYS)
     normalize = _validation.check_bool("normalize", normalize)
     if window_size is not None and decay is not None:
@@ -200,7 +220,9 @@ def _shorthand_recurrence(
     if window_size is not None and cache_size is not None:
         return SparseCacheRecurrence(window_size, cache_size, gamma=window_gamma, linear_weight=linear_weight)
     if window_size is not None:
-        return WindowRecurrence(window_size, gamma=window_gamma, linear_weight=linear_weight)
+        options = {"linear_rope": linear_rope, "linear_mean": linear_mean}
+        options = {name: value for name, value in options.items() if value is not None}
+        return WindowRecurrence(window_size, gamma=window_gamma, linear_weight=linear_weight, **options)
     if decay is not None:
         return DecayRecurrence(gate=decay, normalize=normalize)
     return AdditiveRecurrence(normalize=normalize)
@@ -296,7 +318,8 @@ class AttentionSpec:
                 (a causal-only recurrence raises for ``causal=False``).
             **arguments: the mechanism arguments (`ARGUMENTS`): the shorthand
                 ``decay``, ``normalize``, ``window_size``, ``update``,
-                ``window_gamma``, ``cache_size``, ``linear_weight``, or ``recurrence``; and ``conv_size``,
+                ``window_gamma``, ``cache_size``, ``linear_weight``, ``linear_rope``,
+                ``linear_mean``, or ``recurrence``; and ``conv_size``,
                 ``num_key_value_heads``, ``rope_max_wavelength``,
                 ``rope_scaling_factor``.
 
@@ -308,7 +331,7 @@ class AttentionSpec:
         if unknown:
             raise TypeError(f"Unknown attention arguments: {unknown}. Expected some of {list(ARGUMENTS)}")
         shorthand = {name: arguments[name] for name in SHORTHAND_ARGUMENTS if name in arguments}
-        for name in ("window_gamma", "cache_size", "linear_weight"):
+        for name in ("window_gamma", "cache_size", "linear_weight", "linear_rope", "linear_mean"):
             if name in shorthand and shorthand[name] is None:
                 del shorthand[name]  # the default, e.g. from a config
         recurrence = arguments.get("recurrence")
@@ -317,7 +340,7 @@ class AttentionSpec:
         elif shorthand:
             raise ValueError(
                 "Pass either `recurrence` or the shorthand arguments (decay, normalize, window_size, update, "
-                "window_gamma, cache_size, linear_weight), "
+                "window_gamma, cache_size, linear_weight, linear_rope, linear_mean), "
                 f"not both. Received: recurrence={recurrence!r}, "
                 + ", ".join(f"{k}={v!r}" for k, v in shorthand.items())
             )

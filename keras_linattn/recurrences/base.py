@@ -63,6 +63,12 @@ class Recurrence:
     normalize = True
     registry_name = None  # set by `register`
 
+    # True when `call`, `step` and `oracle` take ``unrotated=(q, k)``: the
+    # queries and keys before the layer's rotary embedding (the same as q and
+    # k on a layer without one). `WindowRecurrence(linear_rope=False)` feeds
+    # its linear part from them.
+    reads_unrotated = False
+
     def __init__(self):
         self.layer = None
 

@@ -45,15 +45,33 @@ class WindowRecurrence(Recurrence):
             about 16 and a sharp window match is lost. A small
             `linear_weight` (0.001 on `benchmarks/bench_recall.py`) lets a linearized student start close
             to its window's attention. With ``W >= T`` it cancels like gamma.
+        linear_rope: True (default): with rotary embeddings on the layer,
+            the linear part's features are those of the rotated queries and
+            keys, as the window's softmax. False: the features of the
+            queries and keys before the rotation (the window's softmax keeps
+            its rotary embedding). The softmax window only ever sees
+            relative distances below W, but the feature map of a rotated
+            key depends on its absolute position, so positions past the
+            training length reach the linear part; unrotated features do
+            not depend on position. The window's buffer then also keeps the
+            unrotated keys (``window_k_plain [W, H, D]`` in the state).
+            Without rotary embeddings it changes nothing.
+        linear_mean: False (default): the linear terms are a sum over the
+            keys older than the window. True: their mean (the sum divided by
+            the number of those keys, counted in the state as
+            ``linear_count []``), so the linear part's share of the shared
+            normalizer does not grow with the length of the past; the
+            learned `linear_weight` then weighs the mean.
     """
 
     contract_configs = (
         {"window_size": 3},
         {"window_size": 3, "gamma": 0.25},
         {"window_size": 2, "gamma": 0.5, "linear_weight": 0.3},
+        {"window_size": 3, "linear_rope": False, "linear_mean": True},
     )
 
-    def __init__(self, window_size, gamma=None, linear_weight=None):
+    def __init__(self, window_size, gamma=None, linear_weight=None, linear_rope=True, linear_mean=False):
         super().__init__()
         self.window_size = _validation.check_positive_int("window_size", window_size)
         if gamma is not None and (not _validation._is_real(gamma) or not 0.0 < gamma < 1.0):
@@ -70,6 +88,13 @@ class WindowRecurrence(Recurrence):
                 f"or a finite number > 0. Received: linear_weight={linear_weight!r}"
             )
         self.linear_weight = None if linear_weight is None else float(linear_weight)
+        self.linear_rope = _validation.check_bool("linear_rope", linear_rope)
+        self.linear_mean = _validation.check_bool("linear_mean", linear_mean)
+
+    @property
+    def reads_unrotated(self):
+        """True when the linear part's features read the queries and keys before the rotary embedding."""
+        return not self.linear_rope
 
     def get_config(self):
         config = {"window_size": self.window_size}
@@ -77,6 +102,10 @@ class WindowRecurrence(Recurrence):
             config["gamma"] = self.gamma
         if self.linear_weight is not None:
             config["linear_weight"] = self.linear_weight
+        if not self.linear_rope:  # configs with the defaults stay as they were
+            config["linear_rope"] = False
+        if self.linear_mean:
+            config["linear_mean"] = True
         return config
 
     def build(self, layer):
@@ -103,6 +132,11 @@ class WindowRecurrence(Recurrence):
         weight = ops.cast(ops.exp(self.linear_weight_log), f.dtype)  # [H]
         return f * weight[:, None]  # features [..., H, C]
 
+    def _mean_scale(self, count, dtype):
+        """``1 / max(count, 1)`` as ``[B, T, 1, 1]`` for ``count [B, T]`` (older keys per query)."""
+        scale = 1.0 / ops.maximum(ops.cast(count, dtype), ops.cast(1.0, dtype))  # [B, T]
+        return scale[:, :, None, None]
+
     def _gamma(self):
         """``sigmoid(g) [H]`` float32, or None without a gamma."""
         return None if self.gamma is None else ops.sigmoid(self.gamma_logit)
@@ -113,13 +147,19 @@ class WindowRecurrence(Recurrence):
 
     def buffer_spec(self):
         w, h, d, m = self.window_size, self.num_heads, self.key_dim, self.value_dim
-        return [
+        spec = [
             _state.StateSpec("window_k", (w, h, d), "float32"),
             _state.StateSpec("window_v", (w, h, m), "float32"),
             _state.StateSpec("window_valid", (w,), "float32"),
         ]
+        if not self.linear_rope:
+            spec.append(_state.StateSpec("window_k_plain", (w, h, d), "float32"))
+        if self.linear_mean:
+            spec.append(_state.StateSpec("linear_count", (), "float32"))
+        return spec
 
-    def call(self, q, k, v, gate_keys, key_mask, state, causal=True, training=None):
+    def call(self, q, k, v, gate_keys, key_mask, state, causal=True, training=None, unrotated=None):
+        """The parallel form; ``unrotated=(q, k)`` before the rotary embedding when `reads_unrotated`."""
         w = self.window_size
         if state is None:
             state = self.zeros_like_spec(self.buffer_spec(), ops.shape(k)[0])
@@ -130,8 +170,20 @@ class WindowRecurrence(Recurrence):
         k_all = ops.concatenate([ops.cast(state["window_k"], k.dtype), k], axis=1)  # [B, W + S, H, D]
         v_all = ops.concatenate([ops.cast(state["window_v"], v.dtype), v], axis=1)  # [B, W + S, H, M]
         ok_all = ops.concatenate([ops.cast(state["window_valid"], "float32"), real], axis=1)  # [B, W + S]
-        qf = self.features(q, True, True, training)  # [B, T, H, C]
-        kf_all = self.features(k_all, False, True, training)  # [B, W + S, H, C]
+        q_lin, kp_all = q, k_all
+        if not self.linear_rope:
+            q_lin, k_plain = (q, k) if unrotated is None else unrotated
+            kp_all = ops.concatenate([ops.cast(state["window_k_plain"], k.dtype), k_plain], axis=1)  # [B, W+S, H, D]
+        qf = self.features(q_lin, True, True, training)  # [B, T, H, C]
+        kf_all = self.features(kp_all, False, True, training)  # [B, W + S, H, C]
+        new = {}
+        if self.linear_mean:
+            # Query i (slot W + i of k_all) reads the linear state of slots 0..i and the carried count.
+            older = state["linear_count"][:, None] + ops.cumsum(ok_all, axis=1)[:, : ops.shape(q)[1]]  # [B, T]
+            qf = qf * self._mean_scale(older, qf.dtype)
+            new["linear_count"] = state["linear_count"] + ops.sum(ok_all[:, :-w], axis=1)  # [B]
+        if not self.linear_rope:
+            new["window_k_plain"] = ops.cast(kp_all[:, -w:], "float32")
         out, (s, z) = window_ops.window_attention(
             q,
             qf,
@@ -152,13 +204,27 @@ class WindowRecurrence(Recurrence):
             "window_k": ops.cast(k_all[:, -w:], "float32"),
             "window_v": ops.cast(_mask_keys(v_all, ok_all > 0)[:, -w:], "float32"),
             "window_valid": ok_all[:, -w:],
+            **new,
         }
 
-    def step(self, q, k, v, gate_keys, state, training=None):
+    def step(self, q, k, v, gate_keys, state, training=None, unrotated=None):
+        """One step; ``unrotated=(q, k) [B, H, D]`` before the rotary embedding when `reads_unrotated`."""
         buf_k = state["window_k"]  # [B, W, H, D]
+        q_lin, buf_lin = q, buf_k
+        if not self.linear_rope:
+            q_lin, k_plain = (q, k) if unrotated is None else unrotated
+            buf_lin = state["window_k_plain"]  # [B, W, H, D]
         # The oldest buffered key leaves the window now: its features join (S, z).
-        qf = self.features(q[:, None], True, True, training)  # [B, 1, H, C]
-        kf_old = self.features(ops.cast(buf_k[:, :1], q.dtype), False, True, training)  # [B, 1, H, C]
+        qf = self.features(q_lin[:, None], True, True, training)  # [B, 1, H, C]
+        kf_old = self.features(ops.cast(buf_lin[:, :1], q.dtype), False, True, training)  # [B, 1, H, C]
+        new = {}
+        if self.linear_mean:
+            count = state["linear_count"] + state["window_valid"][:, 0]  # [B]
+            qf = qf * self._mean_scale(count[:, None], qf.dtype)
+            new["linear_count"] = count
+        if not self.linear_rope:
+            shifted = ops.concatenate([buf_lin[:, 1:], ops.cast(k_plain, "float32")[:, None]], axis=1)
+            new["window_k_plain"] = shifted  # [B, W, H, D]
         out, (s, z), (wk, wv, wok) = window_ops.window_attention_step(
             q,
             qf[:, 0],
@@ -170,11 +236,20 @@ class WindowRecurrence(Recurrence):
             eps=self.layer.epsilon,
             gamma=self._gamma(),
         )  # [B, H, M]
-        return out, {"S": s, "z": z, "window_k": wk, "window_v": wv, "window_valid": wok}
+        return out, {"S": s, "z": z, "window_k": wk, "window_v": wv, "window_valid": wok, **new}
 
-    def oracle(self, q, k, v, gate_keys, key_mask, training=None):
-        qf = self.features(q, True, True, training)
-        kf = self.features(k, False, True, training)
+    def oracle(self, q, k, v, gate_keys, key_mask, training=None, unrotated=None):
+        q_lin, k_lin = (q, k) if self.linear_rope or unrotated is None else unrotated
+        qf = self.features(q_lin, True, True, training)
+        kf = self.features(k_lin, False, True, training)
+        if self.linear_mean:
+            # Older keys of query i: the real keys at positions j <= i - W, counted from the [T, T] pattern.
+            t = ops.shape(q)[1]
+            i = ops.arange(t)[:, None]
+            j = ops.arange(t)[None, :]
+            real = ops.ones(ops.shape(q)[:2], qf.dtype) if key_mask is None else ops.cast(key_mask, qf.dtype)
+            older = ops.cast(j <= i - self.window_size, qf.dtype)  # [T, T]
+            qf = qf * self._mean_scale(ops.einsum("ts,bs->bt", older, real), qf.dtype)
         return window_ops.window_attention_reference(
             q, qf, k, kf, v, self.window_size, key_mask, eps=self.layer.epsilon, gamma=self._gamma()
         )

@@ -1,0 +1,235 @@
+"""The window's options for length past training: `linear_rope=False` and `linear_mean=True`.
+
+Each is checked against a different code path that computes the same
+function:
+
+- ``linear_mean``: at query i the mean is the sum with a linear weight of
+  ``1 / n_i`` (``n_i`` the real keys older than the window), so each row
+  equals the default window with that weight assigned to its learned
+  linear weight;
+- ``linear_rope=False``: the float64 oracle fed the unrotated queries and
+  keys; and what it is for, that the layer's output does not change when
+  every position is shifted (a carried state with only a position), while
+  the rotated default does.
+
+Also: steps and pieces equal one pass with rotary embeddings, no change
+without rotary embeddings, the shorthand's errors, config round trips and
+a covering window staying exact in a linearized student.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_linattn
+from keras_linattn.layers import AttentionSpec, LinearAttention
+from keras_linattn.ops._common import _mask_keys
+from keras_linattn.recurrences import WindowRecurrence
+from tests._helpers import _outputs_and_gradients
+from tests.tolerance import assert_close
+
+# numeric: run again with oneDNN off (`make test-onednn-off`)
+pytestmark = pytest.mark.numeric
+
+T, DIM, HEADS, KEY_DIM, W = 13, 16, 2, 8, 3
+ROPE = 50.0
+
+
+def _layer(rope=ROPE, seed=3, **options):
+    layer = LinearAttention(
+        HEADS,
+        KEY_DIM,
+        feature_map="hedgehog",
+        chunk_size=4,
+        recurrence=WindowRecurrence(W, **options),
+        rope_max_wavelength=rope,
+    )
+    layer.build((None, None, DIM), (None, None, DIM))
+    rng = np.random.default_rng(seed)
+    for w in layer.weights:
+        if "gamma" not in w.path and "linear_weight" not in w.path:
+            w.assign(rng.normal(size=w.shape).astype("float32") * 0.5)
+    return layer
+
+
+def _copy_weights(source, target):
+    """Assigns `source`'s weights to `target`'s by name (the window's own weights where both have them)."""
+    values = {w.path.split("/", 1)[1]: w for w in source.weights}
+    for w in target.weights:
+        name = w.path.split("/", 1)[1]
+        if name in values:
+            w.assign(values[name])
+
+
+def _inputs(rng):
+    x = rng.normal(size=(2, T, DIM)).astype("float32")
+    mask = np.ones((2, T), bool)
+    mask[1, :3] = False  # a left-padded row
+    return x, mask
+
+
+def _n(layer):
+    return T + layer.feature_dim + KEY_DIM + HEADS * layer.value_dim
+
+
+@pytest.mark.parametrize("gamma", [None, 0.3])
+def test_linear_mean_is_the_window_with_a_weight_of_one_over_the_older_keys(rng, gamma):
+    mean = _layer(linear_mean=True, gamma=gamma, linear_weight=0.7)
+    plain = _layer(gamma=gamma, linear_weight=1.0)
+    _copy_weights(mean, plain)
+    x, mask = _inputs(rng)
+    out = np.asarray(mean(x, x, key_mask=mask, use_causal_mask=True))
+    log_weight = [w for w in plain.weights if "linear_weight" in w.path][0]
+    checked = 0
+    for row, first_real in ((0, 0), (1, 3)):
+        for i in range(first_real, T):
+            older = max(0, i - W + 1 - first_real)  # real keys j with first_real <= j <= i - W
+            if older == 0:
+                continue
+            log_weight.assign(np.full((HEADS,), np.log(0.7 / older), "float32"))
+            ref = np.asarray(
+                plain(x[row : row + 1], x[row : row + 1], key_mask=mask[row : row + 1], use_causal_mask=True)
+            )
+            assert_close(out[row, i], ref[0, i], n=_n(mean), paths=2, what=f"row {row}, query {i}")
+            checked += 1
+    assert checked == (T - W) + (T - 3 - W)  # every query with an older real key
+    # The mean is not the sum: with weight 0.7 on the sum, the rows with older keys differ.
+    log_weight.assign(np.full((HEADS,), np.log(0.7), "float32"))
+    summed = np.asarray(plain(x, x, key_mask=mask, use_causal_mask=True))
+    assert np.abs(summed[0, W + 2 :] - out[0, W + 2 :]).max() > 1e-3
+
+
+def _oracle(layer, x, mask):
+    """Projections, then the float64 window oracle with the unrotated features, then the output projection."""
+    q, k, v = layer.project(x, x)
+    keep = keras.ops.convert_to_tensor(mask)
+    k = _mask_keys(k, keep)
+    q_rot, k_rot, _ = layer.attention_inputs(x, x, key_mask=keep, use_causal_mask=True)
+    att = layer.recurrence.oracle(q_rot, k_rot, v, k, keep, unrotated=(q, k))
+    att = keras.ops.cast(layer.output_norm(keras.ops.cast(att, "float64"), "float64"), "float32")
+    return layer.output_dense(att)
+
+
+@pytest.mark.parametrize("mean", [False, True])
+def test_unrotated_features_match_the_float64_oracle(rng, mean):
+    layer = _layer(linear_rope=False, linear_mean=mean, gamma=0.4)
+    x, mask = _inputs(rng)
+    weights = layer.trainable_variables
+    out, grads = _outputs_and_gradients(lambda x_: layer(x_, x_, key_mask=mask, use_causal_mask=True), x, weights)
+    ref, ref_grads = _outputs_and_gradients(lambda x_: _oracle(layer, x_, mask), x, weights)
+    n = _n(layer)
+    assert_close(out, ref, n=n, what="outputs")
+    assert_close(grads, ref_grads, n=2 * n + DIM, what="gradients")
+    # The oracle given the rotated features instead is another function: the option is read.
+    q, k, v = layer.attention_inputs(x, x, key_mask=mask, use_causal_mask=True)
+    rotated = layer.recurrence.oracle(q, k, v, k, keras.ops.convert_to_tensor(mask))
+    unrotated = _oracle(layer, x, mask)
+    rotated = layer.output_dense(
+        keras.ops.cast(layer.output_norm(keras.ops.cast(rotated, "float64"), "float64"), "float32")
+    )
+    assert np.abs(np.asarray(rotated) - np.asarray(unrotated)).max() > 1e-3
+
+
+def _shifted(layer, x, offset):
+    """The layer's output from a state holding nothing but a position: every token `offset` places later."""
+    state = list(layer.get_initial_state(x.shape[0]))
+    names = [entry.name for entry in layer.state_spec()]
+    state[names.index("position")] = np.full((x.shape[0],), offset, "float32")
+    return np.asarray(layer(x, x, use_causal_mask=True, initial_state=tuple(state)))
+
+
+def test_unrotated_features_make_the_output_independent_of_absolute_position(rng):
+    x = rng.normal(size=(1, T, DIM)).astype("float32")
+    unrotated = _layer(linear_rope=False, gamma=0.4)
+    fresh = np.asarray(unrotated(x, x, use_causal_mask=True))
+    # Only relative positions reach the window's softmax; the positions 1000+ change the rounding alone.
+    # Error model: a rotation angle (P + t) * f (f <= 1) is rounded to about (P + T) * eps radians, so
+    # each rotated coordinate moves by that relative amount where the error model allows sqrt(n) * eps.
+    n = _n(unrotated)
+    conditioning = (1000 + T) / np.sqrt(n)
+    shifted = _shifted(unrotated, x, 1000.0)
+    assert_close(shifted, fresh, n=n, paths=2, conditioning=conditioning, what="shifted by 1000")
+    rotated = _layer(gamma=0.4)
+    _copy_weights(unrotated, rotated)
+    base = np.asarray(rotated(x, x, use_causal_mask=True))
+    assert np.abs(_shifted(rotated, x, 1000.0) - base)[:, W:].max() > 1e-2  # rotated features: position matters
+    # Inside the window there is no linear part, so the two agree there.
+    assert_close(base[:, :W], fresh[:, :W], n=_n(unrotated), paths=2, what="inside the first window")
+
+
+@pytest.mark.parametrize(
+    "options", [{"linear_rope": False}, {"linear_mean": True}, {"linear_rope": False, "linear_mean": True}]
+)
+def test_steps_and_pieces_equal_one_pass_with_rotary_embeddings(rng, options):
+    layer = _layer(**options)
+    x, mask = _inputs(rng)
+    full, state = layer(x, x, key_mask=mask, use_causal_mask=True, return_state=True)
+    names = [entry.name for entry in layer.state_spec()]
+    assert ("window_k_plain" in names) == ("linear_rope" in options)
+    assert ("linear_count" in names) == ("linear_mean" in options)
+    a, st = layer(x[:, :5], x[:, :5], key_mask=mask[:, :5], use_causal_mask=True, return_state=True)
+    b, st2 = layer(x[:, 5:], x[:, 5:], key_mask=mask[:, 5:], use_causal_mask=True, return_state=True, initial_state=st)
+    assert_close(np.concatenate([a, b], 1), full, n=_n(layer), paths=2, what="pieces")
+    for name, p, q in zip(names, st2, state, strict=True):
+        assert_close(p, q, n=T, paths=2, what=f"state {name}")
+    if "linear_mean" in options:
+        count = np.asarray(state[names.index("linear_count")])
+        np.testing.assert_array_equal(count, [T - W, T - 3 - W])  # real keys older than the window
+    s = layer.get_initial_state(1)
+    outs = []
+    for t in range(T):
+        o, s = layer.step(x[:1, t], x[:1, t], s)
+        outs.append(np.asarray(o))
+    assert_close(np.stack(outs, 1), np.asarray(full)[:1], n=_n(layer), paths=2, what="steps")
+
+
+def test_without_rotary_embeddings_unrotated_features_change_nothing(rng):
+    a = _layer(rope=None, linear_rope=False)
+    b = _layer(rope=None)
+    _copy_weights(a, b)
+    x, mask = _inputs(rng)
+    np.testing.assert_array_equal(
+        np.asarray(a(x, x, key_mask=mask, use_causal_mask=True)),
+        np.asarray(b(x, x, key_mask=mask, use_causal_mask=True)),
+    )
+
+
+def test_shorthand_config_and_errors():
+    spec = AttentionSpec.create(feature_map="hedgehog", window_size=4, linear_rope=False, linear_mean=True)
+    recurrence = spec.make_recurrence()
+    assert isinstance(recurrence, WindowRecurrence)
+    assert (recurrence.linear_rope, recurrence.linear_mean, recurrence.reads_unrotated) == (False, True, True)
+    assert WindowRecurrence(4).get_config() == {"window_size": 4}  # older configs are unchanged
+    config = recurrence.get_config()
+    assert config == {"window_size": 4, "linear_rope": False, "linear_mean": True}
+    assert WindowRecurrence.from_config(config).get_config() == config
+    with pytest.raises(ValueError, match="linear_rope.*needs `window_size`"):
+        AttentionSpec.create(linear_rope=False)
+    with pytest.raises(ValueError, match="linear_mean.*no `cache_size`"):
+        AttentionSpec.create(feature_map="hedgehog", window_size=4, cache_size=2, linear_mean=True)
+    with pytest.raises(ValueError, match="linear_mean"):
+        WindowRecurrence(4, linear_mean="yes")
+
+
+def test_a_layer_with_the_options_round_trips_through_a_keras_file(rng, tmp_path):
+    layer = _layer(linear_rope=False, linear_mean=True, linear_weight=0.1)
+    x = rng.normal(size=(1, T, DIM)).astype("float32")
+    inputs = keras.Input((None, DIM))
+    model = keras.Model(inputs, layer(inputs, inputs, use_causal_mask=True))
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    np.testing.assert_array_equal(np.asarray(loaded(x)), np.asarray(model(x)))
+    restored = [l for l in loaded.layers if isinstance(l, LinearAttention)][0]
+    assert restored.recurrence.get_config() == layer.recurrence.get_config()
+
+
+def test_a_linearized_student_with_a_covering_window_stays_its_teacher(rng):
+    inputs = keras.Input((T, DIM))
+    attention = keras.layers.MultiHeadAttention(HEADS, KEY_DIM)
+    teacher = keras.Model(inputs, attention(inputs, inputs, use_causal_mask=True))
+    student = keras_linattn.linearize(teacher, window_size=T, linear_rope=False, linear_mean=True)
+    layer = [l for l in student.layers if isinstance(l, LinearAttention)][0]
+    assert (layer.recurrence.linear_rope, layer.recurrence.linear_mean) == (False, True)
+    x = rng.normal(size=(2, T, DIM)).astype("float32")
+    assert_close(student(x), teacher(x), n=T + KEY_DIM + HEADS * KEY_DIM, paths=2, what="covering window")
