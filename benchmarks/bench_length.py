@@ -50,7 +50,6 @@ import time
 
 import keras
 import keras_hub
-import numpy as np
 
 import keras_linattn
 from benchmarks._common import proc_status_bytes

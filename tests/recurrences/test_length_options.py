@@ -220,7 +220,7 @@ def test_a_layer_with_the_options_round_trips_through_a_keras_file(rng, tmp_path
     model.save(path)
     loaded = keras.models.load_model(path)
     np.testing.assert_array_equal(np.asarray(loaded(x)), np.asarray(model(x)))
-    restored = [l for l in loaded.layers if isinstance(l, LinearAttention)][0]
+    restored = [layer_ for layer_ in loaded.layers if isinstance(layer_, LinearAttention)][0]
     assert restored.recurrence.get_config() == layer.recurrence.get_config()
 
 
@@ -229,7 +229,7 @@ def test_a_linearized_student_with_a_covering_window_stays_its_teacher(rng):
     attention = keras.layers.MultiHeadAttention(HEADS, KEY_DIM)
     teacher = keras.Model(inputs, attention(inputs, inputs, use_causal_mask=True))
     student = keras_linattn.linearize(teacher, window_size=T, linear_rope=False, linear_mean=True)
-    layer = [l for l in student.layers if isinstance(l, LinearAttention)][0]
+    layer = [layer_ for layer_ in student.layers if isinstance(layer_, LinearAttention)][0]
     assert (layer.recurrence.linear_rope, layer.recurrence.linear_mean) == (False, True)
     x = rng.normal(size=(2, T, DIM)).astype("float32")
     assert_close(student(x), teacher(x), n=T + KEY_DIM + HEADS * KEY_DIM, paths=2, what="covering window")
