@@ -35,6 +35,10 @@ PRESETS = {
     "conv4 + window64": dict(conv_size=4, window_size=64),
     "fixed decay without normalizer": dict(decay="fixed", normalize=False),
     "window64 + cache64 (LoLA)": dict(window_size=64, cache_size=64, linear_weight=0.001),
+    "RoPE + window64": dict(window_size=64, rope_max_wavelength=10000),
+    "RoPE + window64 + unrotated mean (length)": dict(
+        window_size=64, rope_max_wavelength=10000, linear_rope=False, linear_mean=True, linear_weight=8.0
+    ),
 }
 TARGET = 1.2
 

@@ -376,20 +376,44 @@ def train_teacher(teacher, cfg, log):
         jit_compile=cfg["jit_compile"],
         sampler="greedy",
     )
-    import tensorflow as tf
-
     batch = cfg["batch_size"]
-    data = tf.data.Dataset.from_tensor_slices((as_inputs(tokens), labels, weights))
-    data = data.shuffle(len(tokens), seed=0).repeat().batch(batch, drop_remainder=True).prefetch(2)
     epochs = min(10, steps)  # ten points on the training curve
     start = time.perf_counter()
-    progress = keras.callbacks.LambdaCallback(
-        on_epoch_end=lambda epoch, logs: log(
+
+    def epoch_end(epoch, logs):
+        log(
             f"teacher epoch {epoch + 1}/{epochs}: loss {logs['loss']:.3f}, accuracy {logs['accuracy']:.3f}, "
             f"{time.perf_counter() - start:.0f} s"
         )
-    )
-    history = teacher.fit(data, steps_per_epoch=steps // epochs, epochs=epochs, verbose=0, callbacks=[progress])
+        if cfg.get("save_teacher"):  # after every epoch: a run stopped by a time limit keeps its teacher
+            teacher.save_weights(cfg["save_teacher"])
+
+    progress = keras.callbacks.LambdaCallback(on_epoch_end=epoch_end)
+    fit = dict(epochs=epochs, verbose=0, callbacks=[progress])
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        data = tf.data.Dataset.from_tensor_slices((as_inputs(tokens), labels, weights))
+        data = data.shuffle(len(tokens), seed=0).repeat().batch(batch, drop_remainder=True).prefetch(2)
+        history = teacher.fit(data, steps_per_epoch=steps // epochs, **fit)
+    else:
+        # keras-hub's CausalLM.fit converts arrays through tf.data (or grain); a functional model around
+        # the teacher trains the same weights from NumPy arrays on any backend, TensorFlow not installed.
+        inputs = {name: keras.Input((None,), dtype="int32", name=name) for name in ("token_ids", "padding_mask")}
+        wrapper = keras.Model(inputs, teacher(inputs))
+        wrapper.compile(
+            optimizer=teacher.optimizer,
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            weighted_metrics=[keras.metrics.SparseCategoricalAccuracy(name="accuracy")],
+            jit_compile=cfg["jit_compile"],
+        )
+        per_epoch = steps // epochs
+        rows = per_epoch * batch * epochs
+        reps = -(-rows // len(tokens))  # the rows repeat as tf.data's .repeat() does
+        order = np.concatenate([np.random.default_rng(r).permutation(len(tokens)) for r in range(reps)])[:rows]
+        history = wrapper.fit(
+            as_inputs(tokens[order]), labels[order], sample_weight=weights[order], batch_size=batch, shuffle=False, **fit
+        )
     steps = epochs * (steps // epochs)
     wall = time.perf_counter() - start
     log(f"teacher: {steps} steps in {wall:.0f} s, last epoch train accuracy {history.history['accuracy'][-1]:.3f}")
@@ -433,17 +457,25 @@ def transfer(student, teacher, cfg, seed):
 
 def accuracy_by_bucket(model, tokens, targets, distances, cfg):
     """``({bucket: accuracy}, {bucket: count})`` of the last-position value predictions."""
-    import tensorflow as tf
+    import keras
 
-    @tf.function(reduce_retracing=True)
-    def last_prediction(x):
-        logits = model({"token_ids": x, "padding_mask": tf.ones_like(x)}, training=False)  # [B, T, V]
-        return tf.argmax(logits[:, -1], axis=-1, output_type=tf.int32)
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        @tf.function(reduce_retracing=True)
+        def last_prediction(x):
+            logits = model({"token_ids": x, "padding_mask": tf.ones_like(x)}, training=False)  # [B, T, V]
+            return tf.argmax(logits[:, -1], axis=-1, output_type=tf.int32)
+    else:
+
+        def last_prediction(x):
+            logits = model(as_inputs(x), training=False)  # [B, T, V]
+            return keras.ops.argmax(logits[:, -1], axis=-1)
 
     predictions = []
     size = cfg["eval_batch_size"]
     for start in range(0, len(tokens), size):
-        predictions.append(np.asarray(last_prediction(tf.constant(tokens[start : start + size]))))
+        predictions.append(np.asarray(last_prediction(tokens[start : start + size])))
     correct = np.concatenate(predictions) == targets
     acc, count = {}, {}
     for name, lo, hi in buckets(cfg["window_size"], eval_length(cfg)):
@@ -504,6 +536,7 @@ def run(cfg, rows, log):
         out["teacher_training"] = train_teacher(teacher, cfg, log)
         if cfg.get("save_teacher"):
             teacher.save_weights(cfg["save_teacher"])
+            out["teacher_training"]["saved_to"] = cfg["save_teacher"]
     tokens, targets, distances = evaluation_rows(cfg)
     built = {}
 
@@ -564,6 +597,8 @@ def parse_args(argv=None):
         help="what fills the rows between the pairs: uniform random ids, a repeated pattern (the passkey "
         "test's haystack), or the standard library's source text",
     )
+    p.add_argument("--sequence-length", type=int, default=None, help="the teacher's training length (default 256)")
+    p.add_argument("--window-size", type=int, default=None, help="the students' window W (default 8)")
     p.add_argument("--num-pairs", type=int, default=None, help="key-value pairs per row")
     p.add_argument(
         "--eval-length", type=int, default=None, help="the evaluation rows' length (default: the training length)"
@@ -606,7 +641,7 @@ def config_from_args(args):
         args.eval_pairs,
         args.eval_queries,
     )
-    for key in ("num_pairs", "num_queries", "teacher_steps", "transfer_steps", "num_eval"):
+    for key in ("sequence_length", "window_size", "num_pairs", "num_queries", "teacher_steps", "transfer_steps", "num_eval"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
     if args.no_jit:
@@ -623,7 +658,13 @@ def main(argv=None):
     args = parse_args(argv)
     cfg = config_from_args(args)
     import keras
-    import tensorflow as tf
+
+    try:
+        import tensorflow as tf
+
+        tf_version = tf.__version__
+    except ImportError:  # the teacher trains on JAX without TensorFlow
+        tf_version = None
 
     def log(msg):
         print(f"[bench_recall] {msg}", flush=True)
@@ -633,8 +674,9 @@ def main(argv=None):
         "command": "python -m benchmarks.bench_recall " + shlex.join(sys.argv[1:] if argv is None else argv),
         "environment": {
             "python": platform.python_version(),
-            "tensorflow": tf.__version__,
+            "tensorflow": tf_version,
             "keras": keras.__version__,
+            "backend": keras.backend.backend(),
             "machine": platform.machine(),
             "cpu_count": os.cpu_count(),
         },

@@ -172,3 +172,28 @@ def test_repeat_filler_is_one_pattern_at_a_random_phase():
         assert len(fits) >= 1, row  # the same pattern in every row and call, at some phase
         phases.add(fits[0])
     assert len(phases) > 1  # the phase varies
+
+
+def test_the_teacher_trains_and_is_scored_on_jax_without_tensorflow(tmp_path):
+    # The teacher's training and scoring need neither TensorFlow nor this package (a GPU machine with
+    # JAX alone can train it): a child process on the JAX backend where `import tensorflow` fails.
+    import os
+    import subprocess
+    import sys
+
+    out, weights = tmp_path / "r.json", tmp_path / "t.weights.h5"
+    code = (
+        "import sys; sys.modules['tensorflow'] = None; sys.modules['tensorflow_text'] = None\n"
+        "from benchmarks import bench_recall as R\n"
+        f"R.main(['--quick', '--rows', 'teacher', '--teacher-steps', '2', '--save-teacher', {str(weights)!r}, "
+        f"'--out', {str(out)!r}])\n"
+        "assert 'keras_linattn' not in sys.modules\n"
+    )
+    env = dict(os.environ, KERAS_BACKEND="jax")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["environment"]["backend"] == "jax" and result["environment"]["tensorflow"] is None
+    assert result["teacher_training"]["steps"] == 2 and result["teacher_training"]["saved_to"] == str(weights)
+    assert weights.exists()
+    assert set(result["rows"][0]["accuracy"]) == {name for name, _, _ in result["buckets"]} | {"all"}
