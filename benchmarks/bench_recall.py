@@ -412,7 +412,12 @@ def train_teacher(teacher, cfg, log):
         reps = -(-rows // len(tokens))  # the rows repeat as tf.data's .repeat() does
         order = np.concatenate([np.random.default_rng(r).permutation(len(tokens)) for r in range(reps)])[:rows]
         history = wrapper.fit(
-            as_inputs(tokens[order]), labels[order], sample_weight=weights[order], batch_size=batch, shuffle=False, **fit
+            as_inputs(tokens[order]),
+            labels[order],
+            sample_weight=weights[order],
+            batch_size=batch,
+            shuffle=False,
+            **fit,
         )
     steps = epochs * (steps // epochs)
     wall = time.perf_counter() - start
@@ -641,7 +646,15 @@ def config_from_args(args):
         args.eval_pairs,
         args.eval_queries,
     )
-    for key in ("sequence_length", "window_size", "num_pairs", "num_queries", "teacher_steps", "transfer_steps", "num_eval"):
+    for key in (
+        "sequence_length",
+        "window_size",
+        "num_pairs",
+        "num_queries",
+        "teacher_steps",
+        "transfer_steps",
+        "num_eval",
+    ):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
     if args.no_jit:
