@@ -40,7 +40,7 @@ import sys
 import time
 
 FAMILIES = ("gpt2", "llama")
-STAGES = ("build", "export_saved_model", "export_onnx", "verify_saved_model", "verify_onnx", "decode")
+STAGES = ("build", "export_saved_model", "export_onnx", "verify_saved_model", "verify_onnx", "decode", "serve")
 
 CONFIGS = {
     ("gpt2", "base"): dict(
@@ -323,6 +323,128 @@ def stage_decode(args):
     }
 
 
+def _state_bytes(state):
+    import numpy as np
+
+    return int(sum(np.asarray(x).nbytes for x in state))
+
+
+def _time_steps(step, repeats):
+    """Median seconds of one call of ``step()`` over `repeats` calls, after two warm-up calls (tracing)."""
+    step()
+    step()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return _median(times)
+
+
+def _serve_batches(per_sequence, budget, batches):
+    """The batches of `batches` whose decode memory (`per_sequence` bytes each) fits `budget` bytes."""
+    return [b for b in batches if b * per_sequence <= budget]
+
+
+def stage_serve(args):
+    """Decode throughput at a long context: one decode step at each batch that fits the memory budget.
+
+    Decode only: the step after a prefill of `--serve-context` tokens, without
+    running the prefill (a 16k prefill of a 1B model takes hours on this CPU).
+    The student's step reads a state of fixed shape, so its cost does not
+    depend on what the state holds: the state is the empty one, at the
+    context's position. keras-hub's step is `LlamaCausalLM.call_with_cache`
+    on a KV cache of the context's length, written at that index: the
+    attention reads the whole cache whatever it holds. Each batch is
+    timed while its memory (state or cache, plus the step's own buffers) stays
+    under ``--serve-budget-gib`` beside the weights; the largest one that fits
+    and its tokens/s are reported for each model.
+    """
+    import gc
+
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    context = args.serve_context
+    budget = args.serve_budget_gib * 2**30
+    batches = [int(b) for b in args.serve_batches.split(",")]
+    result = {"context": context, "budget_gib": args.serve_budget_gib}
+    if args.serve_model in ("student", "both"):
+        student, load_s = _load_student(args)
+        rss_weights, _ = _rss()
+        per_sequence = _state_bytes(student.get_initial_state(1))
+        rows = []
+        for batch in _serve_batches(2 * per_sequence, budget - rss_weights, batches):  # the state read and written
+            state = list(student.get_initial_state(batch))
+            for i, entry in enumerate(student.state_spec()):
+                if entry.name.endswith("position"):
+                    state[i] = tf.fill(tf.shape(state[i]), tf.cast(context, state[i].dtype))
+            state = tuple(tf.convert_to_tensor(x) for x in state)
+            token = tf.zeros((batch,), "int32")
+            fn = tf.function(lambda token, state: student.step(token, state)[0])
+            seconds = _time_steps(lambda fn=fn, token=token, state=state: np.asarray(fn(token, state)), args.repeats)
+            rss, _ = _rss()
+            rows.append({"batch": batch, "step_s": seconds, "tokens_per_s": batch / seconds, "rss_gib": _gib(rss)})
+            print(json.dumps({"student": rows[-1]}), flush=True)
+            del state, fn
+            gc.collect()
+        result["student"] = {"load_s": load_s, "state_bytes_per_sequence": per_sequence, "rows": rows}
+        del student
+        gc.collect()
+    if args.serve_model in ("teacher", "both"):
+        teacher = build_teacher(args.family, args.size)
+        rss_weights, _ = _rss()
+        backbone = teacher.backbone
+        layers = backbone.num_layers
+        kv_heads = getattr(backbone, "num_key_value_heads", None) or backbone.num_heads
+        head_dim = backbone.hidden_dim // (getattr(backbone, "num_query_heads", None) or backbone.num_heads)
+        length = context + 1
+        per_sequence = layers * 2 * length * kv_heads * head_dim * 4  # float32 K and V
+        rows = []
+        # The step holds the cache it reads and the one it writes (2x), plus the stacked copy.
+        for batch in _serve_batches(3 * per_sequence, budget - rss_weights, batches):
+            cache = tf.zeros((batch, layers, 2, length, kv_heads, head_dim), "float32")
+            token = tf.zeros((batch, 1), "int32")
+
+            def step(token, cache):
+                logits, _, cache = teacher.call_with_cache(token, cache, context)
+                return logits, cache  # a server keeps the written cache
+
+            # keras-hub's generate compiles its loop with XLA where it can (the cache is then
+            # updated in place); a plain function copies it. Both are timed; the faster counts.
+            for mode, jit in (("plain", False), ("xla", True)):
+                fn = tf.function(step, jit_compile=jit)
+                seconds = _time_steps(
+                    lambda fn=fn, token=token, cache=cache: np.asarray(fn(token, cache)[0]), args.repeats
+                )
+                rss, _ = _rss()
+                row = {"batch": batch, "mode": mode, "step_s": seconds, "tokens_per_s": batch / seconds}
+                rows.append({**row, "rss_gib": _gib(rss)})
+                print(json.dumps({"teacher": rows[-1]}), flush=True)
+                del fn
+                gc.collect()
+            del cache
+            gc.collect()
+        result["teacher"] = {"kv_bytes_per_sequence": per_sequence, "rows": rows}
+    keras.backend.clear_session()
+    return _serve_summary(result)
+
+
+def _serve_summary(result):
+    """Adds each model's largest batch and best row, and the student/teacher throughput ratio."""
+    for name in ("student", "teacher"):
+        if result.get(name, {}).get("rows"):
+            best = max(result[name]["rows"], key=lambda r: r["tokens_per_s"])
+            result[name]["largest_batch"] = max(r["batch"] for r in result[name]["rows"])
+            result[name]["best"] = best
+    if result.get("student", {}).get("best") and result.get("teacher", {}).get("best"):
+        result["throughput_ratio"] = (
+            result["student"]["best"]["tokens_per_s"] / result["teacher"]["best"]["tokens_per_s"]
+        )
+    return result
+
+
 STAGE_FUNCTIONS = {name: globals()[f"stage_{name}"] for name in STAGES}
 
 
@@ -337,6 +459,18 @@ def _child(args):
 
 
 def _run_stage(args, stage):
+    if stage == "serve" and args.serve_model == "both":
+        # One process per model: memory a process has freed stays its own, so the second model's
+        # batches would be measured against the first one's peak.
+        parts = {}
+        for model in ("student", "teacher"):
+            parts[model] = _run_stage(argparse.Namespace(**{**vars(args), "serve_model": model}), stage)
+        if any("failed" in part for part in parts.values()):
+            return {"stage": stage, **{f"{m}_process": part for m, part in parts.items()}}
+        merged = {**parts["student"], "teacher": parts["teacher"]["teacher"]}
+        merged["process_s"] = sum(part["process_s"] for part in parts.values())
+        merged["peak_gib"] = {m: part["peak_gib"] for m, part in parts.items()}
+        return _serve_summary(merged)
     command = [sys.executable, "-m", "benchmarks.bench_linearized_decode", "--stage", stage]
     command += ["--family", args.family, "--size", args.size, "--workdir", args.workdir]
     command += ["--contexts", ",".join(map(str, args.contexts)), "--repeats", str(args.repeats)]
@@ -344,6 +478,8 @@ def _run_stage(args, stage):
     if args.no_teacher:
         command.append("--no-teacher")
     command += ["--student-modes", args.student_modes]
+    command += ["--serve-context", str(args.serve_context), "--serve-batches", args.serve_batches]
+    command += ["--serve-budget-gib", str(args.serve_budget_gib), "--serve-model", args.serve_model]
     print(f"== {stage}", flush=True)
     t = time.perf_counter()
     process = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
@@ -375,6 +511,12 @@ def main(argv=None):
     parser.add_argument(
         "--student-modes", default="xla,plain", help="decode: the student's generate modes (xla, plain, auto, all)"
     )
+    parser.add_argument("--serve-context", type=int, default=16384, help="serve: the context of the timed step")
+    parser.add_argument("--serve-batches", default="1,2,4,8,16,32,64,128,256", help="serve: batch sizes to try")
+    parser.add_argument(
+        "--serve-budget-gib", type=float, default=20.0, help="serve: process memory the weights and batch may use"
+    )
+    parser.add_argument("--serve-model", choices=("student", "teacher", "both"), default="both")
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)

@@ -134,8 +134,9 @@ class WindowRecurrence(Recurrence):
 
     def _mean_scale(self, count, dtype):
         """``1 / max(count, 1)`` as ``[B, T, 1, 1]`` for ``count [B, T]`` (older keys per query)."""
-        scale = 1.0 / ops.maximum(ops.cast(count, dtype), ops.cast(1.0, dtype))  # [B, T]
-        return scale[:, :, None, None]
+        wide = "float64" if dtype == "float64" else "float32"  # counts are exact in both (below 2**24)
+        scale = 1.0 / ops.maximum(ops.cast(count, wide), ops.cast(1.0, wide))  # [B, T]
+        return ops.cast(scale, dtype)[:, :, None, None]
 
     def _gamma(self):
         """``sigmoid(g) [H]`` float32, or None without a gamma."""

@@ -1,0 +1,42 @@
+"""`benchmarks/bench_linearized_decode.py`: the serving stage's batch choice and a tiny end-to-end run."""
+
+import json
+
+import numpy as np
+
+from benchmarks import bench_linearized_decode as B
+
+
+def test_a_batch_is_tried_only_when_its_memory_fits_the_budget():
+    assert B._serve_batches(10, 45, [1, 2, 4, 8]) == [1, 2, 4]
+    assert B._serve_batches(10, 5, [1, 2]) == []
+
+
+def test_the_median_step_time_ignores_the_two_warm_up_calls():
+    calls = []
+    assert B._time_steps(lambda: calls.append(1), repeats=3) >= 0.0
+    assert len(calls) == 5
+
+
+def test_a_tiny_build_and_serve_run_reports_both_models(tmp_path):
+    out = tmp_path / "serve.json"
+    argv = ["--family", "llama", "--size", "tiny", "--stages", "build,serve", "--serve-context", "64"]
+    argv += ["--serve-batches", "1,2", "--repeats", "1", "--workdir", str(tmp_path / "w"), "--out", str(out)]
+    assert B.main(argv) == 0
+    serve = json.loads(out.read_text())["stages"]["serve"]
+    assert "failed" not in serve, serve
+    config = B.CONFIGS[("llama", "tiny")]
+    heads, kv_heads = config["num_query_heads"], config["num_key_value_heads"]
+    head_dim = config["hidden_dim"] // heads
+    # keras-hub's cache: layers x (K, V) x (context + 1) x KV heads x head dim, float32.
+    assert serve["teacher"]["kv_bytes_per_sequence"] == config["num_layers"] * 2 * 65 * kv_heads * head_dim * 4
+    for name in ("student", "teacher"):
+        rows = serve[name]["rows"]
+        assert sorted({r["batch"] for r in rows}) == [1, 2]
+        for r in rows:
+            assert r["step_s"] > 0 and np.isclose(r["tokens_per_s"], r["batch"] / r["step_s"])
+        assert serve[name]["largest_batch"] == 2
+    assert np.isclose(
+        serve["throughput_ratio"], serve["student"]["best"]["tokens_per_s"] / serve["teacher"]["best"]["tokens_per_s"]
+    )
+    assert serve["student"]["state_bytes_per_sequence"] > 0
