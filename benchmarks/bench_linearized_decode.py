@@ -40,7 +40,16 @@ import sys
 import time
 
 FAMILIES = ("gpt2", "llama")
-STAGES = ("build", "export_saved_model", "export_onnx", "verify_saved_model", "verify_onnx", "decode", "serve")
+STAGES = (
+    "build",
+    "export_saved_model",
+    "export_onnx",
+    "verify_saved_model",
+    "verify_onnx",
+    "decode",
+    "serve",
+    "merge_lora",
+)
 
 CONFIGS = {
     ("gpt2", "base"): dict(
@@ -321,6 +330,43 @@ def stage_decode(args):
         "weights_read_floor_ms": floor,
         "contexts": rows,
     }
+
+
+def stage_merge_lora(args):
+    """The documented LoRA recipe's memory: teacher and student in one process, adapters on, then `merge_lora`.
+
+    The peak of each step is measured from the RSS before it (the kernel's
+    peak mark is reset). The adapters are not trained: merging costs the
+    same memory whatever their values.
+    """
+    import gc
+
+    import keras_linattn
+    from benchmarks import _common
+    from keras_linattn.linearization import enable_lora, merge_lora
+
+    row = {}
+
+    def step(name, fn):
+        rss_before, _ = _rss()
+        _common.reset_peak_rss()
+        t = time.perf_counter()
+        out = fn()
+        rss, peak = _rss()
+        row[name] = {"s": time.perf_counter() - t, "rss_before_gib": _gib(rss_before), "peak_gib": _gib(peak)}
+        row[name]["rss_after_gib"] = _gib(rss)
+        print(json.dumps({name: row[name]}), flush=True)
+        return out
+
+    models = {}
+    models["teacher"] = step("teacher", lambda: build_teacher(args.family, args.size))
+    models["student"] = step("linearize", lambda: keras_linattn.linearize(models["teacher"], window_size=WINDOW))
+    step("enable_lora", lambda: enable_lora(models["student"], rank=8, alpha=16))
+    models["merged"] = step("merge_lora", lambda: merge_lora(models["student"]))
+    row["weights_gib"] = _gib(weight_bytes(models["merged"]))
+    models.clear()
+    gc.collect()
+    return row
 
 
 def _state_bytes(state):
