@@ -336,7 +336,8 @@ def stage_merge_lora(args):
     """The documented LoRA recipe's memory: teacher and student in one process, adapters on, then `merge_lora`.
 
     The peak of each step is measured from the RSS before it (the kernel's
-    peak mark is reset). The adapters are not trained: merging costs the
+    peak mark is reset). ``--merge-in-place`` merges into the student
+    (``merge_lora(..., in_place=True)``) instead of building a new one. The adapters are not trained: merging costs the
     same memory whatever their values.
     """
     import gc
@@ -362,7 +363,9 @@ def stage_merge_lora(args):
     models["teacher"] = step("teacher", lambda: build_teacher(args.family, args.size))
     models["student"] = step("linearize", lambda: keras_linattn.linearize(models["teacher"], window_size=WINDOW))
     step("enable_lora", lambda: enable_lora(models["student"], rank=8, alpha=16))
-    models["merged"] = step("merge_lora", lambda: merge_lora(models["student"]))
+    in_place = args.merge_in_place
+    models["merged"] = step("merge_lora", lambda: merge_lora(models["student"], in_place=in_place))
+    row["in_place"] = in_place
     row["weights_gib"] = _gib(weight_bytes(models["merged"]))
     models.clear()
     gc.collect()
@@ -523,6 +526,8 @@ def _run_stage(args, stage):
     command += ["--new-tokens", ",".join(map(str, args.new_tokens))]
     if args.no_teacher:
         command.append("--no-teacher")
+    if args.merge_in_place:
+        command.append("--merge-in-place")
     command += ["--student-modes", args.student_modes]
     command += ["--serve-context", str(args.serve_context), "--serve-batches", args.serve_batches]
     command += ["--serve-budget-gib", str(args.serve_budget_gib), "--serve-model", args.serve_model]
@@ -557,6 +562,7 @@ def main(argv=None):
     parser.add_argument(
         "--student-modes", default="xla,plain", help="decode: the student's generate modes (xla, plain, auto, all)"
     )
+    parser.add_argument("--merge-in-place", action="store_true", help="merge_lora: merge into the student")
     parser.add_argument("--serve-context", type=int, default=16384, help="serve: the context of the timed step")
     parser.add_argument("--serve-batches", default="1,2,4,8,16,32,64,128,256", help="serve: batch sizes to try")
     parser.add_argument(

@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pytest
 
 from benchmarks import bench_linearized_decode as B
 
@@ -42,12 +43,14 @@ def test_a_tiny_build_and_serve_run_reports_both_models(tmp_path):
     assert serve["student"]["state_bytes_per_sequence"] > 0
 
 
-def test_the_merge_lora_stage_reports_each_step_of_the_recipe(tmp_path):
+@pytest.mark.parametrize("in_place", [False, True])
+def test_the_merge_lora_stage_reports_each_step_of_the_recipe(tmp_path, in_place):
     out = tmp_path / "merge.json"
     argv = ["--family", "llama", "--size", "tiny", "--stages", "merge_lora", "--workdir", str(tmp_path / "w")]
-    assert B.main(argv + ["--out", str(out)]) == 0
+    assert B.main(argv + ["--out", str(out)] + (["--merge-in-place"] if in_place else [])) == 0
     stage = json.loads(out.read_text())["stages"]["merge_lora"]
     assert "failed" not in stage, stage
+    assert stage["in_place"] is in_place
     for name in ("teacher", "linearize", "enable_lora", "merge_lora"):
         assert stage[name]["s"] >= 0 and stage[name]["peak_gib"] >= stage[name]["rss_after_gib"]  # VmHWM >= VmRSS
     assert stage["weights_gib"] > 0

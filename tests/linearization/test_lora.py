@@ -217,3 +217,98 @@ def test_merged_model_keeps_the_compile_settings(lora_trained):
     assert float(merged.optimizer.learning_rate) == 0.125
     assert isinstance(merged.sampler, keras_hub.samplers.TopKSampler) and merged.sampler.k == 3
     assert merged.get_compile_config()["weighted_metrics"] == student.get_compile_config()["weighted_metrics"]
+
+
+def test_merge_copies_every_weight_in_memory_with_the_preprocessor_shared(monkeypatch):
+    """The weights reach the merged model layer by layer, with no file: at 1B parameters a
+    `.weights.h5` written and read back cost ~12 GB more than the two models. Every weight but
+    the projection kernels is copied exactly, each kernel is the live ``W + (alpha / r) A B``, and
+    a keras-hub task's preprocessor is the same object in both."""
+    from tests.models.test_keras_hub_shape import char_tokenizer
+
+    student, _ = _lora_lm(char_tokenizer())
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("merge_lora went through a weights file")
+
+    monkeypatch.setattr(keras.Model, "save_weights", refuse)
+    monkeypatch.setattr(keras.Model, "load_weights", refuse)
+    merged = merge_lora(student)
+    assert merged.preprocessor is student.preprocessor
+    denses = [
+        dense
+        for layer in student.backbone.decoder_blocks
+        for dense in (layer.attention.query_dense, layer.attention.key_dense)
+        + (layer.attention.value_dense, layer.attention.output_dense)
+    ]
+    kernels = {dense.path + "/kernel": np.asarray(dense.kernel) for dense in denses}  # Keras merges W + s A B
+    assert len(kernels) == 8
+    assert any(not np.array_equal(np.asarray(d._kernel), kernels[d.path + "/kernel"]) for d in denses)  # A B != 0
+    want = {v.path: np.asarray(v) for v in student.weights if not v.path.endswith(("lora_kernel_a", "lora_kernel_b"))}
+    want.update(kernels)
+    got = {v.path: np.asarray(v) for v in merged.weights}
+    assert sorted(got) == sorted(want)
+    for path, value in want.items():
+        np.testing.assert_array_equal(got[path], value, err_msg=path)
+
+
+def test_merge_in_place_equals_the_new_model_and_leaves_no_adapter(tmp_path):
+    """``in_place=True`` merges into the argument (no second model: what fits at 1B): the same weights
+    as the default's new model, no adapter variable or config record, every weight trainable, the
+    compile settings kept with a fresh optimizer; saved and loaded it computes the same, and LoRA can
+    be enabled on it again."""
+    student, ids = _lora_lm()
+    student.compile(
+        optimizer=keras.optimizers.SGD(0.25),
+        loss=keras.losses.SparseCategoricalCrossentropy(True),
+        sampler=keras_hub.samplers.TopKSampler(k=3),
+    )
+    new = merge_lora(student)
+    merged = merge_lora(student, in_place=True)
+    assert merged is student
+    assert lora_variables(merged) == [] and merged.backbone.get_config().get("lora") is None
+    for dense in (merged.backbone.decoder_blocks[0].attention.query_dense,):
+        assert not dense.lora_enabled and not hasattr(dense, "lora_kernel_a")
+    assert sorted(v.path for v in merged.weights) == sorted(v.path for v in new.weights)
+    want = {v.path: np.asarray(v) for v in new.weights}
+    for v in merged.weights:
+        np.testing.assert_array_equal(np.asarray(v), want[v.path], err_msg=v.path)
+    assert sorted(v.path for v in merged.trainable_variables) == sorted(v.path for v in new.trainable_variables)
+    assert isinstance(merged.optimizer, keras.optimizers.SGD) and float(merged.optimizer.learning_rate) == 0.25
+    assert int(merged.optimizer.iterations) == 0  # a fresh optimizer: the old state belonged to the adapters
+    for model in (merged, new):  # no slots until it trains (Adam's would be 2 copies of every weight)
+        assert not model.optimizer.built
+    assert isinstance(merged.sampler, keras_hub.samplers.TopKSampler)
+    logits = np.asarray(merged(ids))
+    np.testing.assert_array_equal(logits, np.asarray(new(ids)))
+    path = str(tmp_path / "merged.keras")
+    merged.save(path)
+    loaded = keras.saving.load_model(path)
+    np.testing.assert_array_equal(np.asarray(loaded(ids)), logits)
+    assert not lora_variables(loaded)
+    merged.fit(ids[:, :-1], ids[:, 1:], epochs=1, verbose=0)  # trains every weight, maps included
+    assert merged.optimizer.built
+    assert len(enable_lora(merged, rank=2)) == 2 * 2 * 4
+
+
+def test_merge_in_place_refuses_a_non_bool():
+    student, _ = _lora_lm()
+    with pytest.raises(ValueError, match="in_place"):
+        merge_lora(student, in_place="yes")
+    assert lora_variables(student)  # nothing was merged
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_merged_functional_student_trains_every_weight(in_place):
+    """A functional student's config records its frozen layers, and on the TensorFlow backend
+    ``layer.trainable = True`` is skipped for a layer that already is: the merged model must still
+    train every weight the student trained before `enable_lora` (the kernels and biases included)."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((8, 16))
+    teacher = keras.Model(inputs, keras.layers.MultiHeadAttention(2, 8)(inputs, inputs, use_causal_mask=True))
+    student = keras_linattn.linearize(teacher, window_size=4)
+    want = sorted((v.name, tuple(v.shape)) for v in student.trainable_variables)  # paths differ in a new model
+    enable_lora(student, rank=2)
+    merged = merge_lora(student, in_place=in_place)
+    assert sorted((v.name, tuple(v.shape)) for v in merged.trainable_variables) == want
+    assert len(merged.trainable_variables) == len(merged.weights)
