@@ -299,7 +299,9 @@ class LinearAttention(_projections.ProjectedAttention):
         `conv_size` K, the last ``K - 1`` inputs ``conv_q [K-1, H, D]``,
         ``conv_k [K-1, H, D]``, ``conv_v [K-1, H, M]``), then the
         recurrence's buffers (the window's ``window_k [W, H, D]``,
-        ``window_v [W, H, M]`` and ``window_valid [W]``, 1 = a real key),
+        ``window_v [W, H, M]`` and ``window_valid [W]``, 1 = a real key;
+        the key/value heads instead of H under grouped-query attention
+        without a short convolution),
         then, with rotary embeddings, ``position []``: the number of real
         tokens consumed (exact in float32 up to 2**24 tokens).
         All float32 and of a size that does not depend on the length.

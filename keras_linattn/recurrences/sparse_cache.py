@@ -36,7 +36,8 @@ class SparseCacheRecurrence(WindowRecurrence):
     ``window_size + cache_size >= T`` exact softmax attention.
 
     Decode state: ``S``, ``z``, the window ring (``window_k [W, H, D]``,
-    ``window_v [W, H, M]``, ``window_valid [W]``) and the cache
+    ``window_v [W, H, M]``, ``window_valid [W]``; under grouped-query
+    attention the key/value heads, as `WindowRecurrence`'s) and the cache
     (``cache_k [N, H, D]``, ``cache_v [N, H, M]``, ``cache_valid [N, H]``,
     1 = a pair, per head, oldest first): a fixed size at any length.
 
@@ -89,8 +90,8 @@ class SparseCacheRecurrence(WindowRecurrence):
         else:
             s0 = (state["S"], state["z"])
         real = ops.ones(ops.shape(k)[:2], "float32") if key_mask is None else ops.cast(key_mask, "float32")
-        k_all = ops.concatenate([ops.cast(state["window_k"], k.dtype), k], axis=1)  # [B, W + S, H, D]
-        v_all = ops.concatenate([ops.cast(state["window_v"], v.dtype), v], axis=1)  # [B, W + S, H, M]
+        k_all = ops.concatenate([self._expand(ops.cast(state["window_k"], k.dtype)), k], axis=1)  # [B, W + S, H, D]
+        v_all = ops.concatenate([self._expand(ops.cast(state["window_v"], v.dtype)), v], axis=1)  # [B, W + S, H, M]
         ok_all = ops.concatenate([ops.cast(state["window_valid"], "float32"), real], axis=1)  # [B, W + S]
         qf = self.features(q, True, True, training)  # [B, T, H, C]
         kf_all = self.features(k_all, False, True, training)  # [B, W + S, H, C]
@@ -113,8 +114,8 @@ class SparseCacheRecurrence(WindowRecurrence):
         return out, {
             "S": s,
             "z": z,
-            "window_k": ops.cast(k_all[:, -w:], "float32"),
-            "window_v": ops.cast(_mask_keys(v_all, ok_all > 0)[:, -w:], "float32"),
+            "window_k": self._shrink(ops.cast(k_all[:, -w:], "float32")),
+            "window_v": self._shrink(ops.cast(_mask_keys(v_all, ok_all > 0)[:, -w:], "float32")),
             "window_valid": ok_all[:, -w:],
             "cache_k": ck,
             "cache_v": cv,
@@ -122,7 +123,7 @@ class SparseCacheRecurrence(WindowRecurrence):
         }
 
     def step(self, q, k, v, gate_keys, state, training=None):
-        buf_k = state["window_k"]  # [B, W, H, D]
+        buf_k = self._expand(state["window_k"])  # [B, W, H, D]
         # The oldest buffered key leaves the window now: its features and the cached keys' are scored.
         qf = self.features(q[:, None], True, True, training)  # [B, 1, H, C]
         kf_old = self.features(ops.cast(buf_k[:, :1], q.dtype), False, True, training)  # [B, 1, H, C]
@@ -132,7 +133,7 @@ class SparseCacheRecurrence(WindowRecurrence):
             k,
             v,
             kf_old[:, 0],
-            (buf_k, state["window_v"], state["window_valid"]),
+            (buf_k, self._expand(state["window_v"]), state["window_valid"]),
             self._cache(state, q.dtype, training),
             (state["S"], state["z"]),
             eps=self.layer.epsilon,
@@ -141,8 +142,8 @@ class SparseCacheRecurrence(WindowRecurrence):
         return out, {
             "S": s,
             "z": z,
-            "window_k": wk,
-            "window_v": wv,
+            "window_k": self._shrink(wk),
+            "window_v": self._shrink(wv),
             "window_valid": wok,
             "cache_k": ck,
             "cache_v": cv,

@@ -62,6 +62,12 @@ class WindowRecurrence(Recurrence):
             ``linear_count []``), so the linear part's share of the shared
             normalizer does not grow with the length of the past; the
             learned `linear_weight` then weighs the mean.
+
+    Grouped-query attention: the G query heads of a group read the same key
+    and value, so without a short convolution (whose per-head kernels would
+    make them differ) the buffers keep the layer's key/value heads
+    (`buffer_heads`, ``window_k [W, H / G, D]``) and repeat them when they
+    are read: at Llama 3.2 1B's 32/8 heads, a quarter of the buffer.
     """
 
     contract_configs = (
@@ -132,6 +138,24 @@ class WindowRecurrence(Recurrence):
         weight = ops.cast(ops.exp(self.linear_weight_log), f.dtype)  # [H]
         return f * weight[:, None]  # features [..., H, C]
 
+    @property
+    def buffer_heads(self):
+        """The heads of the key/value buffers: the layer's key/value heads, or H with a short convolution."""
+        heads = getattr(self.layer, "key_value_heads", self.num_heads)
+        if heads == self.num_heads or getattr(self.layer, "conv_size", None) is not None:
+            return self.num_heads
+        return heads
+
+    def _expand(self, x):
+        """A buffer ``[B, W, buffer_heads, ...]`` as the H heads that read it (head h reads h // G)."""
+        groups = self.num_heads // self.buffer_heads
+        return x if groups == 1 else ops.repeat(x, groups, axis=2)
+
+    def _shrink(self, x):
+        """``[B, W, H, ...]`` keys or values of the H heads -> one head per group (the heads of a group are equal)."""
+        groups = self.num_heads // self.buffer_heads
+        return x if groups == 1 else x[:, :, ::groups]
+
     def _mean_scale(self, count, dtype):
         """``1 / max(count, 1)`` as ``[B, T, 1, 1]`` for ``count [B, T]`` (older keys per query)."""
         wide = "float64" if dtype == "float64" else "float32"  # counts are exact in both (below 2**24)
@@ -147,7 +171,7 @@ class WindowRecurrence(Recurrence):
         return [_state.StateSpec("S", (h, c, m), "float32"), _state.StateSpec("z", (h, c), "float32")]
 
     def buffer_spec(self):
-        w, h, d, m = self.window_size, self.num_heads, self.key_dim, self.value_dim
+        w, h, d, m = self.window_size, self.buffer_heads, self.key_dim, self.value_dim
         spec = [
             _state.StateSpec("window_k", (w, h, d), "float32"),
             _state.StateSpec("window_v", (w, h, m), "float32"),
@@ -168,13 +192,14 @@ class WindowRecurrence(Recurrence):
         else:
             s0 = (state["S"], state["z"])
         real = ops.ones(ops.shape(k)[:2], "float32") if key_mask is None else ops.cast(key_mask, "float32")
-        k_all = ops.concatenate([ops.cast(state["window_k"], k.dtype), k], axis=1)  # [B, W + S, H, D]
-        v_all = ops.concatenate([ops.cast(state["window_v"], v.dtype), v], axis=1)  # [B, W + S, H, M]
+        k_all = ops.concatenate([self._expand(ops.cast(state["window_k"], k.dtype)), k], axis=1)  # [B, W + S, H, D]
+        v_all = ops.concatenate([self._expand(ops.cast(state["window_v"], v.dtype)), v], axis=1)  # [B, W + S, H, M]
         ok_all = ops.concatenate([ops.cast(state["window_valid"], "float32"), real], axis=1)  # [B, W + S]
         q_lin, kp_all = q, k_all
         if not self.linear_rope:
             q_lin, k_plain = (q, k) if unrotated is None else unrotated
-            kp_all = ops.concatenate([ops.cast(state["window_k_plain"], k.dtype), k_plain], axis=1)  # [B, W+S, H, D]
+            plain = self._expand(ops.cast(state["window_k_plain"], k.dtype))
+            kp_all = ops.concatenate([plain, k_plain], axis=1)  # [B, W + S, H, D]
         qf = self.features(q_lin, True, True, training)  # [B, T, H, C]
         kf_all = self.features(kp_all, False, True, training)  # [B, W + S, H, C]
         new = {}
@@ -184,7 +209,7 @@ class WindowRecurrence(Recurrence):
             qf = qf * self._mean_scale(older, qf.dtype)
             new["linear_count"] = state["linear_count"] + ops.sum(ok_all[:, :-w], axis=1)  # [B]
         if not self.linear_rope:
-            new["window_k_plain"] = ops.cast(kp_all[:, -w:], "float32")
+            new["window_k_plain"] = self._shrink(ops.cast(kp_all[:, -w:], "float32"))
         out, (s, z) = window_ops.window_attention(
             q,
             qf,
@@ -202,19 +227,19 @@ class WindowRecurrence(Recurrence):
         return out, {
             "S": s,
             "z": z,
-            "window_k": ops.cast(k_all[:, -w:], "float32"),
-            "window_v": ops.cast(_mask_keys(v_all, ok_all > 0)[:, -w:], "float32"),
+            "window_k": self._shrink(ops.cast(k_all[:, -w:], "float32")),
+            "window_v": self._shrink(ops.cast(_mask_keys(v_all, ok_all > 0)[:, -w:], "float32")),
             "window_valid": ok_all[:, -w:],
             **new,
         }
 
     def step(self, q, k, v, gate_keys, state, training=None, unrotated=None):
         """One step; ``unrotated=(q, k) [B, H, D]`` before the rotary embedding when `reads_unrotated`."""
-        buf_k = state["window_k"]  # [B, W, H, D]
+        buf_k = self._expand(state["window_k"])  # [B, W, H, D]
         q_lin, buf_lin = q, buf_k
         if not self.linear_rope:
             q_lin, k_plain = (q, k) if unrotated is None else unrotated
-            buf_lin = state["window_k_plain"]  # [B, W, H, D]
+            buf_lin = self._expand(state["window_k_plain"])  # [B, W, H, D]
         # The oldest buffered key leaves the window now: its features join (S, z).
         qf = self.features(q_lin[:, None], True, True, training)  # [B, 1, H, C]
         kf_old = self.features(ops.cast(buf_lin[:, :1], q.dtype), False, True, training)  # [B, 1, H, C]
@@ -224,19 +249,21 @@ class WindowRecurrence(Recurrence):
             qf = qf * self._mean_scale(count[:, None], qf.dtype)
             new["linear_count"] = count
         if not self.linear_rope:
-            shifted = ops.concatenate([buf_lin[:, 1:], ops.cast(k_plain, "float32")[:, None]], axis=1)
-            new["window_k_plain"] = shifted  # [B, W, H, D]
+            plain = state["window_k_plain"]  # [B, W, buffer_heads, D]
+            shifted = ops.concatenate([plain[:, 1:], self._shrink(ops.cast(k_plain, "float32")[:, None])], axis=1)
+            new["window_k_plain"] = shifted  # [B, W, buffer_heads, D]
         out, (s, z), (wk, wv, wok) = window_ops.window_attention_step(
             q,
             qf[:, 0],
             k,
             v,
             kf_old[:, 0],
-            (buf_k, state["window_v"], state["window_valid"]),
+            (buf_k, self._expand(state["window_v"]), state["window_valid"]),
             (state["S"], state["z"]),
             eps=self.layer.epsilon,
             gamma=self._gamma(),
         )  # [B, H, M]
+        wk, wv = self._shrink(wk), self._shrink(wv)
         return out, {"S": s, "z": z, "window_k": wk, "window_v": wv, "window_valid": wok, **new}
 
     def oracle(self, q, k, v, gate_keys, key_mask, training=None, unrotated=None):

@@ -160,6 +160,63 @@ def test_gqa_kernels_have_key_value_heads_and_the_state_keeps_num_heads():
     assert spec["S"].shape[0] == HEADS and spec["position"].shape == ()
 
 
+def _as_multi_head(layer, **kwargs):
+    """The same function without grouped-query attention: the key/value kernels repeated per query head."""
+    groups = HEADS // KV_HEADS
+    mha = _layer(kv=None, **kwargs)
+    for ours, theirs in zip(layer.weights, mha.weights, strict=True):
+        value = np.asarray(ours)
+        if ours is layer.key_dense.kernel or ours is layer.value_dense.kernel:
+            value = np.repeat(value, groups, axis=1)  # [dim, kv, D] -> [dim, H, D]: head h reads h // G
+        elif ours is layer.key_dense.bias or ours is layer.value_dense.bias:
+            value = np.repeat(value, groups, axis=0)
+        theirs.assign(value)
+    return mha
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(), dict(linear_rope=False, linear_mean=True), dict(cache_size=2)], ids=["window", "length", "lola"]
+)
+def test_gqa_window_buffers_keep_the_key_value_heads(rng, kwargs):
+    """Under GQA the window's key/value buffers hold one head per group (a quarter at Llama 3.2 1B's
+    32/8 heads), repeated when read: outputs and states equal those of the same layer with its
+    key/value kernels repeated per query head (plain multi-head attention), whose buffers are the
+    GQA buffers repeated; in one pass, in two pieces and token by token."""
+    layer = _layer(**kwargs)
+    mha = _as_multi_head(layer, **kwargs)
+    spec = {e.name: e.shape for e in layer.state_spec()}
+    assert layer.recurrence.buffer_heads == KV_HEADS and mha.recurrence.buffer_heads == HEADS
+    assert spec["window_k"] == (4, KV_HEADS, KEY_DIM) and spec["window_v"] == (4, KV_HEADS, KEY_DIM)
+    if "linear_rope" in kwargs:
+        assert spec["window_k_plain"] == (4, KV_HEADS, KEY_DIM)
+    if "cache_size" in kwargs:  # the cache decides per query head: it keeps them all
+        assert spec["cache_k"] == (2, HEADS, KEY_DIM)
+    x, mask = _inputs(rng)
+    n, c = _n(layer), _rope_conditioning(T)
+    out, state = layer(x[:, :6], x[:, :6], key_mask=mask[:, :6], use_causal_mask=True, return_state=True)
+    want, want_state = mha(x[:, :6], x[:, :6], key_mask=mask[:, :6], use_causal_mask=True, return_state=True)
+    assert_close(out, want, n=n, conditioning=c, paths=2, what="one pass")
+    names = [e.name for e in layer.state_spec()]
+    for name, got, ref in zip(names, state, want_state, strict=True):
+        got = np.asarray(got)
+        if name.startswith("window_") and name != "window_valid":
+            got = np.repeat(got, HEADS // KV_HEADS, axis=2)
+        np.testing.assert_allclose(got, np.asarray(ref), rtol=1e-5, atol=1e-5, err_msg=name)
+    tail = layer(x[:, 6:], x[:, 6:], key_mask=mask[:, 6:], use_causal_mask=True, initial_state=state)
+    tail_mha = mha(x[:, 6:], x[:, 6:], key_mask=mask[:, 6:], use_causal_mask=True, initial_state=want_state)
+    assert_close(tail, tail_mha, n=n, conditioning=c, paths=2, what="second piece")
+    steps, _ = run_steps(layer, x[:1], self_attention=True)
+    steps_mha, _ = run_steps(mha, x[:1], self_attention=True)
+    assert_close(steps, steps_mha, n=n, conditioning=c, paths=2, what="steps")
+
+
+def test_gqa_buffers_keep_every_head_with_a_short_convolution():
+    """A short convolution has a kernel per head, so the heads of a group differ after it."""
+    layer = _layer(conv_size=3)
+    assert layer.recurrence.buffer_heads == HEADS
+    assert {e.name: e.shape for e in layer.state_spec()}["window_k"] == (4, HEADS, KEY_DIM)
+
+
 # ------------------------------------------------------- step == parallel
 @pytest.mark.parametrize("config", [dict(), dict(window_size=None)], ids=["window_gamma", "linear"])
 def test_step_pieces_and_left_padding_equal_one_pass(rng, config):
