@@ -42,8 +42,9 @@ CONFIGS = {
 # The window's options for length past training: an unrotated-key buffer and an older-key count.
 CONFIGS["pretrained_length"] = dict(CONFIGS["pretrained"], linear_rope=False, linear_mean=True)
 CONFIGS["based_pretrained"] = dict(CONFIGS["based"], window_gamma=0.1, num_key_value_heads=1, rope_max_wavelength=10000)
-# The combination in `make test`; each configuration alone in `make test-slow`.
-FAST = {"based_pretrained"}
+# In `make test`: the combination, and a linearized Llama's layout (GQA buffers of one key/value
+# head, the length options); each configuration alone in `make test-slow`.
+FAST = {"based_pretrained", "pretrained_length"}
 
 
 def _params():
