@@ -92,14 +92,15 @@ MECHANISM_ARGS_DOC = """\
             `recurrence`, pass ``linear_weight=`` in the window
             recurrence's config instead. Keyword-only.
         linear_rope, linear_mean: None (default: True and False), with
-            `window_size` only (not `cache_size`): for length past the
+            `window_size` (and `cache_size`, if given): for length past the
             training length. ``linear_rope=False`` gives the linear part
             the features of the queries and keys before the rotary
             embedding (the window's softmax keeps it), so no absolute
             position reaches it. ``linear_mean=True`` makes the linear terms
             a mean over the older keys instead of a sum, so their share of
             the normalizer does not grow with the length of the past. See
-            `keras_linattn.recurrences.WindowRecurrence`. Keyword-only.
+            `keras_linattn.recurrences.WindowRecurrence` and
+            `keras_linattn.recurrences.SparseCacheRecurrence`. Keyword-only.
         cache_size: None (default) or an int N >= 0, with `window_size`
             only: LoLA's sparse global cache
             (`keras_linattn.recurrences.SparseCacheRecurrence`). Besides the
@@ -185,11 +186,10 @@ def _shorthand_recurrence(
             f"Received: linear_weight={linear_weight!r}, window_size=None"
         )
     for name, value in (("linear_rope", linear_rope), ("linear_mean", linear_mean)):
-        if value is not None and (window_size is None or cache_size is not None):
+        if value is not None and window_size is None:
             raise ValueError(
-                f"`{name}` is an option of the softmax window's linear part: it needs `window_size` and "
-                f"no `cache_size`. Received: {name}={value!r}, window_size={window_size!r}, "
-                f"cache_size={cache_size!r}"
+                f"`{name}` is an option of the softmax window's linear part: it needs `window_size`. "
+                f"Received: {name}={value!r}, window_size=None"
             )
     decay = _validation.check_one_of("decay", decay, DECAYS)
     normalize = _validation.check_bool("normalize", normalize)
@@ -217,11 +217,13 @@ def _shorthand_recurrence(
                 f"DeltaNet) and no window. Received: decay={decay!r}, window_size={window_size!r}"
             )
         return DeltaRecurrence(gate=decay)
-    if window_size is not None and cache_size is not None:
-        return SparseCacheRecurrence(window_size, cache_size, gamma=window_gamma, linear_weight=linear_weight)
     if window_size is not None:
         options = {"linear_rope": linear_rope, "linear_mean": linear_mean}
         options = {name: value for name, value in options.items() if value is not None}
+        if cache_size is not None:
+            return SparseCacheRecurrence(
+                window_size, cache_size, gamma=window_gamma, linear_weight=linear_weight, **options
+            )
         return WindowRecurrence(window_size, gamma=window_gamma, linear_weight=linear_weight, **options)
     if decay is not None:
         return DecayRecurrence(gate=decay, normalize=normalize)

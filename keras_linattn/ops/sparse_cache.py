@@ -474,6 +474,7 @@ def sparse_cache_attention_reference(
     eps=DEFAULT_EPSILON,
     compute_dtype="float64",
     gamma=None,
+    mean=False,
 ):
     """The oracle: one token at a time, every memory a set of positions, every weight written out.
 
@@ -483,7 +484,10 @@ def sparse_cache_attention_reference(
     positions; at query i the pair of position ``i - W`` leaves the window,
     ``S`` and ``z`` are summed afresh from the state's mask, every candidate's
     error is computed from them, and the oldest of the lowest is evicted.
-    Differentiable (the decisions are constants for autodiff).
+    Differentiable (the decisions are constants for autodiff). ``mean=True``:
+    the linear terms of query i are divided by the number of pairs in the
+    state then (at least 1), counted from the state's mask
+    (`keras_linattn.recurrences.SparseCacheRecurrence`'s ``linear_mean``).
     """
     window = check_positive_int("window", window)
     cache_size = check_non_negative_int("cache_size", cache_size)
@@ -527,7 +531,11 @@ def sparse_cache_attention_reference(
         weights = ops.where(soft, ops.exp(ops.minimum(s_i - peak, 0.0)), ops.zeros_like(s_i))  # [B, H, T]
         if g is not None:
             weights = weights * g
-        weights = weights + ops.where(in_state, lin[:, :, i], ops.zeros_like(s_i))  # [B, H, T]
+        lin_i = lin[:, :, i]  # [B, H, T]
+        if mean:
+            count = ops.sum(ops.cast(in_state, compute_dtype), axis=-1, keepdims=True)  # [B, H, 1]
+            lin_i = lin_i / ops.maximum(count, ops.cast(1.0, compute_dtype))
+        weights = weights + ops.where(in_state, lin_i, ops.zeros_like(s_i))  # [B, H, T]
         num = ops.einsum("bhs,bshm->bhm", weights, vv)  # [B, H, M]
         den = ops.sum(weights, axis=-1, keepdims=True)  # [B, H, 1]
         den_abs = ops.sum(ops.abs(weights), axis=-1, keepdims=True)  # [B, H, 1]

@@ -51,17 +51,34 @@ class SparseCacheRecurrence(WindowRecurrence):
             per-head weight of the linear terms, as `WindowRecurrence`'s
             (weight ``window_linear_weight_log [H]``). The self-recall error
             that picks the cached pairs does not depend on it.
+        linear_rope: True (default), or False: the linear part (its
+            readout and the self-recall error that picks the cached pairs)
+            reads the features of the queries and keys before the rotary
+            embedding, as `WindowRecurrence`'s; the window's and the cache's
+            softmax keep it. The state then also keeps the window's
+            unrotated keys (``window_k_plain``) and the cached pairs'
+            features (``cache_f [N, H, C]``), since the cached rotated keys
+            cannot give them back.
+        linear_mean: False (default), or True: the linear terms are a mean
+            over the pairs in the linear state, as `WindowRecurrence`'s. The
+            cache takes the first N older pairs and then gives one to the
+            state for each pair that leaves the window, so the state holds
+            ``max(n - N, 0)`` of the n older real pairs (``linear_count []``
+            counts n).
     """
 
     contract_configs = (
         {"window_size": 3, "cache_size": 2},
         {"window_size": 2, "cache_size": 3, "gamma": 0.25},
         {"window_size": 2, "cache_size": 2, "gamma": 0.5, "linear_weight": 0.3},
+        {"window_size": 2, "cache_size": 2, "linear_weight": 0.5, "linear_rope": False, "linear_mean": True},
     )
 
-    def __init__(self, window_size, cache_size, gamma=None, linear_weight=None):
-        # the window's checks, its gamma and linear weight, and their weights
-        super().__init__(window_size, gamma=gamma, linear_weight=linear_weight)
+    def __init__(self, window_size, cache_size, gamma=None, linear_weight=None, linear_rope=True, linear_mean=False):
+        # the window's checks, its gamma, linear weight and length options, and their weights
+        super().__init__(
+            window_size, gamma=gamma, linear_weight=linear_weight, linear_rope=linear_rope, linear_mean=linear_mean
+        )
         self.cache_size = _validation.check_non_negative_int("cache_size", cache_size)
 
     def get_config(self):
@@ -70,19 +87,34 @@ class SparseCacheRecurrence(WindowRecurrence):
 
     def buffer_spec(self):
         n, h, d, m = self.cache_size, self.num_heads, self.key_dim, self.value_dim
-        return super().buffer_spec() + [
+        spec = super().buffer_spec() + [
             _state.StateSpec("cache_k", (n, h, d), "float32"),
             _state.StateSpec("cache_v", (n, h, m), "float32"),
             _state.StateSpec("cache_valid", (n, h), "float32"),
         ]
+        if not self.linear_rope:
+            spec.append(_state.StateSpec("cache_f", (n, h, self.feature_dim), "float32"))
+        return spec
 
     def _cache(self, state, dtype, training):
-        """``(keys, features, values, valid)`` of the state's cache; the features recomputed from the keys."""
+        """``(keys, features, values, valid)`` of the state's cache; the features recomputed from the keys.
+
+        With ``linear_rope=False`` the features are the state's ``cache_f``
+        (those of the unrotated keys, which the cache does not keep).
+        """
         keys = state["cache_k"]  # [B, N, H, D]
-        features = self.features(ops.cast(keys, dtype), False, True, training)  # [B, N, H, C]
+        if self.linear_rope:
+            features = self.features(ops.cast(keys, dtype), False, True, training)  # [B, N, H, C]
+        else:
+            features = ops.cast(state["cache_f"], dtype)  # [B, N, H, C]
         return keys, features, state["cache_v"], state["cache_valid"]
 
-    def call(self, q, k, v, gate_keys, key_mask, state, causal=True, training=None):
+    def _older_scale(self, older, dtype):
+        """``1 / max(n - N, 1)``: the mean over the pairs in the state, ``n`` older real pairs ``[B, T]``."""
+        return self._mean_scale(older - float(self.cache_size), dtype)
+
+    def call(self, q, k, v, gate_keys, key_mask, state, causal=True, training=None, unrotated=None):
+        """The parallel form; ``unrotated=(q, k)`` before the rotary embedding when `reads_unrotated`."""
         w = self.window_size
         if state is None:
             state = self.zeros_like_spec(self.buffer_spec(), ops.shape(k)[0])
@@ -93,9 +125,21 @@ class SparseCacheRecurrence(WindowRecurrence):
         k_all = ops.concatenate([self._expand(ops.cast(state["window_k"], k.dtype)), k], axis=1)  # [B, W + S, H, D]
         v_all = ops.concatenate([self._expand(ops.cast(state["window_v"], v.dtype)), v], axis=1)  # [B, W + S, H, M]
         ok_all = ops.concatenate([ops.cast(state["window_valid"], "float32"), real], axis=1)  # [B, W + S]
-        qf = self.features(q, True, True, training)  # [B, T, H, C]
-        kf_all = self.features(k_all, False, True, training)  # [B, W + S, H, C]
-        out, (s, z), (ck, _, cv, cok) = sparse_cache_ops.sparse_cache_attention(
+        q_lin, kp_all = q, k_all
+        new = {}
+        if not self.linear_rope:
+            q_lin, k_plain = (q, k) if unrotated is None else unrotated
+            plain = self._expand(ops.cast(state["window_k_plain"], k.dtype))
+            kp_all = ops.concatenate([plain, k_plain], axis=1)  # [B, W + S, H, D]
+            new["window_k_plain"] = self._shrink(ops.cast(kp_all[:, -w:], "float32"))
+        qf = self.features(q_lin, True, True, training)  # [B, T, H, C]
+        kf_all = self.features(kp_all, False, True, training)  # [B, W + S, H, C]
+        if self.linear_mean:
+            # Query i (slot W + i of k_all): the pairs of slots 0..i have left the window, N of them are cached.
+            older = state["linear_count"][:, None] + ops.cumsum(ok_all, axis=1)[:, : ops.shape(q)[1]]  # [B, T]
+            qf = qf * self._older_scale(older, qf.dtype)
+            new["linear_count"] = state["linear_count"] + ops.sum(ok_all[:, :-w], axis=1)  # [B]
+        out, (s, z), (ck, cf, cv, cok) = sparse_cache_ops.sparse_cache_attention(
             q,
             qf,
             k_all,
@@ -120,14 +164,33 @@ class SparseCacheRecurrence(WindowRecurrence):
             "cache_k": ck,
             "cache_v": cv,
             "cache_valid": cok,
+            **self._cache_features(cf),
+            **new,
         }
 
-    def step(self, q, k, v, gate_keys, state, training=None):
+    def _cache_features(self, features):
+        """The state's ``cache_f`` with ``linear_rope=False`` (else nothing)."""
+        return {} if self.linear_rope else {"cache_f": ops.cast(features, "float32")}
+
+    def step(self, q, k, v, gate_keys, state, training=None, unrotated=None):
+        """One step; ``unrotated=(q, k) [B, H, D]`` before the rotary embedding when `reads_unrotated`."""
         buf_k = self._expand(state["window_k"])  # [B, W, H, D]
+        q_lin, buf_lin = q, buf_k
+        new = {}
+        if not self.linear_rope:
+            q_lin, k_plain = (q, k) if unrotated is None else unrotated
+            plain = state["window_k_plain"]  # [B, W, buffer_heads, D]
+            buf_lin = self._expand(plain)  # [B, W, H, D]
+            shifted = ops.concatenate([plain[:, 1:], self._shrink(ops.cast(k_plain, "float32")[:, None])], axis=1)
+            new["window_k_plain"] = shifted
         # The oldest buffered key leaves the window now: its features and the cached keys' are scored.
-        qf = self.features(q[:, None], True, True, training)  # [B, 1, H, C]
-        kf_old = self.features(ops.cast(buf_k[:, :1], q.dtype), False, True, training)  # [B, 1, H, C]
-        out, (s, z), (wk, wv, wok), (ck, _, cv, cok) = sparse_cache_ops.sparse_cache_attention_step(
+        qf = self.features(q_lin[:, None], True, True, training)  # [B, 1, H, C]
+        kf_old = self.features(ops.cast(buf_lin[:, :1], q.dtype), False, True, training)  # [B, 1, H, C]
+        if self.linear_mean:
+            count = state["linear_count"] + state["window_valid"][:, 0]  # [B]
+            qf = qf * self._older_scale(count[:, None], qf.dtype)
+            new["linear_count"] = count
+        out, (s, z), (wk, wv, wok), (ck, cf, cv, cok) = sparse_cache_ops.sparse_cache_attention_step(
             q,
             qf[:, 0],
             k,
@@ -148,11 +211,14 @@ class SparseCacheRecurrence(WindowRecurrence):
             "cache_k": ck,
             "cache_v": cv,
             "cache_valid": cok,
+            **self._cache_features(cf),
+            **new,
         }
 
-    def oracle(self, q, k, v, gate_keys, key_mask, training=None):
-        qf = self.features(q, True, True, training)
-        kf = self.features(k, False, True, training)
+    def oracle(self, q, k, v, gate_keys, key_mask, training=None, unrotated=None):
+        q_lin, k_lin = (q, k) if self.linear_rope or unrotated is None else unrotated
+        qf = self.features(q_lin, True, True, training)
+        kf = self.features(k_lin, False, True, training)
         return sparse_cache_ops.sparse_cache_attention_reference(
             q,
             qf,
@@ -164,4 +230,5 @@ class SparseCacheRecurrence(WindowRecurrence):
             key_mask,
             eps=self.layer.epsilon,
             gamma=self._gamma(),
+            mean=self.linear_mean,
         )

@@ -24,7 +24,7 @@ import pytest
 import keras_linattn
 from keras_linattn.layers import AttentionSpec, LinearAttention
 from keras_linattn.ops._common import _mask_keys
-from keras_linattn.recurrences import WindowRecurrence
+from keras_linattn.recurrences import SparseCacheRecurrence, WindowRecurrence
 from tests._helpers import _outputs_and_gradients
 from tests.tolerance import assert_close
 
@@ -35,13 +35,15 @@ T, DIM, HEADS, KEY_DIM, W = 13, 16, 2, 8, 3
 ROPE = 50.0
 
 
-def _layer(rope=ROPE, seed=3, **options):
+def _layer(rope=ROPE, seed=3, cache=None, **options):
+    """Hedgehog + the window with `options` (and LoLA's cache of `cache` slots), weights spread."""
+    recurrence = WindowRecurrence(W, **options) if cache is None else SparseCacheRecurrence(W, cache, **options)
     layer = LinearAttention(
         HEADS,
         KEY_DIM,
         feature_map="hedgehog",
         chunk_size=4,
-        recurrence=WindowRecurrence(W, **options),
+        recurrence=recurrence,
         rope_max_wavelength=rope,
     )
     layer.build((None, None, DIM), (None, None, DIM))
@@ -110,9 +112,14 @@ def _oracle(layer, x, mask):
     return layer.output_dense(att)
 
 
+# The cache's oracle counts the pairs in the linear state from its own masks (not from the older keys).
+CACHES = pytest.mark.parametrize("cache", [None, 2], ids=["window", "cache2"])
+
+
+@CACHES
 @pytest.mark.parametrize("mean", [False, True])
-def test_unrotated_features_match_the_float64_oracle(rng, mean):
-    layer = _layer(linear_rope=False, linear_mean=mean, gamma=0.4)
+def test_unrotated_features_match_the_float64_oracle(rng, mean, cache):
+    layer = _layer(linear_rope=False, linear_mean=mean, gamma=0.4, cache=cache)
     x, mask = _inputs(rng)
     weights = layer.trainable_variables
     out, grads = _outputs_and_gradients(lambda x_: layer(x_, x_, key_mask=mask, use_causal_mask=True), x, weights)
@@ -138,9 +145,10 @@ def _shifted(layer, x, offset):
     return np.asarray(layer(x, x, use_causal_mask=True, initial_state=tuple(state)))
 
 
-def test_unrotated_features_make_the_output_independent_of_absolute_position(rng):
+@CACHES
+def test_unrotated_features_make_the_output_independent_of_absolute_position(rng, cache):
     x = rng.normal(size=(1, T, DIM)).astype("float32")
-    unrotated = _layer(linear_rope=False, gamma=0.4)
+    unrotated = _layer(linear_rope=False, gamma=0.4, cache=cache)
     fresh = np.asarray(unrotated(x, x, use_causal_mask=True))
     # Only relative positions reach the window's softmax; the positions 1000+ change the rounding alone.
     # Error model: a rotation angle (P + t) * f (f <= 1) is rounded to about (P + T) * eps radians, so
@@ -149,7 +157,7 @@ def test_unrotated_features_make_the_output_independent_of_absolute_position(rng
     conditioning = (1000 + T) / np.sqrt(n)
     shifted = _shifted(unrotated, x, 1000.0)
     assert_close(shifted, fresh, n=n, paths=2, conditioning=conditioning, what="shifted by 1000")
-    rotated = _layer(gamma=0.4)
+    rotated = _layer(gamma=0.4, cache=cache)
     _copy_weights(unrotated, rotated)
     base = np.asarray(rotated(x, x, use_causal_mask=True))
     assert np.abs(_shifted(rotated, x, 1000.0) - base)[:, W:].max() > 1e-2  # rotated features: position matters
@@ -157,16 +165,18 @@ def test_unrotated_features_make_the_output_independent_of_absolute_position(rng
     assert_close(base[:, :W], fresh[:, :W], n=_n(unrotated), paths=2, what="inside the first window")
 
 
+@CACHES
 @pytest.mark.parametrize(
     "options", [{"linear_rope": False}, {"linear_mean": True}, {"linear_rope": False, "linear_mean": True}]
 )
-def test_steps_and_pieces_equal_one_pass_with_rotary_embeddings(rng, options):
-    layer = _layer(**options)
+def test_steps_and_pieces_equal_one_pass_with_rotary_embeddings(rng, options, cache):
+    layer = _layer(cache=cache, **options)
     x, mask = _inputs(rng)
     full, state = layer(x, x, key_mask=mask, use_causal_mask=True, return_state=True)
     names = [entry.name for entry in layer.state_spec()]
     assert ("window_k_plain" in names) == ("linear_rope" in options)
     assert ("linear_count" in names) == ("linear_mean" in options)
+    assert ("cache_f" in names) == ("linear_rope" in options and cache is not None)
     a, st = layer(x[:, :5], x[:, :5], key_mask=mask[:, :5], use_causal_mask=True, return_state=True)
     b, st2 = layer(x[:, 5:], x[:, 5:], key_mask=mask[:, 5:], use_causal_mask=True, return_state=True, initial_state=st)
     assert_close(np.concatenate([a, b], 1), full, n=_n(layer), paths=2, what="pieces")
@@ -205,8 +215,12 @@ def test_shorthand_config_and_errors():
     assert WindowRecurrence.from_config(config).get_config() == config
     with pytest.raises(ValueError, match="linear_rope.*needs `window_size`"):
         AttentionSpec.create(linear_rope=False)
-    with pytest.raises(ValueError, match="linear_mean.*no `cache_size`"):
-        AttentionSpec.create(feature_map="hedgehog", window_size=4, cache_size=2, linear_mean=True)
+    lola = AttentionSpec.create(feature_map="hedgehog", window_size=4, cache_size=2, linear_mean=True).make_recurrence()
+    assert isinstance(lola, SparseCacheRecurrence) and (lola.linear_rope, lola.linear_mean) == (True, True)
+    assert lola.get_config() == {"window_size": 4, "cache_size": 2, "linear_mean": True}
+    assert SparseCacheRecurrence(4, 2).get_config() == {"window_size": 4, "cache_size": 2}
+    with pytest.raises(ValueError, match="linear_mean.*needs `window_size`"):
+        AttentionSpec.create(linear_mean=True)
     with pytest.raises(ValueError, match="linear_mean"):
         WindowRecurrence(4, linear_mean="yes")
 
