@@ -247,3 +247,83 @@ def test_verify_reports_nan_in_the_generate_graph_as_failed_rows(tmp_path):
     failed = {r.signature for r in report.failed}
     graph = os.path.basename(generate)
     assert {f"{graph}:weights", f"{graph}:greedy", f"{graph}:sampled"} <= failed, failed
+
+
+def _loop_model(with_used_final=False):
+    """``y = x; repeat n times: y = y @ W + b`` as an ONNX Loop whose W and b are carried unchanged."""
+    from onnx import TensorProto, helper
+
+    body = helper.make_graph(
+        [
+            helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+            helper.make_node("MatMul", ["y_in", "w_in"], ["yw"]),
+            helper.make_node("Add", ["yw", "b_in"], ["y_out"]),
+        ],
+        "body",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("y_in", TensorProto.FLOAT, [1, 3]),
+            helper.make_tensor_value_info("w_in", TensorProto.FLOAT, [3, 3]),
+            helper.make_tensor_value_info("b_in", TensorProto.FLOAT, [3]),
+        ],
+        [
+            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("y_out", TensorProto.FLOAT, [1, 3]),
+            helper.make_tensor_value_info("w_in", TensorProto.FLOAT, [3, 3]),  # passed through
+            helper.make_tensor_value_info("b_in", TensorProto.FLOAT, [3]),
+        ],
+    )
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array((rng.normal(size=(3, 3)) * 0.5).astype("float32"), "W")
+    b = numpy_helper.from_array(rng.normal(size=(3,)).astype("float32"), "B")
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3])]
+    if with_used_final:
+        outputs.append(helper.make_tensor_value_info("b_final", TensorProto.FLOAT, [3]))
+    graph = helper.make_graph(
+        [
+            helper.make_node("Constant", [], ["true"], value=helper.make_tensor("t", TensorProto.BOOL, [], [True])),
+            helper.make_node("Loop", ["n", "true", "x", "W", "B"], ["y", "w_final", "b_final"], body=body),
+        ],
+        "loop",
+        [
+            helper.make_tensor_value_info("n", TensorProto.INT64, []),
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3]),
+        ],
+        outputs,
+        initializer=[w, b],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+
+
+@pytest.mark.parametrize("with_used_final", [False, True])
+def test_loop_invariants_are_read_from_the_outer_scope(with_used_final):
+    """onnxruntime copies loop-carried values into the Loop's outputs: a 1B generate graph whose
+    weights were all carried unchanged ran past 19 GB. Hoisted, the body reads them from the outer
+    scope and computes the same; a carried value whose final output is read stays carried."""
+    import onnxruntime as ort
+
+    model = _loop_model(with_used_final)
+    feeds = {"n": np.array(4, "int64"), "x": np.array([[1.0, -2.0, 0.5]], "float32")}
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)  # noqa: E731
+    want = run(model)
+    removed = onnx_export._hoist_loop_invariants(model.graph)
+    onnx.checker.check_model(model)
+    loop = model.graph.node[1]
+    assert removed == (1 if with_used_final else 2)
+    assert list(loop.input) == (["n", "true", "x", "B"] if with_used_final else ["n", "true", "x"])
+    assert len(loop.output) == len(loop.input) - 2
+    got = run(model)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_no_weight_is_carried_through_the_generate_loop():
+    model, _, paths = _shared_exports.limited_export()
+    proto = onnx.load(paths["generate"])
+    weights = {t.name for t in proto.graph.initializer}
+    loops = [node for node in proto.graph.node if node.op_type == "Loop"]
+    assert loops
+    for loop in loops:
+        carried = set(loop.input[2:])
+        assert not carried & weights, sorted(carried & weights)[:3]
