@@ -4,6 +4,7 @@ import os
 
 import numpy as np
 
+from keras_linattn import _validation
 from keras_linattn._validation import check_non_negative_int
 from keras_linattn.export import _providers
 
@@ -52,6 +53,13 @@ class OnnxPredictor:
             spinning shaves microseconds on a dedicated host but costs far
             more when cores are shared (2x slower in our measurements on a
             loaded machine). Ignored when `session_options` is given.
+        prepacking: let onnxruntime's CPU kernels keep a repacked copy of
+            the constant weights (its default). False sets
+            ``session.disable_prepacking``: one copy of the weights instead
+            of two where onnxruntime keeps both (a 1B model's step and
+            generate sessions in one process: an 11.0 instead of a 17.3 GiB
+            peak, at the same decode speed). Ignored when
+            `session_options` is given.
         session_options: optional `onnxruntime.SessionOptions` (used as is).
 
     Call arguments:
@@ -91,6 +99,7 @@ class OnnxPredictor:
         intra_op_num_threads=None,
         allow_spinning=False,
         session_options=None,
+        prepacking=True,
     ):
         import onnxruntime as ort
 
@@ -105,6 +114,7 @@ class OnnxPredictor:
             intra_op_num_threads = check_non_negative_int("intra_op_num_threads", intra_op_num_threads)
         self.intra_op_num_threads = intra_op_num_threads
         self.allow_spinning = bool(allow_spinning)
+        self.prepacking = _validation.check_bool("prepacking", prepacking)
         options = session_options
         if options is None:
             options = ort.SessionOptions()
@@ -113,6 +123,8 @@ class OnnxPredictor:
             spin = "1" if allow_spinning else "0"
             options.add_session_config_entry("session.intra_op.allow_spinning", spin)
             options.add_session_config_entry("session.inter_op.allow_spinning", spin)
+            if not self.prepacking:
+                options.add_session_config_entry("session.disable_prepacking", "1")
         try:
             self.session = ort.InferenceSession(path, sess_options=options, providers=self.requested_providers)
         except Exception as e:  # onnxruntime raises its own classes (InvalidProtobuf, Fail, ...)

@@ -210,7 +210,7 @@ def verify(
     if onnx_path is not None:
         from keras_linattn.export.onnx_predictor import OnnxPredictor
 
-        predictor = OnnxPredictor(onnx_path, device=onnx_device)
+        predictor = OnnxPredictor(onnx_path, device=onnx_device, prepacking=False)  # one copy of the weights
     try:
         if check_weights:
             _verify_weights.check_files(run, model, saved_model_dir, (onnx_path, onnx_step_path, onnx_generate_path))

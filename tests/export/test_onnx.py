@@ -215,9 +215,17 @@ def test_predictor_thread_options_do_not_change_results(encoder_onnx, rng):
     x = rng.standard_normal((2, 6, DIM)).astype("float32")
     expected = model(x).numpy()
     tolerance = encoder_tolerance(model, x, causal=False)
-    for kwargs in ({}, {"allow_spinning": True}, {"intra_op_num_threads": 1}):
+    for kwargs in ({}, {"allow_spinning": True}, {"intra_op_num_threads": 1}, {"prepacking": False}):
         predictor = export.OnnxPredictor(path, device="cpu", **kwargs)
         assert_close(predictor(x)["head"], expected, paths=2, what=str(kwargs), **tolerance)
+        options = predictor.session.get_session_options()
+        try:
+            disabled = options.get_session_config_entry("session.disable_prepacking") == "1"
+        except RuntimeError:  # onnxruntime: no entry with that key
+            disabled = False
+        assert disabled == (kwargs == {"prepacking": False})  # the option reaches the session
+    with pytest.raises(ValueError, match="prepacking"):
+        export.OnnxPredictor(path, device="cpu", prepacking="no")
 
 
 def test_predictor_casts_within_kind(encoder_onnx, rng):
