@@ -241,8 +241,9 @@ def merge_lora(model, in_place=False):
     model is built from its config; the weights reach it layer by layer in
     memory (no temporary file). With ``in_place=True`` the argument's own
     kernels are merged and its adapters deleted: no second model, which is
-    what fits at real size (Llama 3.2 1B's shape beside its teacher: 11.8
-    GiB in place, a 21.0 GiB peak with a new model; docs/linearize.md).
+    what fits best at real size (Llama 3.2 1B's shape beside its teacher,
+    from 11.8 GiB: no growth in place, a 15.6 GiB peak with a new model;
+    docs/linearize.md).
 
     Compile settings: a compiled argument's loss, metrics, `jit_compile`
     etc. and (`LinearCausalLM`) sampler are kept, with a fresh optimizer of
