@@ -201,7 +201,7 @@ def test_gqa_window_buffers_keep_the_key_value_heads(rng, kwargs):
         got = np.asarray(got)
         if name.startswith("window_") and name != "window_valid":
             got = np.repeat(got, HEADS // KV_HEADS, axis=2)
-        np.testing.assert_allclose(got, np.asarray(ref), rtol=1e-5, atol=1e-5, err_msg=name)
+        assert_close(got, np.asarray(ref), n=n, conditioning=c, paths=2, what=f"state {name}")
     tail = layer(x[:, 6:], x[:, 6:], key_mask=mask[:, 6:], use_causal_mask=True, initial_state=state)
     tail_mha = mha(x[:, 6:], x[:, 6:], key_mask=mask[:, 6:], use_causal_mask=True, initial_state=want_state)
     assert_close(tail, tail_mha, n=n, conditioning=c, paths=2, what="second piece")
