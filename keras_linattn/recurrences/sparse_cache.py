@@ -125,20 +125,7 @@ class SparseCacheRecurrence(WindowRecurrence):
         k_all = ops.concatenate([self._expand(ops.cast(state["window_k"], k.dtype)), k], axis=1)  # [B, W + S, H, D]
         v_all = ops.concatenate([self._expand(ops.cast(state["window_v"], v.dtype)), v], axis=1)  # [B, W + S, H, M]
         ok_all = ops.concatenate([ops.cast(state["window_valid"], "float32"), real], axis=1)  # [B, W + S]
-        q_lin, kp_all = q, k_all
-        new = {}
-        if not self.linear_rope:
-            q_lin, k_plain = (q, k) if unrotated is None else unrotated
-            plain = self._expand(ops.cast(state["window_k_plain"], k.dtype))
-            kp_all = ops.concatenate([plain, k_plain], axis=1)  # [B, W + S, H, D]
-            new["window_k_plain"] = self._shrink(ops.cast(kp_all[:, -w:], "float32"))
-        qf = self.features(q_lin, True, True, training)  # [B, T, H, C]
-        kf_all = self.features(kp_all, False, True, training)  # [B, W + S, H, C]
-        if self.linear_mean:
-            # Query i (slot W + i of k_all): the pairs of slots 0..i have left the window, N of them are cached.
-            older = state["linear_count"][:, None] + ops.cumsum(ok_all, axis=1)[:, : ops.shape(q)[1]]  # [B, T]
-            qf = qf * self._older_scale(older, qf.dtype)
-            new["linear_count"] = state["linear_count"] + ops.sum(ok_all[:, :-w], axis=1)  # [B]
+        qf, kf_all, new = self._piece_features(q, k, k_all, ok_all, state, training, unrotated)
         out, (s, z), (ck, cf, cv, cok) = sparse_cache_ops.sparse_cache_attention(
             q,
             qf,
@@ -175,21 +162,8 @@ class SparseCacheRecurrence(WindowRecurrence):
     def step(self, q, k, v, gate_keys, state, training=None, unrotated=None):
         """One step; ``unrotated=(q, k) [B, H, D]`` before the rotary embedding when `reads_unrotated`."""
         buf_k = self._expand(state["window_k"])  # [B, W, H, D]
-        q_lin, buf_lin = q, buf_k
-        new = {}
-        if not self.linear_rope:
-            q_lin, k_plain = (q, k) if unrotated is None else unrotated
-            plain = state["window_k_plain"]  # [B, W, buffer_heads, D]
-            buf_lin = self._expand(plain)  # [B, W, H, D]
-            shifted = ops.concatenate([plain[:, 1:], self._shrink(ops.cast(k_plain, "float32")[:, None])], axis=1)
-            new["window_k_plain"] = shifted
         # The oldest buffered key leaves the window now: its features and the cached keys' are scored.
-        qf = self.features(q_lin[:, None], True, True, training)  # [B, 1, H, C]
-        kf_old = self.features(ops.cast(buf_lin[:, :1], q.dtype), False, True, training)  # [B, 1, H, C]
-        if self.linear_mean:
-            count = state["linear_count"] + state["window_valid"][:, 0]  # [B]
-            qf = qf * self._older_scale(count[:, None], qf.dtype)
-            new["linear_count"] = count
+        qf, kf_old, new = self._step_features(q, k, buf_k, state, training, unrotated)
         out, (s, z), (wk, wv, wok), (ck, cf, cv, cok) = sparse_cache_ops.sparse_cache_attention_step(
             q,
             qf[:, 0],

@@ -162,6 +162,59 @@ class WindowRecurrence(Recurrence):
         scale = 1.0 / ops.maximum(ops.cast(count, wide), ops.cast(1.0, wide))  # [B, T]
         return ops.cast(scale, dtype)[:, :, None, None]
 
+    def _older_scale(self, older, dtype):
+        """The mean's ``1 / max(n, 1)`` for ``n`` older real keys ``[B, T]`` (the sparse cache subtracts its N)."""
+        return self._mean_scale(older, dtype)
+
+    def _piece_features(self, q, k, k_all, ok_all, state, training, unrotated):
+        """``(qf [B, T, H, C], kf_all [B, W + S, H, C], new)`` of a piece, with the length options applied.
+
+        ``k_all`` is the window buffer followed by the piece's keys and
+        ``ok_all`` their validity. ``new`` holds the state entries the options
+        add: ``window_k_plain`` (``linear_rope=False``: the features read the
+        unrotated keys) and ``linear_count`` (``linear_mean=True``: the query
+        features are scaled by `_older_scale` of the older real keys).
+        """
+        w = self.window_size
+        q_lin, kp_all = q, k_all
+        new = {}
+        if not self.linear_rope:
+            q_lin, k_plain = (q, k) if unrotated is None else unrotated
+            plain = self._expand(ops.cast(state["window_k_plain"], k.dtype))
+            kp_all = ops.concatenate([plain, k_plain], axis=1)  # [B, W + S, H, D]
+            new["window_k_plain"] = self._shrink(ops.cast(kp_all[:, -w:], "float32"))
+        qf = self.features(q_lin, True, True, training)  # [B, T, H, C]
+        kf_all = self.features(kp_all, False, True, training)  # [B, W + S, H, C]
+        if self.linear_mean:
+            # Query i (slot W + i of k_all) reads the linear state of slots 0..i and the carried count.
+            older = state["linear_count"][:, None] + ops.cumsum(ok_all, axis=1)[:, : ops.shape(q)[1]]  # [B, T]
+            qf = qf * self._older_scale(older, qf.dtype)
+            new["linear_count"] = state["linear_count"] + ops.sum(ok_all[:, :-w], axis=1)  # [B]
+        return qf, kf_all, new
+
+    def _step_features(self, q, k, buf_k, state, training, unrotated):
+        """``(qf [B, 1, H, C], kf_old [B, 1, H, C], new)`` of one step, with the length options applied.
+
+        ``kf_old`` are the features of the oldest buffered key, the one that
+        leaves the window now; ``buf_k [B, W, H, D]`` is the expanded buffer.
+        ``new`` as in `_piece_features`.
+        """
+        q_lin, buf_lin = q, buf_k
+        new = {}
+        if not self.linear_rope:
+            q_lin, k_plain = (q, k) if unrotated is None else unrotated
+            plain = state["window_k_plain"]  # [B, W, buffer_heads, D]
+            buf_lin = self._expand(plain)  # [B, W, H, D]
+            shifted = ops.concatenate([plain[:, 1:], self._shrink(ops.cast(k_plain, "float32")[:, None])], axis=1)
+            new["window_k_plain"] = shifted  # [B, W, buffer_heads, D]
+        qf = self.features(q_lin[:, None], True, True, training)  # [B, 1, H, C]
+        kf_old = self.features(ops.cast(buf_lin[:, :1], q.dtype), False, True, training)  # [B, 1, H, C]
+        if self.linear_mean:
+            count = state["linear_count"] + state["window_valid"][:, 0]  # [B]
+            qf = qf * self._older_scale(count[:, None], qf.dtype)
+            new["linear_count"] = count
+        return qf, kf_old, new
+
     def _gamma(self):
         """``sigmoid(g) [H]`` float32, or None without a gamma."""
         return None if self.gamma is None else ops.sigmoid(self.gamma_logit)
@@ -195,21 +248,7 @@ class WindowRecurrence(Recurrence):
         k_all = ops.concatenate([self._expand(ops.cast(state["window_k"], k.dtype)), k], axis=1)  # [B, W + S, H, D]
         v_all = ops.concatenate([self._expand(ops.cast(state["window_v"], v.dtype)), v], axis=1)  # [B, W + S, H, M]
         ok_all = ops.concatenate([ops.cast(state["window_valid"], "float32"), real], axis=1)  # [B, W + S]
-        q_lin, kp_all = q, k_all
-        if not self.linear_rope:
-            q_lin, k_plain = (q, k) if unrotated is None else unrotated
-            plain = self._expand(ops.cast(state["window_k_plain"], k.dtype))
-            kp_all = ops.concatenate([plain, k_plain], axis=1)  # [B, W + S, H, D]
-        qf = self.features(q_lin, True, True, training)  # [B, T, H, C]
-        kf_all = self.features(kp_all, False, True, training)  # [B, W + S, H, C]
-        new = {}
-        if self.linear_mean:
-            # Query i (slot W + i of k_all) reads the linear state of slots 0..i and the carried count.
-            older = state["linear_count"][:, None] + ops.cumsum(ok_all, axis=1)[:, : ops.shape(q)[1]]  # [B, T]
-            qf = qf * self._mean_scale(older, qf.dtype)
-            new["linear_count"] = state["linear_count"] + ops.sum(ok_all[:, :-w], axis=1)  # [B]
-        if not self.linear_rope:
-            new["window_k_plain"] = self._shrink(ops.cast(kp_all[:, -w:], "float32"))
+        qf, kf_all, new = self._piece_features(q, k, k_all, ok_all, state, training, unrotated)
         out, (s, z) = window_ops.window_attention(
             q,
             qf,
@@ -236,22 +275,8 @@ class WindowRecurrence(Recurrence):
     def step(self, q, k, v, gate_keys, state, training=None, unrotated=None):
         """One step; ``unrotated=(q, k) [B, H, D]`` before the rotary embedding when `reads_unrotated`."""
         buf_k = self._expand(state["window_k"])  # [B, W, H, D]
-        q_lin, buf_lin = q, buf_k
-        if not self.linear_rope:
-            q_lin, k_plain = (q, k) if unrotated is None else unrotated
-            buf_lin = self._expand(state["window_k_plain"])  # [B, W, H, D]
         # The oldest buffered key leaves the window now: its features join (S, z).
-        qf = self.features(q_lin[:, None], True, True, training)  # [B, 1, H, C]
-        kf_old = self.features(ops.cast(buf_lin[:, :1], q.dtype), False, True, training)  # [B, 1, H, C]
-        new = {}
-        if self.linear_mean:
-            count = state["linear_count"] + state["window_valid"][:, 0]  # [B]
-            qf = qf * self._mean_scale(count[:, None], qf.dtype)
-            new["linear_count"] = count
-        if not self.linear_rope:
-            plain = state["window_k_plain"]  # [B, W, buffer_heads, D]
-            shifted = ops.concatenate([plain[:, 1:], self._shrink(ops.cast(k_plain, "float32")[:, None])], axis=1)
-            new["window_k_plain"] = shifted  # [B, W, buffer_heads, D]
+        qf, kf_old, new = self._step_features(q, k, buf_k, state, training, unrotated)
         out, (s, z), (wk, wv, wok) = window_ops.window_attention_step(
             q,
             qf[:, 0],
