@@ -20,6 +20,9 @@ weights trained). Rows (``--students``):
 - ``mean``: ``linear_mean=True``, the linear terms a mean over the older
   keys, so their share does not grow with the length;
 - ``unrotated_mean``: both.
+- ``cache``, ``cache_unrotated``, ``cache_unrotated_mean``: the same with
+  LoLA's sparse cache (``cache_size=--cache-size``): the pairs the linear
+  part recalls worst, kept exactly beside the window.
 
 The two mean rows start the learned linear weight at ``--mean-linear-weight``
 (default 8: a mean of hedgehog kernels at copy is about 2/C, so weight 1
@@ -62,6 +65,10 @@ STUDENTS = {
     "unrotated": {"linear_rope": False},
     "mean": {"linear_mean": True},
     "unrotated_mean": {"linear_rope": False, "linear_mean": True},
+    # cache_size is --cache-size
+    "cache": {"cache_size": None},
+    "cache_unrotated": {"cache_size": None, "linear_rope": False},
+    "cache_unrotated_mean": {"cache_size": None, "linear_rope": False, "linear_mean": True},
 }
 SCRATCH = {
     "delta_conv": {"feature_map": None, "update": "delta", "normalize": False, "conv_size": 4},
@@ -72,6 +79,7 @@ QUICK = {
     "teacher_steps": 20,
     "sequence_length": 32,
     "window_size": 8,
+    "cache_size": 4,
     "transfer_steps": 3,
     "scratch_steps": 20,
     "scratch_length": 16,
@@ -87,6 +95,7 @@ def parse_args(argv=None):
     p.add_argument("--sequence-length", type=int, default=512, help="the teacher's and the transfer's T")
     p.add_argument("--window-size", type=int, default=32)
     p.add_argument("--window-gamma", type=float, default=0.9)
+    p.add_argument("--cache-size", type=int, default=32, help="the sparse cache's pairs in the cache rows")
     p.add_argument("--transfer-steps", type=int, default=100)
     p.add_argument(
         "--mean-linear-weight", type=float, default=8.0, help="initial linear weight of the mean rows (0: none)"
@@ -187,6 +196,8 @@ def run(args):
                 student, extra = P.window_only(teacher, W), {}
             else:
                 options = dict(STUDENTS[name])
+                if "cache_size" in options:
+                    options["cache_size"] = args.cache_size
                 if options.get("linear_mean") and args.mean_linear_weight:
                     options["linear_weight"] = args.mean_linear_weight
                 student = keras_linattn.linearize(teacher, window_size=W, window_gamma=args.window_gamma, **options)

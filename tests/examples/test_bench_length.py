@@ -49,12 +49,18 @@ def test_arguments_are_checked():
 
 def test_a_tiny_run_writes_every_row(tmp_path):
     path = tmp_path / "length.json"
-    argv = ["--quick", "--students", "window,unrotated_mean", "--scratch", "delta_conv", "--factors", "1,4"]
+    argv = ["--quick", "--students", "window,unrotated_mean,cache_unrotated_mean", "--scratch", "delta_conv", "--factors", "1,4"]
     B.main(argv + ["--out", str(path)])
     result = json.loads(path.read_text())
     rows = {row["row"]: row for row in result["rows"]}
-    assert set(rows) == {"teacher", "window", "unrotated_mean", "scratch_delta_conv"}
+    assert set(rows) == {"teacher", "window", "unrotated_mean", "cache_unrotated_mean", "scratch_delta_conv"}
     assert rows["unrotated_mean"]["options"] == {"linear_rope": False, "linear_mean": True, "linear_weight": 8.0}
+    assert rows["cache_unrotated_mean"]["options"] == {
+        "cache_size": B.QUICK["cache_size"],
+        "linear_rope": False,
+        "linear_mean": True,
+        "linear_weight": 8.0,
+    }
     assert rows["scratch_delta_conv"]["trained_at"] == B.QUICK["scratch_length"]
     for row in rows.values():
         assert set(row["bits_per_char"]) == {"1", "4"}
