@@ -14,6 +14,11 @@ Steps (``--stages``, in this order by default):
 - ``export_saved_model`` / ``export_onnx``: the exports, into the work directory.
 - ``verify_saved_model`` / ``verify_onnx``: `keras_linattn.export.verify` with
   its defaults, on those exports.
+- ``long_generate``: a real prefill of each ``--contexts`` prompt (in pieces
+  of ``--prefill-piece`` tokens), then ``--decode-tokens`` greedy steps, at
+  batch 1, timed apart: the student (`last_logits_with_state`, `step`) and
+  keras-hub (``call_with_cache`` over a cache of the whole length), each in a
+  process of its own (``--serve-model``).
 - ``decode``: time per new token at batch 1, prefill timed apart, for the
   student (`LinearCausalLM.generate`) and the teacher (keras-hub
   ``CausalLM.generate``, KV cache), interleaved, at each ``--contexts``;
@@ -49,6 +54,7 @@ STAGES = (
     "decode",
     "serve",
     "merge_lora",
+    "long_generate",
 )
 
 CONFIGS = {
@@ -480,6 +486,123 @@ def stage_serve(args):
     return _serve_summary(result)
 
 
+def long_generate_prompts(vocab, contexts):
+    """``{context: [1, context] int32}``: the random prompts of `stage_long_generate`, the same in every process."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    return {c: rng.integers(0, vocab, size=(1, c)).astype("int32") for c in contexts}
+
+
+def stage_long_generate(args):
+    """A real prefill of each context, then greedy decode steps: prefill seconds and ms per new token, batch 1.
+
+    The prompt goes through in pieces of `--prefill-piece` tokens, the way
+    a server bounds a long prompt's memory: the student's pieces continue
+    its state (`last_logits_with_state`: no logits but the last position's);
+    keras-hub's write a KV cache of the whole length (``call_with_cache`` at
+    the piece's index, its causal mask over the cache; it returns every
+    position's logits). Then `--decode-tokens` greedy steps, the first
+    reported apart. Each context's shapes are traced before the timing. Both as plain `tf.function`s, the faster mode
+    on this CPU for both models (see ``decode`` and ``serve``).
+    """
+    import gc
+
+    import numpy as np
+    import tensorflow as tf
+
+    vocab = CONFIGS[(args.family, args.size)]["vocabulary_size"]
+    piece = args.prefill_piece
+    new = args.decode_tokens
+    result = {"prefill_piece": piece, "decode_tokens": new}
+
+    def run(name, prefill_piece, step, state, context, prompt):
+        # Warm-up at this context's shapes (traced once, then reused): a piece and a step.
+        logits, warm = prefill_piece(prompt[:, :piece], state, 0)
+        np.asarray(step(tf.constant(np.asarray(logits).argmax(-1).astype("int32")), warm, min(piece, context))[0])
+        del warm
+        t = time.perf_counter()
+        for start in range(0, context, piece):
+            logits, state = prefill_piece(prompt[:, start : start + piece], state, start)
+        logits = np.asarray(logits)
+        prefill_s = time.perf_counter() - t
+        rss, _ = _rss()
+        token, times = logits.argmax(-1).astype("int32"), []
+        tokens = [int(token[0])]  # the prefill's token, then one a step
+        for i in range(new):
+            t = time.perf_counter()
+            logits, state = step(tf.constant(token), state, context + i)
+            logits = np.asarray(logits)
+            times.append(time.perf_counter() - t)
+            token = logits.argmax(-1).astype("int32")
+            tokens.append(int(token[0]))
+        row = {
+            "context": context,
+            "prefill_s": prefill_s,
+            "prefill_ms_per_token": 1e3 * prefill_s / context,
+            "first_step_s": times[0],  # after the warm-up: no tracing
+            "ms_per_token": 1e3 * _median(times[1:]) if new > 1 else None,
+            "ms_range": [1e3 * min(times[1:]), 1e3 * max(times[1:])] if new > 1 else None,
+            "rss_after_prefill_gib": _gib(rss),
+            "tokens": tokens,
+        }
+        print(json.dumps({name: row}), flush=True)
+        return row
+
+    prompts = long_generate_prompts(vocab, args.contexts)
+    if args.serve_model in ("student", "both"):
+        student, load_s = _load_student(args)
+
+        def last_fn(ids, state):
+            logits, state = student.last_logits_with_state(ids, state)
+            return logits, tuple(state)
+
+        def step_fn(token, state):
+            logits, state = student.step(token, state)
+            return logits, tuple(state)
+
+        last, step_fn = tf.function(last_fn, autograph=False), tf.function(step_fn, autograph=False)
+        rows = []
+        for context in args.contexts:
+            rows.append(
+                run(
+                    "student",
+                    lambda ids, state, start: last(tf.constant(ids), state),
+                    lambda token, state, index: step_fn(token, state),
+                    tuple(student.get_initial_state(1)),
+                    context,
+                    prompts[context],
+                )
+            )
+        result["student"] = {"load_s": load_s, "rows": rows}
+        del student
+        gc.collect()
+    if args.serve_model in ("teacher", "both"):
+        teacher = build_teacher(args.family, args.size)
+        backbone = teacher.backbone
+        kv_heads = getattr(backbone, "num_key_value_heads", None) or backbone.num_heads
+        head_dim = backbone.hidden_dim // (getattr(backbone, "num_query_heads", None) or backbone.num_heads)
+        call = tf.function(lambda ids, cache, index: teacher.call_with_cache(ids, cache, index), autograph=False)
+
+        def teacher_piece(ids, cache, start):
+            logits, _, cache = call(tf.constant(ids), cache, tf.constant(start, "int32"))
+            return logits[:, -1], cache
+
+        def teacher_step(token, cache, index):
+            logits, _, cache = call(token[:, None], cache, tf.constant(index, "int32"))
+            return logits[:, -1], cache
+
+        rows = []
+        for context in args.contexts:
+            length = context + new
+            cache = tf.zeros((1, backbone.num_layers, 2, length, kv_heads, head_dim), "float32")
+            rows.append(run("teacher", teacher_piece, teacher_step, cache, context, prompts[context]))
+            del cache
+            gc.collect()
+        result["teacher"] = {"rows": rows}
+    return result
+
+
 def _serve_summary(result):
     """Adds each model's largest batch and best row, and the student/teacher throughput ratio."""
     for name in ("student", "teacher"):
@@ -491,6 +614,24 @@ def _serve_summary(result):
         result["throughput_ratio"] = (
             result["student"]["best"]["tokens_per_s"] / result["teacher"]["best"]["tokens_per_s"]
         )
+    return result
+
+
+def _generate_summary(result):
+    """Adds, per context, keras-hub's ms per token over the student's (decode and prefill)."""
+    teacher = {r["context"]: r for r in result.get("teacher", {}).get("rows", [])}
+    ratios = []
+    for row in result.get("student", {}).get("rows", []):
+        other = teacher.get(row["context"])
+        if other and row["ms_per_token"] and other["ms_per_token"]:
+            ratios.append(
+                {
+                    "context": row["context"],
+                    "decode_teacher_over_student": other["ms_per_token"] / row["ms_per_token"],
+                    "prefill_teacher_over_student": other["prefill_s"] / row["prefill_s"],
+                }
+            )
+    result["ratios"] = ratios
     return result
 
 
@@ -508,7 +649,7 @@ def _child(args):
 
 
 def _run_stage(args, stage):
-    if stage == "serve" and args.serve_model == "both":
+    if stage in ("serve", "long_generate") and args.serve_model == "both":
         # One process per model: memory a process has freed stays its own, so the second model's
         # batches would be measured against the first one's peak.
         parts = {}
@@ -519,7 +660,7 @@ def _run_stage(args, stage):
         merged = {**parts["student"], "teacher": parts["teacher"]["teacher"]}
         merged["process_s"] = sum(part["process_s"] for part in parts.values())
         merged["peak_gib"] = {m: part["peak_gib"] for m, part in parts.items()}
-        return _serve_summary(merged)
+        return _serve_summary(merged) if stage == "serve" else _generate_summary(merged)
     command = [sys.executable, "-m", "benchmarks.bench_linearized_decode", "--stage", stage]
     command += ["--family", args.family, "--size", args.size, "--workdir", args.workdir]
     command += ["--contexts", ",".join(map(str, args.contexts)), "--repeats", str(args.repeats)]
@@ -531,6 +672,7 @@ def _run_stage(args, stage):
     command += ["--student-modes", args.student_modes]
     command += ["--serve-context", str(args.serve_context), "--serve-batches", args.serve_batches]
     command += ["--serve-budget-gib", str(args.serve_budget_gib), "--serve-model", args.serve_model]
+    command += ["--prefill-piece", str(args.prefill_piece), "--decode-tokens", str(args.decode_tokens)]
     print(f"== {stage}", flush=True)
     t = time.perf_counter()
     process = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
@@ -568,7 +710,14 @@ def main(argv=None):
     parser.add_argument(
         "--serve-budget-gib", type=float, default=20.0, help="serve: process memory the weights and batch may use"
     )
-    parser.add_argument("--serve-model", choices=("student", "teacher", "both"), default="both")
+    parser.add_argument(
+        "--serve-model",
+        choices=("student", "teacher", "both"),
+        default="both",
+        help="serve, long_generate: the model(s) to run, each in its own process",
+    )
+    parser.add_argument("--prefill-piece", type=int, default=1024, help="long_generate: prompt tokens a piece")
+    parser.add_argument("--decode-tokens", type=int, default=8, help="long_generate: greedy steps after the prefill")
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)

@@ -177,7 +177,15 @@ def check_generate_arguments(prompt_ids, max_length, padding_mask, vocabulary_si
 
 
 def prefill(model, prompt_ids, padding_mask, state):
-    """Parallel pass over the prompt: ``(logits of the last position [B, V] float32, state)``."""
+    """Parallel pass over the prompt: ``(logits of the last position [B, V] float32, state)``.
+
+    Uses the model's ``last_logits_with_state`` where it has one (`LinearCausalLM`: the vocabulary
+    projection of the last position only), else ``call_with_state`` and its last position.
+    """
+    last = getattr(model, "last_logits_with_state", None)
+    if last is not None:
+        logits, state = last(prompt_ids, state, padding_mask=padding_mask, training=False)  # [B, V]
+        return ops.cast(logits, "float32"), state
     logits, state = model.call_with_state(prompt_ids, state, padding_mask=padding_mask, training=False)  # [B, P, V]
     return ops.cast(logits[:, -1], "float32"), state
 

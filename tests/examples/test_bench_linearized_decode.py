@@ -54,3 +54,37 @@ def test_the_merge_lora_stage_reports_each_step_of_the_recipe(tmp_path, in_place
     for name in ("teacher", "linearize", "enable_lora", "merge_lora"):
         assert stage[name]["s"] >= 0 and stage[name]["peak_gib"] >= stage[name]["rss_after_gib"]  # VmHWM >= VmRSS
     assert stage["weights_gib"] > 0
+
+
+def test_the_long_generate_stage_decodes_each_model_s_own_greedy_tokens(tmp_path):
+    """A pieced prefill and greedy steps give the tokens of each model's own `generate`."""
+    import keras
+
+    out = tmp_path / "long.json"
+    work = tmp_path / "w"
+    argv = ["--family", "llama", "--size", "tiny", "--stages", "build,long_generate", "--contexts", "24,40"]
+    argv += ["--prefill-piece", "16", "--decode-tokens", "3", "--workdir", str(work), "--out", str(out)]
+    assert B.main(argv) == 0
+    stage = json.loads(out.read_text())["stages"]["long_generate"]
+    assert "failed" not in stage, stage
+    prompts = B.long_generate_prompts(B.CONFIGS[("llama", "tiny")]["vocabulary_size"], [24, 40])
+    student = keras.saving.load_model(str(work / "student.keras"))
+    teacher = B.build_teacher("llama", "tiny")
+    teacher.compile(sampler="greedy")  # keras-hub's default samples from the top 5
+    for name in ("student", "teacher"):
+        rows = stage[name]["rows"]
+        assert [r["context"] for r in rows] == [24, 40]
+        for r in rows:
+            # The prefill's token, then one a step.
+            assert r["prefill_s"] > 0 and r["ms_per_token"] > 0 and len(r["tokens"]) == 4
+            prompt = prompts[r["context"]]
+            if name == "student":
+                expected = student.generate(prompt, max_length=r["context"] + 4, stop_token_ids=None)[0]
+            else:
+                ids = np.concatenate([prompt, np.zeros((1, 4), "int32")], axis=1)
+                mask = np.concatenate([np.ones_like(prompt), np.zeros((1, 4), "int32")], axis=1)
+                expected = np.asarray(
+                    teacher.generate({"token_ids": ids, "padding_mask": mask}, stop_token_ids=None)["token_ids"]
+                )[0]
+            assert list(expected[r["context"] :]) == r["tokens"], name
+    assert [r["context"] for r in stage["ratios"]] == [24, 40]

@@ -109,6 +109,25 @@ def test_prefill_steps_and_resume_match_one_pass(rng, max_sequence_length):
     assert_close(stepped, full, n=n, paths=2, what="stepped")
 
 
+def test_prefill_projects_only_the_last_position(rng, monkeypatch):
+    ids = _ids(rng, length=9)
+    lm = _lm()
+    state = lm.get_initial_state(2)
+    full, full_state = lm.call_with_state(ids, state)
+    last, last_state = lm.last_logits_with_state(ids, state)
+    assert tuple(last.shape) == (2, VOCAB)
+    # The same hidden state through the same head, one position instead of nine (paths=2).
+    assert_close(last, np.asarray(full)[:, -1], n=_n_logits(lm, ids.shape[1]), paths=2, what="last logits")
+    for a, b in zip(last_state, full_state, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    expected = lm.generate(ids, max_length=12)
+    # generate's prefill never asks for the logits of every prompt position.
+    monkeypatch.setattr(lm, "call_with_state", lambda *a, **k: pytest.fail("prefill ran the head on every position"))
+    lm._generation.functions.clear()
+    np.testing.assert_array_equal(lm.generate(ids, max_length=12), expected)
+    np.testing.assert_array_equal(expected, _parallel_greedy(lm, ids, 12))
+
+
 def test_recurrent_gradients_match_parallel(rng):
     ids = _ids(rng, length=6)
     lm = _lm()
