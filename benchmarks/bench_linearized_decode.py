@@ -486,6 +486,66 @@ def stage_serve(args):
     return _serve_summary(result)
 
 
+# Ops that move no data (views, metadata, handles) and ops that read only the part they output.
+_NO_TRAFFIC_OPS = {
+    "Const",
+    "Placeholder",
+    "Identity",
+    "IdentityN",
+    "Reshape",
+    "ExpandDims",
+    "Squeeze",
+    "ReadVariableOp",
+    "VarHandleOp",
+    "Shape",
+    "ShapeN",
+    "Size",
+    "Rank",
+    "NoOp",
+    "StopGradient",
+    "BroadcastArgs",
+}
+_PARTIAL_READ_OPS = {"GatherV2", "ResourceGather", "GatherNd", "StridedSlice", "Slice"}
+
+
+def graph_traffic_bytes(graph):
+    """The bytes a graph's ops read and write, each op once: the memory-traffic model of one call.
+
+    Every op reads its inputs and writes its outputs, except ops that move no
+    data (`_NO_TRAFFIC_OPS`: views, metadata) and gathers and slices, which
+    read only what they output. Function calls are walked into. Returns
+    ``(bytes, ops with an unknown shape)``; a graph of one decode step at
+    batch 1 has every shape known.
+    """
+    total, unknown = 0, 0
+
+    def size(t):
+        nonlocal unknown
+        n = t.shape.num_elements()
+        if n is None:
+            unknown += 1
+            return 0
+        try:
+            return n * t.dtype.size
+        except (TypeError, ValueError):  # resource / variant handles
+            return 0
+
+    def walk(g):
+        nonlocal total
+        for op in g.get_operations():
+            if op.type in ("PartitionedCall", "StatefulPartitionedCall"):
+                walk(g._get_function(op.get_attr("f").name).graph)
+                continue
+            if op.type in _NO_TRAFFIC_OPS:
+                continue
+            written = sum(size(t) for t in op.outputs)
+            read = written if op.type in _PARTIAL_READ_OPS else sum(size(t) for t in op.inputs)
+            total += read + written
+
+    walk(graph)
+    return total, unknown
+
+
 def long_generate_prompts(vocab, contexts):
     """``{context: [1, context] int32}``: the random prompts of `stage_long_generate`, the same in every process."""
     import numpy as np
@@ -516,10 +576,14 @@ def stage_long_generate(args):
     new = args.decode_tokens
     result = {"prefill_piece": piece, "decode_tokens": new}
 
-    def run(name, prefill_piece, step, state, context, prompt):
+    bw = bandwidth_gib_s()
+    result["bandwidth_gib_s"] = bw
+
+    def run(name, prefill_piece, step, state, context, prompt, traffic):
         # Warm-up at this context's shapes (traced once, then reused): a piece and a step.
         logits, warm = prefill_piece(prompt[:, :piece], state, 0)
         np.asarray(step(tf.constant(np.asarray(logits).argmax(-1).astype("int32")), warm, min(piece, context))[0])
+        traffic_bytes, unknown = traffic(warm)
         del warm
         t = time.perf_counter()
         for start in range(0, context, piece):
@@ -544,6 +608,10 @@ def stage_long_generate(args):
             "ms_per_token": 1e3 * _median(times[1:]) if new > 1 else None,
             "ms_range": [1e3 * min(times[1:]), 1e3 * max(times[1:])] if new > 1 else None,
             "rss_after_prefill_gib": _gib(rss),
+            # The step graph's memory traffic (graph_traffic_bytes) over the bandwidth measured here.
+            "step_traffic_bytes": traffic_bytes,
+            "step_unknown_shapes": unknown,
+            "predicted_ms_per_token": 1e3 * traffic_bytes / (bw * 2**30),
             "tokens": tokens,
         }
         print(json.dumps({name: row}), flush=True)
@@ -572,6 +640,9 @@ def stage_long_generate(args):
                     tuple(student.get_initial_state(1)),
                     context,
                     prompts[context],
+                    lambda state: graph_traffic_bytes(
+                        step_fn.get_concrete_function(tf.zeros((1,), "int32"), state).graph
+                    ),
                 )
             )
         result["student"] = {"load_s": load_s, "rows": rows}
@@ -596,7 +667,19 @@ def stage_long_generate(args):
         for context in args.contexts:
             length = context + new
             cache = tf.zeros((1, backbone.num_layers, 2, length, kv_heads, head_dim), "float32")
-            rows.append(run("teacher", teacher_piece, teacher_step, cache, context, prompts[context]))
+            rows.append(
+                run(
+                    "teacher",
+                    teacher_piece,
+                    teacher_step,
+                    cache,
+                    context,
+                    prompts[context],
+                    lambda cache: graph_traffic_bytes(
+                        call.get_concrete_function(tf.zeros((1, 1), "int32"), cache, tf.constant(0, "int32")).graph
+                    ),
+                )
+            )
             del cache
             gc.collect()
         result["teacher"] = {"rows": rows}
@@ -629,6 +712,7 @@ def _generate_summary(result):
                     "context": row["context"],
                     "decode_teacher_over_student": other["ms_per_token"] / row["ms_per_token"],
                     "prefill_teacher_over_student": other["prefill_s"] / row["prefill_s"],
+                    "predicted_decode_teacher_over_student": other["step_traffic_bytes"] / row["step_traffic_bytes"],
                 }
             )
     result["ratios"] = ratios

@@ -88,3 +88,27 @@ def test_the_long_generate_stage_decodes_each_model_s_own_greedy_tokens(tmp_path
                 )[0]
             assert list(expected[r["context"] :]) == r["tokens"], name
     assert [r["context"] for r in stage["ratios"]] == [24, 40]
+    # The traffic model: every shape known; the student's step moves the same bytes at any context
+    # (a state of fixed size), keras-hub's more with a longer cache.
+    student_bytes = [r["step_traffic_bytes"] for r in stage["student"]["rows"]]
+    teacher_bytes = [r["step_traffic_bytes"] for r in stage["teacher"]["rows"]]
+    assert all(r["step_unknown_shapes"] == 0 for m in ("student", "teacher") for r in stage[m]["rows"])
+    assert student_bytes[0] == student_bytes[1] > 0
+    assert teacher_bytes[1] > teacher_bytes[0] > 0
+
+
+def test_the_traffic_model_counts_reads_and_writes_and_skips_views():
+    import tensorflow as tf
+
+    @tf.function
+    def f(x, table, ids):
+        y = tf.reshape(x, [4, 8]) * 2.0  # reshape: a view; multiply: reads 32 + 1 floats, writes 32
+        return y, tf.gather(table, ids)  # gather: reads and writes the 3 rows it takes (3 x 16 floats)
+
+    graph = f.get_concrete_function(
+        tf.TensorSpec([32], "float32"), tf.TensorSpec([1000, 16], "float32"), tf.TensorSpec([3], "int32")
+    ).graph
+    traffic, unknown = B.graph_traffic_bytes(graph)
+    assert unknown == 0
+    # Mul (32 + 1 read, 32 written) + GatherV2 (48 read, 48 written) floats; the axis constant is a Const.
+    assert traffic == 4 * ((32 + 1 + 32) + (48 + 48))
