@@ -112,3 +112,7 @@ def test_the_traffic_model_counts_reads_and_writes_and_skips_views():
     assert unknown == 0
     # Mul (32 + 1 read, 32 written) + GatherV2 (48 read, 48 written) floats; the axis constant is a Const.
     assert traffic == 4 * ((32 + 1 + 32) + (48 + 48))
+
+    inner = tf.function(lambda x: x * 2.0)
+    nested = tf.function(lambda x: inner(x) + 1.0).get_concrete_function(tf.TensorSpec([4], "float32")).graph
+    assert B.graph_traffic_bytes(nested)[1] == 1  # a nested call is reported, not silently counted as 0 bytes
