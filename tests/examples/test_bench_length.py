@@ -49,7 +49,8 @@ def test_arguments_are_checked():
 
 def test_a_tiny_run_writes_every_row(tmp_path):
     path = tmp_path / "length.json"
-    argv = ["--quick", "--students", "window,unrotated_mean,cache_unrotated_mean", "--scratch", "delta_conv", "--factors", "1,4"]
+    argv = ["--quick", "--students", "window,unrotated_mean,cache_unrotated_mean", "--scratch", "delta_conv"]
+    argv += ["--factors", "1,4"]
     B.main(argv + ["--out", str(path)])
     result = json.loads(path.read_text())
     rows = {row["row"]: row for row in result["rows"]}

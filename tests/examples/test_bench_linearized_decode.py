@@ -113,6 +113,13 @@ def test_the_traffic_model_counts_reads_and_writes_and_skips_views():
     # Mul (32 + 1 read, 32 written) + GatherV2 (48 read, 48 written) floats; the axis constant is a Const.
     assert traffic == 4 * ((32 + 1 + 32) + (48 + 48))
 
+    head = tf.function(lambda h, e: tf.matmul(h, tf.transpose(e)))  # the transpose folds into the matmul
+    graph = head.get_concrete_function(tf.TensorSpec([1, 8], "float32"), tf.TensorSpec([100, 8], "float32")).graph
+    assert B.graph_traffic_bytes(graph) == (4 * (8 + 800 + 100), 0)
+    alone = tf.function(lambda e: tf.transpose(e) + 1.0)  # read by an add: a real copy
+    graph = alone.get_concrete_function(tf.TensorSpec([100, 8], "float32")).graph
+    assert B.graph_traffic_bytes(graph) == (4 * ((800 + 2 + 800) + (800 + 1 + 800)), 0)
+
     inner = tf.function(lambda x: x * 2.0)
     nested = tf.function(lambda x: inner(x) + 1.0).get_concrete_function(tf.TensorSpec([4], "float32")).graph
     assert B.graph_traffic_bytes(nested)[1] == 1  # a nested call is reported, not silently counted as 0 bytes
