@@ -19,6 +19,9 @@ Steps (``--stages``, in this order by default):
   batch 1, timed apart: the student (`last_logits_with_state`, `step`) and
   keras-hub (``call_with_cache`` over a cache of the whole length), each in a
   process of its own (``--serve-model``).
+- ``traffic``: the memory-traffic model alone (`graph_traffic_bytes` of each
+  model's decode step at each context, no timing), e.g. after changing the
+  model.
 - ``decode``: time per new token at batch 1, prefill timed apart, for the
   student (`LinearCausalLM.generate`) and the teacher (keras-hub
   ``CausalLM.generate``, KV cache), interleaved, at each ``--contexts``;
@@ -55,6 +58,7 @@ STAGES = (
     "serve",
     "merge_lora",
     "long_generate",
+    "traffic",
 )
 
 CONFIGS = {
@@ -707,6 +711,35 @@ def _serve_summary(result):
         result["throughput_ratio"] = (
             result["student"]["best"]["tokens_per_s"] / result["teacher"]["best"]["tokens_per_s"]
         )
+    return result
+
+
+def stage_traffic(args):
+    """`graph_traffic_bytes` of one decode step at batch 1, per model and context (traced, not run)."""
+    import tensorflow as tf
+
+    result = {"weights_gib": None, "student": [], "teacher": []}
+    if args.serve_model in ("student", "both"):
+        student, _ = _load_student(args)
+        result["weights_gib"] = _gib(weight_bytes(student))
+        fn = tf.function(lambda token, state: student.step(token, state), autograph=False)
+        state = tuple(student.get_initial_state(1))
+        graph = fn.get_concrete_function(tf.zeros((1,), "int32"), state).graph
+        traffic, unknown = graph_traffic_bytes(graph)  # the same graph at every context
+        result["student"] = [{"context": c, "step_traffic_bytes": traffic, "unknown": unknown} for c in args.contexts]
+        del student, fn, graph
+    if args.serve_model in ("teacher", "both"):
+        teacher = build_teacher(args.family, args.size)
+        backbone = teacher.backbone
+        kv_heads = getattr(backbone, "num_key_value_heads", None) or backbone.num_heads
+        head_dim = backbone.hidden_dim // (getattr(backbone, "num_query_heads", None) or backbone.num_heads)
+        call = tf.function(lambda ids, cache, index: teacher.call_with_cache(ids, cache, index), autograph=False)
+        for context in args.contexts:
+            spec = tf.TensorSpec((1, backbone.num_layers, 2, context + args.decode_tokens, kv_heads, head_dim))
+            graph = call.get_concrete_function(tf.TensorSpec((1, 1), "int32"), spec, tf.TensorSpec((), "int32")).graph
+            traffic, unknown = graph_traffic_bytes(graph)
+            result["teacher"].append({"context": context, "step_traffic_bytes": traffic, "unknown": unknown})
+    print(json.dumps(result), flush=True)
     return result
 
 

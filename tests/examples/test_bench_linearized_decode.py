@@ -62,7 +62,7 @@ def test_the_long_generate_stage_decodes_each_model_s_own_greedy_tokens(tmp_path
 
     out = tmp_path / "long.json"
     work = tmp_path / "w"
-    argv = ["--family", "llama", "--size", "tiny", "--stages", "build,long_generate", "--contexts", "24,40"]
+    argv = ["--family", "llama", "--size", "tiny", "--stages", "build,long_generate,traffic", "--contexts", "24,40"]
     argv += ["--prefill-piece", "16", "--decode-tokens", "3", "--workdir", str(work), "--out", str(out)]
     assert B.main(argv) == 0
     stage = json.loads(out.read_text())["stages"]["long_generate"]
@@ -95,6 +95,10 @@ def test_the_long_generate_stage_decodes_each_model_s_own_greedy_tokens(tmp_path
     assert all(r["step_unknown_shapes"] == 0 for m in ("student", "teacher") for r in stage[m]["rows"])
     assert student_bytes[0] == student_bytes[1] > 0
     assert teacher_bytes[1] > teacher_bytes[0] > 0
+    # The traffic stage traces the same step graphs without running them.
+    traffic = json.loads(out.read_text())["stages"]["traffic"]
+    assert [r["step_traffic_bytes"] for r in traffic["student"]] == student_bytes
+    assert [r["step_traffic_bytes"] for r in traffic["teacher"]] == teacher_bytes
 
 
 def test_the_traffic_model_counts_reads_and_writes_and_skips_views():
