@@ -405,6 +405,14 @@ def _serve_batches(per_sequence, budget, batches):
     return [b for b in batches if b * per_sequence <= budget]
 
 
+def _kv_cache_shape(teacher, length):
+    """``(layers, 2, length, kv_heads, head_dim)``: one sequence of a keras-hub teacher's KV cache (K and V)."""
+    backbone = teacher.backbone
+    kv_heads = getattr(backbone, "num_key_value_heads", None) or backbone.num_heads
+    head_dim = backbone.hidden_dim // (getattr(backbone, "num_query_heads", None) or backbone.num_heads)
+    return backbone.num_layers, 2, length, kv_heads, head_dim
+
+
 def stage_serve(args):
     """Decode throughput at a long context: one decode step at each batch that fits the memory budget.
 
@@ -454,10 +462,7 @@ def stage_serve(args):
     if args.serve_model in ("teacher", "both"):
         teacher = build_teacher(args.family, args.size)
         rss_weights, _ = _rss()
-        backbone = teacher.backbone
-        layers = backbone.num_layers
-        kv_heads = getattr(backbone, "num_key_value_heads", None) or backbone.num_heads
-        head_dim = backbone.hidden_dim // (getattr(backbone, "num_query_heads", None) or backbone.num_heads)
+        layers, _, _, kv_heads, head_dim = _kv_cache_shape(teacher, 0)
         length = context + 1
         per_sequence = layers * 2 * length * kv_heads * head_dim * 4  # float32 K and V
         rows = []
@@ -664,9 +669,6 @@ def stage_long_generate(args):
         gc.collect()
     if args.serve_model in ("teacher", "both"):
         teacher = build_teacher(args.family, args.size)
-        backbone = teacher.backbone
-        kv_heads = getattr(backbone, "num_key_value_heads", None) or backbone.num_heads
-        head_dim = backbone.hidden_dim // (getattr(backbone, "num_query_heads", None) or backbone.num_heads)
         call = tf.function(lambda ids, cache, index: teacher.call_with_cache(ids, cache, index), autograph=False)
 
         def teacher_piece(ids, cache, start):
@@ -679,8 +681,7 @@ def stage_long_generate(args):
 
         rows = []
         for context in args.contexts:
-            length = context + new
-            cache = tf.zeros((1, backbone.num_layers, 2, length, kv_heads, head_dim), "float32")
+            cache = tf.zeros((1, *_kv_cache_shape(teacher, context + new)), "float32")
             rows.append(
                 run(
                     "teacher",
@@ -730,12 +731,9 @@ def stage_traffic(args):
         del student, fn, graph
     if args.serve_model in ("teacher", "both"):
         teacher = build_teacher(args.family, args.size)
-        backbone = teacher.backbone
-        kv_heads = getattr(backbone, "num_key_value_heads", None) or backbone.num_heads
-        head_dim = backbone.hidden_dim // (getattr(backbone, "num_query_heads", None) or backbone.num_heads)
         call = tf.function(lambda ids, cache, index: teacher.call_with_cache(ids, cache, index), autograph=False)
         for context in args.contexts:
-            spec = tf.TensorSpec((1, backbone.num_layers, 2, context + args.decode_tokens, kv_heads, head_dim))
+            spec = tf.TensorSpec((1, *_kv_cache_shape(teacher, context + args.decode_tokens)))
             graph = call.get_concrete_function(tf.TensorSpec((1, 1), "int32"), spec, tf.TensorSpec((), "int32")).graph
             traffic, unknown = graph_traffic_bytes(graph)
             result["teacher"].append({"context": context, "step_traffic_bytes": traffic, "unknown": unknown})
