@@ -23,6 +23,10 @@ weights trained). Rows (``--students``):
 - ``cache``, ``cache_unrotated``, ``cache_unrotated_mean``: the same with
   LoLA's sparse cache (``cache_size=--cache-size``): the pairs the linear
   part recalls worst, kept exactly beside the window.
+- ``cache_unrotated_scored``, ``cache_unrotated_mean_scored``: the two
+  unrotated cache rows with ``cache_rope=False`` as well: the cache's
+  softmax scores the unrotated queries and keys, so a cached pair far back
+  is not scored at a RoPE distance the teacher never saw.
 
 The two mean rows start the learned linear weight at ``--mean-linear-weight``
 (default 8: a mean of hedgehog kernels at copy is about 2/C, so weight 1
@@ -69,6 +73,8 @@ STUDENTS = {
     "cache": {"cache_size": None},
     "cache_unrotated": {"cache_size": None, "linear_rope": False},
     "cache_unrotated_mean": {"cache_size": None, "linear_rope": False, "linear_mean": True},
+    "cache_unrotated_scored": {"cache_size": None, "linear_rope": False, "cache_rope": False},
+    "cache_unrotated_mean_scored": {"cache_size": None, "linear_rope": False, "linear_mean": True, "cache_rope": False},
 }
 SCRATCH = {
     "delta_conv": {"feature_map": None, "update": "delta", "normalize": False, "conv_size": 4},

@@ -59,6 +59,7 @@ STAGES = (
     "merge_lora",
     "long_generate",
     "traffic",
+    "chain",
 )
 
 CONFIGS = {
@@ -737,6 +738,92 @@ def stage_traffic(args):
             graph = call.get_concrete_function(tf.TensorSpec((1, 1), "int32"), spec, tf.TensorSpec((), "int32")).graph
             traffic, unknown = graph_traffic_bytes(graph)
             result["teacher"].append({"context": context, "step_traffic_bytes": traffic, "unknown": unknown})
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def weight_matrices(family, size):
+    """``[(rows, cols), ...]``: the matrices a decode step multiplies a vector by, from the config alone.
+
+    Per layer the attention's query, key, value and output projections and
+    the feed-forward's (GPT-2: in and out; Llama: gate, up and down), then
+    the vocabulary head (the token embedding, tied or not). Embedding and
+    position lookups read one row and are left out, as are biases, norms
+    and the feature maps (a few MB at these sizes).
+    """
+    cfg = CONFIGS[(family, size)]
+    h, inner, vocab = cfg["hidden_dim"], cfg["intermediate_dim"], cfg["vocabulary_size"]
+    if family == "gpt2":
+        kv = h
+        ffn = [(h, inner), (inner, h)]
+    else:
+        kv = h // cfg["num_query_heads"] * cfg["num_key_value_heads"]
+        ffn = [(h, inner), (h, inner), (inner, h)]
+    layer = [(h, h), (h, kv), (h, kv), (h, h)] + ffn
+    return layer * cfg["num_layers"] + [(h, vocab)]
+
+
+def stage_chain(args):
+    """The weights-read floor as TensorFlow reaches it: the model's own matrices, one matvec each, nothing else.
+
+    One float32 variable per matrix of `weight_matrices` (random), and a
+    `tf.function` that multiplies a [1, rows] vector by each in turn (each
+    product waits for the one before, as in a step), the way a decode step
+    at batch 1 reads its weights. Its median time beside the single large
+    matrix-vector product's bandwidth (`bandwidth_gib_s`) says how far from
+    that floor the weight reads alone already are on this CPU.
+    """
+    import numpy as np
+    import tensorflow as tf
+
+    shapes = weight_matrices(args.family, args.size)
+    rng = np.random.default_rng(0)
+    weights = [tf.Variable(rng.standard_normal(shape, dtype=np.float32)) for shape in shapes]
+    total = sum(int(np.prod(shape)) * 4 for shape in shapes)
+
+    def chain_of(matrices):
+        @tf.function(autograph=False)
+        def chain(x):
+            acc = tf.zeros((), tf.float32)
+            for w in matrices:
+                rows = w.shape[0]
+                vec = tf.tile(x, [1, -(-rows // x.shape[1])])[:, :rows] + acc * 0.0  # waits for the product before
+                acc = tf.reduce_sum(tf.matmul(vec, w)[:, :1])
+            return acc
+
+        return chain
+
+    def median_ms(fn, x, calls):
+        fn(x).numpy()
+        times = []
+        for _ in range(calls):
+            t = time.perf_counter()
+            fn(x).numpy()
+            times.append(time.perf_counter() - t)
+        return 1000 * _median(times), [round(1000 * t, 2) for t in times]
+
+    x = tf.ones((1, shapes[0][0]), tf.float32)
+    bw_before = bandwidth_gib_s()
+    chain_ms, chain_all = median_ms(chain_of(weights), x, args.repeats * 4 + 1)
+    # TensorFlow's own kernel on the floor's single 512 MB matrix.
+    n = int((512 * 2**20 / 4) ** 0.5)
+    big = tf.Variable(rng.standard_normal((n, n), dtype=np.float32))
+    one_ms, _ = median_ms(chain_of([big]), tf.ones((1, n), tf.float32), 7)
+    del big
+    bw_after = bandwidth_gib_s()
+    bw = _median([bw_before, bw_after])
+    floor_ms = 1000 * total / 2**30 / bw
+    result = {
+        "matrices": len(shapes),
+        "weight_gib": _gib(total),
+        "bandwidth_gib_s": [bw_before, bw_after],
+        "tf_single_matvec_bandwidth_gib_s": n * n * 4 / 2**30 / (one_ms / 1000),
+        "floor_ms": floor_ms,
+        "chain_ms": chain_ms,
+        "chain_ms_all": chain_all,
+        "chain_over_floor": chain_ms / floor_ms,
+        "chain_bandwidth_gib_s": total / 2**30 / (chain_ms / 1000),
+    }
     print(json.dumps(result), flush=True)
     return result
 

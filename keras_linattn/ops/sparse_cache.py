@@ -272,6 +272,8 @@ def sparse_cache_attention(
     chunk_size=64,
     eps=DEFAULT_EPSILON,
     gamma=None,
+    cache_q=None,
+    cache_k_all=None,
 ):
     """Causal window + sparse cache + linear attention over a piece of T tokens, continuing from a state.
 
@@ -290,6 +292,13 @@ def sparse_cache_attention(
         return_state: also return the state and the cache after the piece.
         scale, chunk_size, eps, gamma: as in `keras_linattn.ops.window_attention`
             (`eps` also guards the recall error's denominator).
+        cache_q, cache_k_all: optional queries ``[B, T, H, D]`` and keys
+            ``[B, W + T, H, D]`` that the cache's softmax scores with
+            (default `q` and `k_all`): a pair entering the cache keeps its
+            key from `cache_k_all`, and `initial_cache`'s keys must be such
+            keys. The window's softmax always scores `q` against `k_all`.
+            ``SparseCacheRecurrence(cache_rope=False)`` passes the queries
+            and keys before the rotary embedding here.
 
     Returns:
         ``[B, T, H, M]`` in ``v_all``'s dtype; with `return_state`,
@@ -312,6 +321,16 @@ def sparse_cache_attention(
             f"Received: k_all.shape={tuple(k_all.shape)}, q.shape={tuple(q.shape)}"
         )
     h, d, c, m = q.shape[2], q.shape[3], q_features.shape[3], v_all.shape[3]
+    for name, x, like, of in (("cache_q", cache_q, q, "q"), ("cache_k_all", cache_k_all, k_all, "k_all")):
+        if x is None:
+            continue
+        if len(x.shape) != 4 or any(
+            a is not None and b is not None and a != b for a, b in zip(x.shape, like.shape, strict=True)
+        ):
+            raise ValueError(
+                f"`{name}` must have the shape of `{of}`. Received: {name}.shape={tuple(x.shape)}, "
+                f"{of}.shape={tuple(like.shape)}"
+            )
     if initial_state is not None:
         _check_state(initial_state, h, c, m, name="initial_state")
     if initial_cache is not None and _check_cache(initial_cache, h, d, c, m, "initial_cache") not in (None, cache_size):
@@ -351,7 +370,9 @@ def sparse_cache_attention(
     # the cache for query i (its softmax terms under the cache's own max), so that no per-token copy of
     # the cache is kept.
     tokens_first = lambda x: ops.moveaxis(x[:, :length], 1, 0)  # noqa: E731  [T, B, ...]
-    xs = [tokens_first(x) for x in (f32(q) * scale, kk, kf_all, vv, f32(valid_all))]
+    q_cache = f32(q if cache_q is None else cache_q) * scale  # [B, T, H, D]: the cache's scores read these
+    k_cache = kk if cache_k_all is None else f32(cache_k_all)  # [B, W + T, H, D]
+    xs = [tokens_first(x) for x in (q_cache, k_cache, kf_all, vv, f32(valid_all))]
 
     carry, (kf_e, v_e, num_c, den_c, peak_c) = _selection(tuple(state + cache), tuple(xs), eps)
     state, cache = carry[:2], carry[2:]
@@ -423,6 +444,8 @@ def sparse_cache_attention_step(
     scale=None,
     eps=DEFAULT_EPSILON,
     gamma=None,
+    q_cache_t=None,
+    k_cache_evicted=None,
 ):
     """One decoding step: the oldest window pair goes through the selection, the new one enters the window.
 
@@ -438,6 +461,10 @@ def sparse_cache_attention_step(
         key_mask_t: optional ``[B]``: a padded token takes its place in the
             window but is never attended nor kept.
         scale, eps, gamma: as in `sparse_cache_attention`.
+        q_cache_t, k_cache_evicted: optional ``[B, H, D]``, as
+            `sparse_cache_attention`'s `cache_q` and `cache_k_all`: the query
+            the cache is scored with (default `q_t`) and the leaving pair's
+            key as the cache keeps it (default the buffer's oldest key).
 
     Returns:
         ``(out_t [B, H, M], (S, z), buffer, cache)``, all state float32.
@@ -456,7 +483,8 @@ def sparse_cache_attention_step(
     keys, values, valid = (f32(x) for x in buffer)  # [B, W, H, D], [B, W, H, M], [B, W]
     ck, ckf, cv, cok = (f32(x) for x in cache)
     cache = tuple(_mask_keys(x, cok > 0) for x in (ck, ckf, cv)) + (cok,)
-    leaving = (keys[:, 0], f32(k_features_evicted), values[:, 0], valid[:, 0])
+    leaving_key = keys[:, 0] if k_cache_evicted is None else f32(k_cache_evicted)  # [B, H, D]
+    leaving = (leaving_key, f32(k_features_evicted), values[:, 0], valid[:, 0])
     (s, z), cache, _ = _admit(tuple(f32(x) for x in state), cache, leaving, eps)
     ck, _, cv, cok = cache
 
@@ -470,10 +498,11 @@ def sparse_cache_attention_step(
     valid = ops.concatenate([valid[:, 1:], new_ok], axis=1)  # [B, W]
 
     q = f32(q_t) * scale  # [B, H, D]
+    q_c = q if q_cache_t is None else f32(q_cache_t) * scale  # [B, H, D]
     qf = f32(q_features_t)  # [B, H, C]
     e_w, e_c = _joint_softmax_terms(
         (ops.einsum("bhd,bwhd->bhw", q, keys), (valid > 0)[:, None, :]),  # [B, H, W], [B, 1, W]
-        (ops.einsum("bhd,bnhd->bhn", q, ck), ops.transpose(cok, (0, 2, 1)) > 0),  # [B, H, N], [B, H, N]
+        (ops.einsum("bhd,bnhd->bhn", q_c, ck), ops.transpose(cok, (0, 2, 1)) > 0),  # [B, H, N], [B, H, N]
     )
     if gamma is not None:
         e_w, e_c = e_w * gamma[None, :, None], e_c * gamma[None, :, None]
@@ -505,6 +534,8 @@ def sparse_cache_attention_reference(
     compute_dtype="float64",
     gamma=None,
     mean=False,
+    cache_q=None,
+    cache_k=None,
 ):
     """The oracle: one token at a time, every memory a set of positions, every weight written out.
 
@@ -518,6 +549,9 @@ def sparse_cache_attention_reference(
     the linear terms of query i are divided by the number of pairs in the
     state then (at least 1), counted from the state's mask
     (`keras_linattn.recurrences.SparseCacheRecurrence`'s ``linear_mean``).
+    ``cache_q``, ``cache_k`` ``[B, T, H, D]``: the cached positions' logits
+    are ``scale * cache_q_i . cache_k_j`` (default `q`, `k`), the window's
+    ``scale * q_i . k_j``, under one max.
     """
     window = check_positive_int("window", window)
     cache_size = check_non_negative_int("cache_size", cache_size)
@@ -529,6 +563,11 @@ def sparse_cache_attention_reference(
     kf = _mask_keys(cast(k_features), real)  # [B, T, H, C]
     vv = _mask_keys(cast(v), real)  # [B, T, H, M]
     scores = ops.einsum("bthd,bshd->bhts", cast(q), cast(k)) * scale  # [B, H, T, T]
+    if cache_q is None and cache_k is None:
+        cache_scores = scores
+    else:
+        q_c, k_c = (q if cache_q is None else cache_q), (k if cache_k is None else cache_k)
+        cache_scores = ops.einsum("bthd,bshd->bhts", cast(q_c), cast(k_c)) * scale  # [B, H, T, T]
     lin = ops.einsum("bthc,bshc->bhts", cast(q_features), kf)  # [B, H, T, T]
     pos = ops.arange(t)[None, None, :]  # [1, 1, T]
     real_bh = ops.broadcast_to(real[:, None, :], ops.shape(scores[:, :, 0]))  # [B, H, T]
@@ -556,7 +595,7 @@ def sparse_cache_attention_reference(
             in_state = ops.logical_or(in_state, evicted)
         in_window = ops.logical_and(ops.logical_and(pos <= i, pos > i - window), real_bh)  # [B, H, T]
         soft = ops.logical_or(in_window, in_cache)  # [B, H, T]
-        s_i = scores[:, :, i]  # [B, H, T]
+        s_i = ops.where(in_cache, cache_scores[:, :, i], scores[:, :, i])  # [B, H, T]: window and cache are apart
         peak = ops.max(ops.where(soft, s_i, ops.full_like(s_i, _NEG)), axis=-1, keepdims=True)
         weights = ops.where(soft, ops.exp(ops.minimum(s_i - peak, 0.0)), ops.zeros_like(s_i))  # [B, H, T]
         if g is not None:

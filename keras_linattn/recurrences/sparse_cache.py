@@ -65,6 +65,15 @@ class SparseCacheRecurrence(WindowRecurrence):
             state for each pair that leaves the window, so the state holds
             ``max(n - N, 0)`` of the n older real pairs (``linear_count []``
             counts n).
+        cache_rope: True (default), or False (needs ``linear_rope=False``):
+            the cache's softmax scores the queries and keys before the
+            rotary embedding, as if every cached pair sat at distance 0 from
+            its query (RoPE's score there is the plain ``q . k``). A cached
+            pair can sit at any distance, so with the rotation a query past
+            the training length meets distances the model never saw (the
+            teacher's own failure); unrotated scores do not depend on
+            position. The window keeps its rotation. ``cache_k`` then holds
+            the unrotated keys.
     """
 
     contract_configs = (
@@ -72,18 +81,42 @@ class SparseCacheRecurrence(WindowRecurrence):
         {"window_size": 2, "cache_size": 3, "gamma": 0.25},
         {"window_size": 2, "cache_size": 2, "gamma": 0.5, "linear_weight": 0.3},
         {"window_size": 2, "cache_size": 2, "linear_weight": 0.5, "linear_rope": False, "linear_mean": True},
+        {"window_size": 2, "cache_size": 2, "linear_rope": False, "cache_rope": False},
     )
 
-    def __init__(self, window_size, cache_size, gamma=None, linear_weight=None, linear_rope=True, linear_mean=False):
+    def __init__(
+        self,
+        window_size,
+        cache_size,
+        gamma=None,
+        linear_weight=None,
+        linear_rope=True,
+        linear_mean=False,
+        cache_rope=True,
+    ):
         # the window's checks, its gamma, linear weight and length options, and their weights
         super().__init__(
             window_size, gamma=gamma, linear_weight=linear_weight, linear_rope=linear_rope, linear_mean=linear_mean
         )
         self.cache_size = _validation.check_non_negative_int("cache_size", cache_size)
+        self.cache_rope = _validation.check_bool("cache_rope", cache_rope)
+        if not self.cache_rope and self.linear_rope:
+            raise ValueError(
+                "`cache_rope=False` needs `linear_rope=False`: the cache then scores the unrotated keys, "
+                "which the state keeps for the linear part (`window_k_plain`). "
+                f"Received: cache_rope={cache_rope!r}, linear_rope={linear_rope!r}"
+            )
 
     def get_config(self):
         config = super().get_config()
-        return {"window_size": config.pop("window_size"), "cache_size": self.cache_size, **config}
+        config = {"window_size": config.pop("window_size"), "cache_size": self.cache_size, **config}
+        if not self.cache_rope:  # configs with the default stay as they were
+            config["cache_rope"] = False
+        return config
+
+    def _unrotated_queries(self, q, unrotated):
+        """The queries the cache scores: before the rotary embedding with ``cache_rope=False``."""
+        return q if unrotated is None else unrotated[0]
 
     def buffer_spec(self):
         n, h, d, m = self.cache_size, self.num_heads, self.key_dim, self.value_dim
@@ -126,6 +159,14 @@ class SparseCacheRecurrence(WindowRecurrence):
         v_all = ops.concatenate([self._expand(ops.cast(state["window_v"], v.dtype)), v], axis=1)  # [B, W + S, H, M]
         ok_all = ops.concatenate([ops.cast(state["window_valid"], "float32"), real], axis=1)  # [B, W + S]
         qf, kf_all, new = self._piece_features(q, k, k_all, ok_all, state, training, unrotated)
+        scored = {}
+        if not self.cache_rope:
+            k_plain = k if unrotated is None else unrotated[1]
+            plain = self._expand(ops.cast(state["window_k_plain"], k.dtype))  # [B, W, H, D]
+            scored = {
+                "cache_q": self._unrotated_queries(q, unrotated),
+                "cache_k_all": ops.concatenate([plain, k_plain], axis=1),  # [B, W + S, H, D]
+            }
         out, (s, z), (ck, cf, cv, cok) = sparse_cache_ops.sparse_cache_attention(
             q,
             qf,
@@ -141,6 +182,7 @@ class SparseCacheRecurrence(WindowRecurrence):
             chunk_size=self.layer.chunk_size,
             eps=self.layer.epsilon,
             gamma=self._gamma(),
+            **scored,
         )  # [B, T, H, M]
         return out, {
             "S": s,
@@ -164,6 +206,12 @@ class SparseCacheRecurrence(WindowRecurrence):
         buf_k = self._expand(state["window_k"])  # [B, W, H, D]
         # The oldest buffered key leaves the window now: its features and the cached keys' are scored.
         qf, kf_old, new = self._step_features(q, k, buf_k, state, training, unrotated)
+        scored = {}
+        if not self.cache_rope:  # the leaving pair's unrotated key is the oldest of window_k_plain
+            scored = {
+                "q_cache_t": self._unrotated_queries(q, unrotated),
+                "k_cache_evicted": self._expand(state["window_k_plain"])[:, 0],
+            }
         out, (s, z), (wk, wv, wok), (ck, cf, cv, cok) = sparse_cache_ops.sparse_cache_attention_step(
             q,
             qf[:, 0],
@@ -175,6 +223,7 @@ class SparseCacheRecurrence(WindowRecurrence):
             (state["S"], state["z"]),
             eps=self.layer.epsilon,
             gamma=self._gamma(),
+            **scored,
         )  # [B, H, M]
         return out, {
             "S": s,
@@ -193,6 +242,7 @@ class SparseCacheRecurrence(WindowRecurrence):
         q_lin, k_lin = (q, k) if self.linear_rope or unrotated is None else unrotated
         qf = self.features(q_lin, True, True, training)
         kf = self.features(k_lin, False, True, training)
+        scored = {} if self.cache_rope else {"cache_q": q_lin, "cache_k": k_lin}
         return sparse_cache_ops.sparse_cache_attention_reference(
             q,
             qf,
@@ -205,4 +255,5 @@ class SparseCacheRecurrence(WindowRecurrence):
             eps=self.layer.epsilon,
             gamma=self._gamma(),
             mean=self.linear_mean,
+            **scored,
         )

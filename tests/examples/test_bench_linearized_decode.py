@@ -127,3 +127,33 @@ def test_the_traffic_model_counts_reads_and_writes_and_skips_views():
     inner = tf.function(lambda x: x * 2.0)
     nested = tf.function(lambda x: inner(x) + 1.0).get_concrete_function(tf.TensorSpec([4], "float32")).graph
     assert B.graph_traffic_bytes(nested)[1] == 1  # a nested call is reported, not silently counted as 0 bytes
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_chain_reads_every_matrix_of_the_model_once(family):
+    # The matrices from the config alone are the teacher's multiplied weights: every kernel and the
+    # vocabulary head, counted once; lookups (position table, an untied input embedding), biases and
+    # norms are not among them.
+    teacher = B.build_teacher(family, "tiny")
+    config = B.CONFIGS[(family, "tiny")]
+    skipped = {"position_embedding/embeddings"}
+    if not config.get("tie_word_embeddings", family == "gpt2"):
+        skipped.add("token_embedding/embeddings")  # looked up; the head is reverse_embeddings
+    counted = [
+        int(np.prod(w.shape))
+        for w in teacher.weights
+        if len(w.shape) >= 2 and not w.path.endswith("bias") and not any(s in w.path for s in skipped)
+    ]
+    shapes = B.weight_matrices(family, "tiny")
+    assert sorted(counted) == sorted(int(np.prod(s)) for s in shapes)
+
+
+def test_a_tiny_chain_run_reports_its_time_beside_the_floor(tmp_path):
+    out = tmp_path / "chain.json"
+    argv = ["--family", "gpt2", "--size", "tiny", "--stages", "chain", "--repeats", "1"]
+    assert B.main(argv + ["--workdir", str(tmp_path / "w"), "--out", str(out)]) == 0
+    chain = json.loads(out.read_text())["stages"]["chain"]
+    assert "failed" not in chain, chain
+    shapes = B.weight_matrices("gpt2", "tiny")
+    assert chain["matrices"] == len(shapes) and len(chain["chain_ms_all"]) == 5
+    assert chain["chain_ms"] > 0 and np.isclose(chain["chain_over_floor"], chain["chain_ms"] / chain["floor_ms"])

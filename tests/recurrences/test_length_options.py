@@ -247,3 +247,90 @@ def test_a_linearized_student_with_a_covering_window_stays_its_teacher(rng):
     assert (layer.recurrence.linear_rope, layer.recurrence.linear_mean) == (False, True)
     x = rng.normal(size=(2, T, DIM)).astype("float32")
     assert_close(student(x), teacher(x), n=T + KEY_DIM + HEADS * KEY_DIM, paths=2, what="covering window")
+
+
+# ------------------------------------------------------------------ cache_rope=False
+@pytest.mark.parametrize("mean", [False, True])
+def test_an_unrotated_cache_matches_the_float64_oracle(rng, mean):
+    # The cache's logits are the unrotated q . k (cache_q, cache_k), the window's the rotated ones.
+    layer = _layer(linear_rope=False, linear_mean=mean, gamma=0.4, cache=2, cache_rope=False)
+    x, mask = _inputs(rng)
+    weights = layer.trainable_variables
+    out, grads = _outputs_and_gradients(lambda x_: layer(x_, x_, key_mask=mask, use_causal_mask=True), x, weights)
+    ref, ref_grads = _outputs_and_gradients(lambda x_: _oracle(layer, x_, mask), x, weights)
+    n = _n(layer)
+    assert_close(out, ref, n=n, what="outputs")
+    assert_close(grads, ref_grads, n=2 * n + DIM, what="gradients")
+    # The rotated cache is another function from the first cached pair on: the option is read.
+    rotated = _layer(linear_rope=False, linear_mean=mean, gamma=0.4, cache=2)
+    _copy_weights(layer, rotated)
+    other = np.asarray(rotated(x, x, key_mask=mask, use_causal_mask=True))
+    assert np.abs(other - np.asarray(out))[0, W:].max() > 1e-3  # query W reads the first pair to leave
+    assert_close(other[:, :W], np.asarray(out)[:, :W], n=n, paths=2, what="before the cache has a pair")
+
+
+def test_an_unrotated_cache_scores_a_pair_the_same_at_any_distance():
+    # A pair cached at the start, read by the last query of a row: the cache's logit of that pair is the
+    # unrotated q . k whatever the distance, so the last output does not change when filler tokens (all
+    # equal) are added between them. Once one filler is in the state, the state recalls every other one
+    # exactly, so each goes into the state as it leaves the window and the pair stays cached (checked
+    # below); the tiny linear weight keeps the state's terms out of the readout. The window holds the
+    # same tokens at the same distances from the query in both rows.
+    layer = _layer(linear_rope=False, cache=1, cache_rope=False, linear_weight=1e-30)
+    rotated = _layer(linear_rope=False, cache=1, linear_weight=1e-30)
+    _copy_weights(layer, rotated)
+    rng = np.random.default_rng(5)
+    pair, query = rng.normal(size=(1, 1, DIM)), rng.normal(size=(1, 1, DIM))
+    ends = {}
+    _, pair_key, _ = layer.project(pair.astype("float32"), pair.astype("float32"))  # [1, 1, H, D] unrotated
+    for name, model in (("unrotated", layer), ("rotated", rotated)):
+        for gap in (W, W + 20):
+            x = np.concatenate([pair, np.zeros((1, gap, DIM)), query], 1).astype("float32")
+            out, state = model(x, x, use_causal_mask=True, return_state=True)
+            ends[name, gap] = np.asarray(out)[0, -1]
+            if name == "unrotated":
+                names = [entry.name for entry in model.state_spec()]
+                cached = np.asarray(state[names.index("cache_k")])[0, 0]  # [H, D]: the one slot
+                np.testing.assert_allclose(cached, np.asarray(pair_key)[0, 0], rtol=1e-6)
+    assert_close(ends["unrotated", W + 20], ends["unrotated", W], n=_n(layer), paths=2, what="distance")
+    assert np.abs(ends["rotated", W + 20] - ends["rotated", W]).max() > 1e-3  # RoPE: the distance shows
+
+
+def test_an_unrotated_cache_steps_and_pieces_equal_one_pass(rng):
+    layer = _layer(linear_rope=False, cache=2, cache_rope=False, gamma=0.4)
+    x, mask = _inputs(rng)
+    full, state = layer(x, x, key_mask=mask, use_causal_mask=True, return_state=True)
+    names = [entry.name for entry in layer.state_spec()]
+    a, st = layer(x[:, :5], x[:, :5], key_mask=mask[:, :5], use_causal_mask=True, return_state=True)
+    b, st2 = layer(x[:, 5:], x[:, 5:], key_mask=mask[:, 5:], use_causal_mask=True, return_state=True, initial_state=st)
+    assert_close(np.concatenate([a, b], 1), full, n=_n(layer), paths=2, what="pieces")
+    for name, p, q in zip(names, st2, state, strict=True):
+        assert_close(p, q, n=T, paths=2, what=f"state {name}")
+    s = layer.get_initial_state(1)
+    outs = []
+    for t in range(T):
+        o, s = layer.step(x[:1, t], x[:1, t], s)
+        outs.append(np.asarray(o))
+    assert_close(np.stack(outs, 1), np.asarray(full)[:1], n=_n(layer), paths=2, what="steps")
+    # The cache keeps the unrotated keys: the last row's cached keys are among the unrotated keys.
+    _, k_plain, _ = layer.project(x, x)
+    cached = np.asarray(state[names.index("cache_k")])[0]  # [N, H, D]
+    valid = np.asarray(state[names.index("cache_valid")])[0]  # [N, H]
+    plain = np.asarray(k_plain)[0]  # [T, H, D]
+    for slot, head in zip(*np.nonzero(valid), strict=True):
+        assert np.abs(plain[:, head] - cached[slot, head]).sum(-1).min() < 1e-5
+
+
+def test_cache_rope_shorthand_config_and_errors():
+    spec = AttentionSpec.create(feature_map="hedgehog", window_size=4, cache_size=2, linear_rope=False, cache_rope=False)
+    recurrence = spec.make_recurrence()
+    assert isinstance(recurrence, SparseCacheRecurrence) and not recurrence.cache_rope and recurrence.reads_unrotated
+    config = recurrence.get_config()
+    assert config == {"window_size": 4, "cache_size": 2, "linear_rope": False, "cache_rope": False}
+    assert SparseCacheRecurrence.from_config(config).get_config() == config
+    with pytest.raises(ValueError, match="cache_rope.*needs `cache_size`"):
+        AttentionSpec.create(window_size=4, cache_rope=False)
+    with pytest.raises(ValueError, match="cache_rope=False.*needs `linear_rope=False`"):
+        SparseCacheRecurrence(4, 2, cache_rope=False)
+    with pytest.raises(ValueError, match="cache_rope"):
+        SparseCacheRecurrence(4, 2, linear_rope=False, cache_rope="no")
