@@ -23,10 +23,11 @@ weights trained). Rows (``--students``):
 - ``cache``, ``cache_unrotated``, ``cache_unrotated_mean``: the same with
   LoLA's sparse cache (``cache_size=--cache-size``): the pairs the linear
   part recalls worst, kept exactly beside the window.
-- ``cache_unrotated_scored``, ``cache_unrotated_mean_scored``: the two
-  unrotated cache rows with ``cache_rope=False`` as well: the cache's
-  softmax scores the unrotated queries and keys, so a cached pair far back
-  is not scored at a RoPE distance the teacher never saw.
+- ``cache_unrotated_fixed``, ``cache_unrotated_mean_fixed``: the two
+  unrotated cache rows with ``cache_distance=--window-size`` as well: the
+  cache's softmax scores every cached pair as if it sat just past the
+  window, so a pair far back is not scored at a RoPE distance the teacher
+  never saw.
 
 The two mean rows start the learned linear weight at ``--mean-linear-weight``
 (default 8: a mean of hedgehog kernels at copy is about 2/C, so weight 1
@@ -73,8 +74,14 @@ STUDENTS = {
     "cache": {"cache_size": None},
     "cache_unrotated": {"cache_size": None, "linear_rope": False},
     "cache_unrotated_mean": {"cache_size": None, "linear_rope": False, "linear_mean": True},
-    "cache_unrotated_scored": {"cache_size": None, "linear_rope": False, "cache_rope": False},
-    "cache_unrotated_mean_scored": {"cache_size": None, "linear_rope": False, "linear_mean": True, "cache_rope": False},
+    # cache_distance is --window-size
+    "cache_unrotated_fixed": {"cache_size": None, "linear_rope": False, "cache_distance": None},
+    "cache_unrotated_mean_fixed": {
+        "cache_size": None,
+        "linear_rope": False,
+        "linear_mean": True,
+        "cache_distance": None,
+    },
 }
 SCRATCH = {
     "delta_conv": {"feature_map": None, "update": "delta", "normalize": False, "conv_size": 4},
@@ -204,6 +211,8 @@ def run(args):
                 options = dict(STUDENTS[name])
                 if "cache_size" in options:
                     options["cache_size"] = args.cache_size
+                if "cache_distance" in options:
+                    options["cache_distance"] = W
                 if options.get("linear_mean") and args.mean_linear_weight:
                     options["linear_weight"] = args.mean_linear_weight
                 student = keras_linattn.linearize(teacher, window_size=W, window_gamma=args.window_gamma, **options)

@@ -48,7 +48,7 @@ SHORTHAND_ARGUMENTS = (
     "linear_weight",
     "linear_rope",
     "linear_mean",
-    "cache_rope",
+    "cache_distance",
 )
 # Arguments for pretrained softmax models (rotary positions, grouped-query attention).
 PRETRAINED_ARGUMENTS = ("num_key_value_heads", "rope_max_wavelength", "rope_scaling_factor")
@@ -115,11 +115,11 @@ MECHANISM_ARGS_DOC = """\
             (``cache_k [N, H, D]``, ``cache_v [N, H, M]``,
             ``cache_valid [N, H]``) is part of the decode state.
             Keyword-only.
-        cache_rope: None (default: True), with `cache_size` and
-            ``linear_rope=False``: False scores the cache's softmax on the
-            queries and keys before the rotary embedding (as at distance 0),
-            so a cached pair far back is not scored at a distance the model
-            never saw. Keyword-only.
+        cache_distance: None (default) or an int d >= 0, with `cache_size`
+            and ``linear_rope=False``: the cache's softmax scores every
+            cached pair as if it sat d tokens before its query (rotary
+            embeddings), so a pair far back is not scored at a distance the
+            model never saw. Keyword-only.
         recurrence: the state update and readout for any recurrence,
             built-in or registered: a registered name
             (`keras_linattn.recurrences.available()`: ``"additive"``,
@@ -162,7 +162,7 @@ def _shorthand_recurrence(
     linear_weight=None,
     linear_rope=None,
     linear_mean=None,
-    cache_rope=None,
+    cache_distance=None,
 ):
     """The built-in recurrence the shorthand arguments describe.
 
@@ -177,10 +177,10 @@ def _shorthand_recurrence(
             "`cache_size` is the sparse cache beside a softmax window (LoLA): it needs `window_size`. "
             f"Received: cache_size={cache_size!r}, window_size=None"
         )
-    if cache_rope is not None and cache_size is None:
+    if cache_distance is not None and cache_size is None:
         raise ValueError(
-            "`cache_rope` is an option of the sparse cache: it needs `cache_size` (and `window_size`). "
-            f"Received: cache_rope={cache_rope!r}, cache_size=None"
+            "`cache_distance` is an option of the sparse cache: it needs `cache_size` (and `window_size`). "
+            f"Received: cache_distance={cache_distance!r}, cache_size=None"
         )
     if window_gamma is not None and window_size is None:
         raise ValueError(
@@ -233,8 +233,8 @@ def _shorthand_recurrence(
         options = {"linear_rope": linear_rope, "linear_mean": linear_mean}
         options = {name: value for name, value in options.items() if value is not None}
         if cache_size is not None:
-            if cache_rope is not None:
-                options["cache_rope"] = cache_rope
+            if cache_distance is not None:
+                options["cache_distance"] = cache_distance
             return SparseCacheRecurrence(
                 window_size, cache_size, gamma=window_gamma, linear_weight=linear_weight, **options
             )
@@ -335,7 +335,7 @@ class AttentionSpec:
             **arguments: the mechanism arguments (`ARGUMENTS`): the shorthand
                 ``decay``, ``normalize``, ``window_size``, ``update``,
                 ``window_gamma``, ``cache_size``, ``linear_weight``, ``linear_rope``,
-                ``linear_mean``, ``cache_rope``, or ``recurrence``; and ``conv_size``,
+                ``linear_mean``, ``cache_distance``, or ``recurrence``; and ``conv_size``,
                 ``num_key_value_heads``, ``rope_max_wavelength``,
                 ``rope_scaling_factor``.
 
@@ -347,7 +347,7 @@ class AttentionSpec:
         if unknown:
             raise TypeError(f"Unknown attention arguments: {unknown}. Expected some of {list(ARGUMENTS)}")
         shorthand = {name: arguments[name] for name in SHORTHAND_ARGUMENTS if name in arguments}
-        for name in ("window_gamma", "cache_size", "linear_weight", "linear_rope", "linear_mean", "cache_rope"):
+        for name in ("window_gamma", "cache_size", "linear_weight", "linear_rope", "linear_mean", "cache_distance"):
             if name in shorthand and shorthand[name] is None:
                 del shorthand[name]  # the default, e.g. from a config
         recurrence = arguments.get("recurrence")
@@ -356,7 +356,7 @@ class AttentionSpec:
         elif shorthand:
             raise ValueError(
                 "Pass either `recurrence` or the shorthand arguments (decay, normalize, window_size, update, "
-                "window_gamma, cache_size, linear_weight, linear_rope, linear_mean, cache_rope), "
+                "window_gamma, cache_size, linear_weight, linear_rope, linear_mean, cache_distance), "
                 f"not both. Received: recurrence={recurrence!r}, "
                 + ", ".join(f"{k}={v!r}" for k, v in shorthand.items())
             )

@@ -39,6 +39,11 @@ the same shared normalizer::
 into the state: this is `window_attention`. With ``W + N >= T`` nothing
 reaches the state: exact softmax attention (gamma cancels).
 
+The cache may score other queries and keys than the window's (``cache_q``,
+``cache_k_all``; the step's ``q_cache_t``, ``k_cache_evicted``): a pair
+entering the cache keeps its key from those, e.g. the keys before the
+rotary embedding (``SparseCacheRecurrence(cache_rope=False)``).
+
 Shape legend: B batch, T length, W window, N cache slots, H heads, D key
 dim, C feature dim, M value dim.
 

@@ -10,6 +10,7 @@ rule, the readout and the costs are in `keras_linattn.ops.sparse_cache`.
 from keras import ops
 
 from keras_linattn import _state, _validation
+from keras_linattn.ops import rotary as rotary_ops
 from keras_linattn.ops import sparse_cache as sparse_cache_ops
 from keras_linattn.ops._common import _mask_keys
 from keras_linattn.recurrences.registry import register
@@ -65,15 +66,17 @@ class SparseCacheRecurrence(WindowRecurrence):
             state for each pair that leaves the window, so the state holds
             ``max(n - N, 0)`` of the n older real pairs (``linear_count []``
             counts n).
-        cache_rope: True (default), or False (needs ``linear_rope=False``):
-            the cache's softmax scores the queries and keys before the
-            rotary embedding, as if every cached pair sat at distance 0 from
-            its query (RoPE's score there is the plain ``q . k``). A cached
-            pair can sit at any distance, so with the rotation a query past
-            the training length meets distances the model never saw (the
-            teacher's own failure); unrotated scores do not depend on
-            position. The window keeps its rotation. ``cache_k`` then holds
-            the unrotated keys.
+        cache_distance: None (default), or an int d >= 0 (needs
+            ``linear_rope=False``): the cache's softmax scores every cached
+            pair as if it sat d tokens before its query, whatever its real
+            distance: the query before the rotary embedding, rotated to
+            position d, against the key before it (RoPE's score depends on
+            the distance alone). A cached pair can sit at any distance, so
+            with the real one a query past the training length meets
+            distances the model never saw (the teacher's own failure); a
+            fixed one does not depend on position. The window keeps the
+            real distances. ``cache_k`` then holds the unrotated keys.
+            Without rotary embeddings it changes nothing.
     """
 
     contract_configs = (
@@ -81,7 +84,7 @@ class SparseCacheRecurrence(WindowRecurrence):
         {"window_size": 2, "cache_size": 3, "gamma": 0.25},
         {"window_size": 2, "cache_size": 2, "gamma": 0.5, "linear_weight": 0.3},
         {"window_size": 2, "cache_size": 2, "linear_weight": 0.5, "linear_rope": False, "linear_mean": True},
-        {"window_size": 2, "cache_size": 2, "linear_rope": False, "cache_rope": False},
+        {"window_size": 2, "cache_size": 2, "linear_rope": False, "cache_distance": 2},
     )
 
     def __init__(
@@ -92,31 +95,42 @@ class SparseCacheRecurrence(WindowRecurrence):
         linear_weight=None,
         linear_rope=True,
         linear_mean=False,
-        cache_rope=True,
+        cache_distance=None,
     ):
         # the window's checks, its gamma, linear weight and length options, and their weights
         super().__init__(
             window_size, gamma=gamma, linear_weight=linear_weight, linear_rope=linear_rope, linear_mean=linear_mean
         )
         self.cache_size = _validation.check_non_negative_int("cache_size", cache_size)
-        self.cache_rope = _validation.check_bool("cache_rope", cache_rope)
-        if not self.cache_rope and self.linear_rope:
+        self.cache_distance = (
+            None if cache_distance is None else _validation.check_non_negative_int("cache_distance", cache_distance)
+        )
+        if self.cache_distance is not None and self.linear_rope:
             raise ValueError(
-                "`cache_rope=False` needs `linear_rope=False`: the cache then scores the unrotated keys, "
+                "`cache_distance` needs `linear_rope=False`: the cache then scores the unrotated keys, "
                 "which the state keeps for the linear part (`window_k_plain`). "
-                f"Received: cache_rope={cache_rope!r}, linear_rope={linear_rope!r}"
+                f"Received: cache_distance={cache_distance!r}, linear_rope={linear_rope!r}"
             )
 
     def get_config(self):
         config = super().get_config()
         config = {"window_size": config.pop("window_size"), "cache_size": self.cache_size, **config}
-        if not self.cache_rope:  # configs with the default stay as they were
-            config["cache_rope"] = False
+        if self.cache_distance is not None:  # configs with the default stay as they were
+            config["cache_distance"] = self.cache_distance
         return config
 
-    def _unrotated_queries(self, q, unrotated):
-        """The queries the cache scores: before the rotary embedding with ``cache_rope=False``."""
-        return q if unrotated is None else unrotated[0]
+    def _cache_queries(self, q_plain):
+        """The queries the cache scores with `cache_distance` d: ``q_plain`` rotated to position d.
+
+        Against keys before the rotary embedding (position 0), RoPE's score
+        is that of a key d tokens before the query. ``q_plain [B, T, H, D]``
+        or ``[B, H, D]``; unchanged without rotary embeddings.
+        """
+        wavelength = getattr(self.layer, "rope_max_wavelength", None)
+        if wavelength is None:
+            return q_plain
+        positions = ops.full(ops.shape(q_plain)[:-2], float(self.cache_distance), "float32")  # [B, T] or [B]
+        return rotary_ops.rotary_embedding(q_plain, positions, wavelength, self.layer.rope_scaling_factor)
 
     def buffer_spec(self):
         n, h, d, m = self.cache_size, self.num_heads, self.key_dim, self.value_dim
@@ -160,11 +174,11 @@ class SparseCacheRecurrence(WindowRecurrence):
         ok_all = ops.concatenate([ops.cast(state["window_valid"], "float32"), real], axis=1)  # [B, W + S]
         qf, kf_all, new = self._piece_features(q, k, k_all, ok_all, state, training, unrotated)
         scored = {}
-        if not self.cache_rope:
-            k_plain = k if unrotated is None else unrotated[1]
+        if self.cache_distance is not None:
+            q_plain, k_plain = (q, k) if unrotated is None else unrotated
             plain = self._expand(ops.cast(state["window_k_plain"], k.dtype))  # [B, W, H, D]
             scored = {
-                "cache_q": self._unrotated_queries(q, unrotated),
+                "cache_q": self._cache_queries(q_plain),  # [B, T, H, D]
                 "cache_k_all": ops.concatenate([plain, k_plain], axis=1),  # [B, W + S, H, D]
             }
         out, (s, z), (ck, cf, cv, cok) = sparse_cache_ops.sparse_cache_attention(
@@ -207,10 +221,10 @@ class SparseCacheRecurrence(WindowRecurrence):
         # The oldest buffered key leaves the window now: its features and the cached keys' are scored.
         qf, kf_old, new = self._step_features(q, k, buf_k, state, training, unrotated)
         scored = {}
-        if not self.cache_rope:  # the leaving pair's unrotated key is the oldest of window_k_plain
+        if self.cache_distance is not None:  # the leaving pair's unrotated key is the oldest of window_k_plain
             scored = {
-                "q_cache_t": self._unrotated_queries(q, unrotated),
-                "k_cache_evicted": self._expand(state["window_k_plain"])[:, 0],
+                "q_cache_t": self._cache_queries(q if unrotated is None else unrotated[0]),  # [B, H, D]
+                "k_cache_evicted": self._expand(state["window_k_plain"])[:, 0],  # [B, H, D]
             }
         out, (s, z), (wk, wv, wok), (ck, cf, cv, cok) = sparse_cache_ops.sparse_cache_attention_step(
             q,
@@ -242,7 +256,7 @@ class SparseCacheRecurrence(WindowRecurrence):
         q_lin, k_lin = (q, k) if self.linear_rope or unrotated is None else unrotated
         qf = self.features(q_lin, True, True, training)
         kf = self.features(k_lin, False, True, training)
-        scored = {} if self.cache_rope else {"cache_q": q_lin, "cache_k": k_lin}
+        scored = {} if self.cache_distance is None else {"cache_q": self._cache_queries(q_lin), "cache_k": k_lin}
         return sparse_cache_ops.sparse_cache_attention_reference(
             q,
             qf,

@@ -249,11 +249,12 @@ def test_a_linearized_student_with_a_covering_window_stays_its_teacher(rng):
     assert_close(student(x), teacher(x), n=T + KEY_DIM + HEADS * KEY_DIM, paths=2, what="covering window")
 
 
-# ------------------------------------------------------------------ cache_rope=False
-@pytest.mark.parametrize("mean", [False, True])
-def test_an_unrotated_cache_matches_the_float64_oracle(rng, mean):
-    # The cache's logits are the unrotated q . k (cache_q, cache_k), the window's the rotated ones.
-    layer = _layer(linear_rope=False, linear_mean=mean, gamma=0.4, cache=2, cache_rope=False)
+# ------------------------------------------------------------------ cache_distance
+@pytest.mark.parametrize(("mean", "distance"), [(False, 0), (True, 0), (False, W), (True, 7)])
+def test_a_cache_at_a_fixed_distance_matches_the_float64_oracle(rng, mean, distance):
+    # The cache's logits are the unrotated keys against the unrotated queries rotated to `distance`
+    # (cache_q, cache_k); the window's are the rotated q . k.
+    layer = _layer(linear_rope=False, linear_mean=mean, gamma=0.4, cache=2, cache_distance=distance)
     x, mask = _inputs(rng)
     weights = layer.trainable_variables
     out, grads = _outputs_and_gradients(lambda x_: layer(x_, x_, key_mask=mask, use_causal_mask=True), x, weights)
@@ -269,14 +270,15 @@ def test_an_unrotated_cache_matches_the_float64_oracle(rng, mean):
     assert_close(other[:, :W], np.asarray(out)[:, :W], n=n, paths=2, what="before the cache has a pair")
 
 
-def test_an_unrotated_cache_scores_a_pair_the_same_at_any_distance():
+@pytest.mark.parametrize("distance", [0, 5])
+def test_a_cache_at_a_fixed_distance_scores_a_pair_the_same_at_any_distance(distance):
     # A pair cached at the start, read by the last query of a row: the cache's logit of that pair is the
     # unrotated q . k whatever the distance, so the last output does not change when filler tokens (all
     # equal) are added between them. Once one filler is in the state, the state recalls every other one
     # exactly, so each goes into the state as it leaves the window and the pair stays cached (checked
     # below); the tiny linear weight keeps the state's terms out of the readout. The window holds the
     # same tokens at the same distances from the query in both rows.
-    layer = _layer(linear_rope=False, cache=1, cache_rope=False, linear_weight=1e-30)
+    layer = _layer(linear_rope=False, cache=1, cache_distance=distance, linear_weight=1e-30)
     rotated = _layer(linear_rope=False, cache=1, linear_weight=1e-30)
     _copy_weights(layer, rotated)
     rng = np.random.default_rng(5)
@@ -296,8 +298,8 @@ def test_an_unrotated_cache_scores_a_pair_the_same_at_any_distance():
     assert np.abs(ends["rotated", W + 20] - ends["rotated", W]).max() > 1e-3  # RoPE: the distance shows
 
 
-def test_an_unrotated_cache_steps_and_pieces_equal_one_pass(rng):
-    layer = _layer(linear_rope=False, cache=2, cache_rope=False, gamma=0.4)
+def test_a_cache_at_a_fixed_distance_steps_and_pieces_equal_one_pass(rng):
+    layer = _layer(linear_rope=False, cache=2, cache_distance=W, gamma=0.4)
     x, mask = _inputs(rng)
     full, state = layer(x, x, key_mask=mask, use_causal_mask=True, return_state=True)
     names = [entry.name for entry in layer.state_spec()]
@@ -321,16 +323,37 @@ def test_an_unrotated_cache_steps_and_pieces_equal_one_pass(rng):
         assert np.abs(plain[:, head] - cached[slot, head]).sum(-1).min() < 1e-5
 
 
-def test_cache_rope_shorthand_config_and_errors():
-    spec = AttentionSpec.create(feature_map="hedgehog", window_size=4, cache_size=2, linear_rope=False, cache_rope=False)
+def test_cache_distance_shorthand_config_and_errors():
+    spec = AttentionSpec.create(
+        feature_map="hedgehog", window_size=4, cache_size=2, linear_rope=False, cache_distance=4
+    )
     recurrence = spec.make_recurrence()
-    assert isinstance(recurrence, SparseCacheRecurrence) and not recurrence.cache_rope and recurrence.reads_unrotated
+    assert isinstance(recurrence, SparseCacheRecurrence) and recurrence.cache_distance == 4
+    assert recurrence.reads_unrotated
     config = recurrence.get_config()
-    assert config == {"window_size": 4, "cache_size": 2, "linear_rope": False, "cache_rope": False}
+    assert config == {"window_size": 4, "cache_size": 2, "linear_rope": False, "cache_distance": 4}
     assert SparseCacheRecurrence.from_config(config).get_config() == config
-    with pytest.raises(ValueError, match="cache_rope.*needs `cache_size`"):
-        AttentionSpec.create(window_size=4, cache_rope=False)
-    with pytest.raises(ValueError, match="cache_rope=False.*needs `linear_rope=False`"):
-        SparseCacheRecurrence(4, 2, cache_rope=False)
-    with pytest.raises(ValueError, match="cache_rope"):
-        SparseCacheRecurrence(4, 2, linear_rope=False, cache_rope="no")
+    with pytest.raises(ValueError, match="cache_distance.*needs `cache_size`"):
+        AttentionSpec.create(window_size=4, cache_distance=0)
+    with pytest.raises(ValueError, match="cache_distance.*needs `linear_rope=False`"):
+        SparseCacheRecurrence(4, 2, cache_distance=0)
+    for bad in (-1, 1.5, "4"):
+        with pytest.raises(ValueError, match="cache_distance"):
+            SparseCacheRecurrence(4, 2, linear_rope=False, cache_distance=bad)
+
+
+def test_a_cache_at_a_fixed_distance_is_the_real_distance_for_a_pair_at_that_distance(rng):
+    # With T = W + 1 the only pair to leave the window (token 0) is cached and read by query W, at
+    # distance W: cache_distance=W gives the real-distance cache's output, another distance does not.
+    t = W + 1
+    real = _layer(linear_rope=False, cache=1, gamma=0.4)
+    x = rng.normal(size=(1, t, DIM)).astype("float32")
+    b = np.asarray(real(x, x, use_causal_mask=True))
+    outs = {}
+    for distance in (W, W + 3):
+        fixed = _layer(linear_rope=False, cache=1, cache_distance=distance, gamma=0.4)
+        _copy_weights(real, fixed)
+        outs[distance] = np.asarray(fixed(x, x, use_causal_mask=True))
+    assert_close(outs[W], b, n=_n(real), paths=2, what="the pair's own distance")
+    assert np.abs(outs[W + 3][:, W] - b[:, W]).max() > 1e-4
+    assert_close(outs[W + 3][:, :W], b[:, :W], n=_n(real), paths=2, what="before the cache has a pair")
