@@ -36,6 +36,10 @@ positions only. The rows of the table:
   so the linear part is off; no training;
 - sparse-cache student: `linearize(teacher, window_size=W, cache_size=N,
   linear_weight=...)` (LoLA), no training, ``W + N = T / 4``;
+- ``sparse_cache_fixed``: the same cache with the length options' settings
+  (``linear_rope=False, cache_distance=W``: the linear part and the
+  self-recall error on unrotated features, every cached pair scored as if
+  W tokens back), no training.
 - ``sparse_cache_lolcats``: the same cache on the transferred ``lolcats_lw``
   student's weights (LoLA's setting: a cache added to a LoLCATs model);
 - delta-rule student: `linearize(teacher, window_size=None,
@@ -491,13 +495,23 @@ def accuracy_by_bucket(model, tokens, targets, distances, cfg):
 
 
 # ------------------------------------------------------------------------ main
-ROWS = ("teacher", "lolcats", "lolcats_lw", "window_only", "sparse_cache", "sparse_cache_lolcats", "delta")
+ROWS = (
+    "teacher",
+    "lolcats",
+    "lolcats_lw",
+    "window_only",
+    "sparse_cache",
+    "sparse_cache_fixed",
+    "sparse_cache_lolcats",
+    "delta",
+)
 ROW_TITLES = {
     "teacher": "teacher (softmax, full KV cache)",
     "lolcats": "LoLCATs: hedgehog + window, attention transfer",
     "lolcats_lw": "LoLCATs with a small linear weight, attention transfer",
     "window_only": "sliding window alone (linear part 0)",
     "sparse_cache": "sparse cache (LoLA), small linear weight, no training",
+    "sparse_cache_fixed": "sparse cache, unrotated linear part, cache scored at distance W, no training",
     "sparse_cache_lolcats": "sparse cache (LoLA) on the small-linear-weight LoLCATs maps",
     "delta": "delta rule (hedgehog, no window), attention transfer",
 }
@@ -522,6 +536,17 @@ def make_student(name, teacher, cfg):
     if name in ("sparse_cache", "sparse_cache_lolcats"):
         n = cfg["cache_size"]
         return keras_linattn.linearize(teacher, window_size=w, cache_size=n, window_gamma=gamma, linear_weight=lw)
+    if name == "sparse_cache_fixed":  # the length options' cache: no RoPE distance past W reaches it
+        n = cfg["cache_size"]
+        return keras_linattn.linearize(
+            teacher,
+            window_size=w,
+            cache_size=n,
+            window_gamma=gamma,
+            linear_weight=lw,
+            linear_rope=False,
+            cache_distance=w,
+        )
     if name == "delta":
         return keras_linattn.linearize(teacher, window_size=None, update="delta", normalize=False)
     raise ValueError(f"Unknown row {name!r}")

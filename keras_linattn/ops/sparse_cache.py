@@ -42,7 +42,8 @@ reaches the state: exact softmax attention (gamma cancels).
 The cache may score other queries and keys than the window's (``cache_q``,
 ``cache_k_all``; the step's ``q_cache_t``, ``k_cache_evicted``): a pair
 entering the cache keeps its key from those, e.g. the keys before the
-rotary embedding (``SparseCacheRecurrence(cache_rope=False)``).
+rotary embedding, the queries rotated to a fixed distance
+(``SparseCacheRecurrence(cache_distance=d)``).
 
 Shape legend: B batch, T length, W window, N cache slots, H heads, D key
 dim, C feature dim, M value dim.
@@ -302,8 +303,8 @@ def sparse_cache_attention(
             (default `q` and `k_all`): a pair entering the cache keeps its
             key from `cache_k_all`, and `initial_cache`'s keys must be such
             keys. The window's softmax always scores `q` against `k_all`.
-            ``SparseCacheRecurrence(cache_rope=False)`` passes the queries
-            and keys before the rotary embedding here.
+            ``SparseCacheRecurrence(cache_distance=d)`` passes the keys
+            before the rotary embedding and the queries rotated to d here.
 
     Returns:
         ``[B, T, H, M]`` in ``v_all``'s dtype; with `return_state`,
