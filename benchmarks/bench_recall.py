@@ -36,6 +36,9 @@ positions only. The rows of the table:
   so the linear part is off; no training;
 - sparse-cache student: `linearize(teacher, window_size=W, cache_size=N,
   linear_weight=...)` (LoLA), no training, ``W + N = T / 4``;
+- ``sparse_cache_unrotated``: the same cache with ``linear_rope=False``
+  (the linear part and the self-recall error on unrotated features), no
+  training.
 - ``sparse_cache_fixed``: the same cache with the length options' settings
   (``linear_rope=False, cache_distance=W``: the linear part and the
   self-recall error on unrotated features, every cached pair scored as if
@@ -501,6 +504,7 @@ ROWS = (
     "lolcats_lw",
     "window_only",
     "sparse_cache",
+    "sparse_cache_unrotated",
     "sparse_cache_fixed",
     "sparse_cache_lolcats",
     "delta",
@@ -511,6 +515,7 @@ ROW_TITLES = {
     "lolcats_lw": "LoLCATs with a small linear weight, attention transfer",
     "window_only": "sliding window alone (linear part 0)",
     "sparse_cache": "sparse cache (LoLA), small linear weight, no training",
+    "sparse_cache_unrotated": "sparse cache, unrotated linear part, no training",
     "sparse_cache_fixed": "sparse cache, unrotated linear part, cache scored at distance W, no training",
     "sparse_cache_lolcats": "sparse cache (LoLA) on the small-linear-weight LoLCATs maps",
     "delta": "delta rule (hedgehog, no window), attention transfer",
@@ -536,16 +541,11 @@ def make_student(name, teacher, cfg):
     if name in ("sparse_cache", "sparse_cache_lolcats"):
         n = cfg["cache_size"]
         return keras_linattn.linearize(teacher, window_size=w, cache_size=n, window_gamma=gamma, linear_weight=lw)
-    if name == "sparse_cache_fixed":  # the length options' cache: no RoPE distance past W reaches it
+    if name in ("sparse_cache_unrotated", "sparse_cache_fixed"):  # the length options' settings
+        fixed = {"cache_distance": w} if name == "sparse_cache_fixed" else {}  # no RoPE distance past W
         n = cfg["cache_size"]
         return keras_linattn.linearize(
-            teacher,
-            window_size=w,
-            cache_size=n,
-            window_gamma=gamma,
-            linear_weight=lw,
-            linear_rope=False,
-            cache_distance=w,
+            teacher, window_size=w, cache_size=n, window_gamma=gamma, linear_weight=lw, linear_rope=False, **fixed
         )
     if name == "delta":
         return keras_linattn.linearize(teacher, window_size=None, update="delta", normalize=False)
