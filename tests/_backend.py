@@ -21,7 +21,6 @@ computes every float64 oracle in float32.
 
 import keras
 import numpy as np
-import pytest
 
 BACKEND = keras.backend.backend()
 
@@ -77,27 +76,3 @@ def xla(fn):
 
         return jax.jit(fn)
     raise NotImplementedError(f"no XLA compilation for the {BACKEND!r} backend")
-
-
-def _inconclusive_dimension():
-    if BACKEND != "jax":
-        return ()
-    import jax
-
-    return (jax.errors.InconclusiveDimensionOperation,)
-
-
-# A known library bug on JAX, kept visible (strict: the test fails once the bug
-# is fixed, so the marker goes): a functional model on `keras.Input((None, ...))`
-# around a causal LinearAttention cannot be built, because Keras infers the
-# output shape with JAX symbolic dimensions and the chunked paths compare the
-# symbolic length with `chunk_size` (`ops/core.py::_causal_chunked`,
-# `ops/decay.py`) and reshape a padded symbolic length by `-1`. Keras' `.keras`
-# loading rebuilds such a model, so these round trips fail on JAX.
-xfail_jax_symbolic_length = pytest.mark.xfail(
-    BACKEND == "jax",
-    strict=True,
-    raises=_inconclusive_dimension() or None,
-    reason="library bug on JAX: causal LinearAttention in a functional model with a None sequence length "
-    "fails JAX symbolic shape inference (InconclusiveDimensionOperation)",
-)

@@ -36,6 +36,35 @@ PROJECTION_ARGS_DOC = """\
 
 document = fill(projection_args=PROJECTION_ARGS_DOC)
 
+# Two sizes for the unknown dims of a symbolic call traced on JAX (any two that
+# differ; every unknown dim takes the same one, as Keras' own trace does).
+_TRACE_SIZES = (83, 89)
+
+
+def _has_unknown_dims(structure):
+    tensors = [x for x in keras.tree.flatten(structure) if isinstance(x, keras.KerasTensor)]
+    return any(d is None for x in tensors for d in x.shape)
+
+
+def _with_unknown_dims_as(structure, size):
+    """``structure`` with every `keras.KerasTensor`'s unknown dims set to ``size``."""
+
+    def known(x):
+        if not isinstance(x, keras.KerasTensor):
+            return x
+        shape = tuple(size if d is None else d for d in x.shape)
+        return keras.KerasTensor(shape, x.dtype, sparse=x.sparse, name=x.name)
+
+    return keras.tree.map_structure(known, structure)
+
+
+def _merge_specs(first, second):
+    """One output spec from the traces at two sizes: the dims that differ are unknown."""
+    if not isinstance(first, keras.KerasTensor):
+        return first
+    shape = tuple(a if a == b else None for a, b in zip(first.shape, second.shape, strict=True))
+    return keras.KerasTensor(shape, first.dtype, sparse=first.sparse)
+
 
 def _check_output_shape(output_shape):
     if output_shape is None:
@@ -405,7 +434,16 @@ class ProjectedAttention(CheckpointTracked, keras.layers.Layer):
         # `compute_output_shape`, which knows neither the state of
         # ``return_state=True`` nor the call's argument checks). Skipping
         # `Layer` in the MRO reaches `Operation.compute_output_spec`: that trace.
-        return super(keras.layers.Layer, self).compute_output_spec(*args, **kwargs)
+        trace = super(keras.layers.Layer, self).compute_output_spec
+        if keras.backend.backend() != "jax" or not _has_unknown_dims((args, kwargs)):
+            return trace(*args, **kwargs)
+        # JAX traces an unknown length as one symbolic dimension, and the
+        # chunked forms' reshapes cannot be proven divisible for it ("Cannot
+        # divide evenly"). Trace at two concrete sizes instead: the output dims
+        # that differ between them are the unknown ones.
+        first = trace(*_with_unknown_dims_as(args, _TRACE_SIZES[0]), **_with_unknown_dims_as(kwargs, _TRACE_SIZES[0]))
+        second = trace(*_with_unknown_dims_as(args, _TRACE_SIZES[1]), **_with_unknown_dims_as(kwargs, _TRACE_SIZES[1]))
+        return keras.tree.map_structure(_merge_specs, first, second)
 
     def get_config(self):
         return {

@@ -8,7 +8,7 @@ import pytest
 
 from keras_linattn import feature_maps
 from keras_linattn.layers import LinearAttention
-from tests._backend import flat, gradients, xfail_jax_symbolic_length
+from tests._backend import flat, gradients
 from tests._helpers import oracle_forward, run_steps
 from tests.tolerance import assert_close
 
@@ -178,7 +178,6 @@ def test_fit_with_xla(rng, causal):
     assert losses[-1] < losses[0]
 
 
-@xfail_jax_symbolic_length
 def test_keras_save_load_with_non_default_arguments(rng, tmp_path):
     inp = keras.Input((None, DIM))
     layer = LinearAttention(
@@ -241,3 +240,19 @@ def test_call_rejects_bad_shapes(rng):
         layer(x, x, initial_state=(np.zeros((2, 2, 5, 4), "float32"), np.zeros((2, 2, 4), "float32")))
     with pytest.raises(ValueError, match="state"):
         layer.step(x[:, 0], x[:, 0], (np.zeros((3, 2, 4, 4), "float32"), np.zeros((3, 2, 4), "float32")))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_symbolic_call_keeps_unknown_dims_unknown(causal):
+    # On JAX the spec is traced at two concrete sizes (an unknown length cannot be proven divisible
+    # by the chunk); on TensorFlow with the unknown dims. Both give the same spec.
+    inp = keras.Input((None, DIM))
+    layer = _layer(chunk_size=4, output_shape=7)
+    out, state = layer(inp, inp, use_causal_mask=causal, return_state=True)
+    assert tuple(out.shape) == (None, None, 7)
+    assert [tuple(part.shape) for part in keras.tree.flatten(state)] == [
+        (None, HEADS, layer.feature_dim, KEY_DIM),
+        (None, HEADS, layer.feature_dim),
+    ]
+    fixed = keras.Input((5, DIM), batch_size=3)
+    assert tuple(layer(fixed, fixed, use_causal_mask=causal).shape) == (3, 5, 7)

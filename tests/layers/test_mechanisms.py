@@ -17,7 +17,7 @@ from keras_linattn.layers.linear_attention import OUTPUT_NORM_EPSILON
 from keras_linattn.models import LinearCausalLM
 from keras_linattn.ops.core import _mask_keys
 from keras_linattn.recurrences import AdditiveRecurrence, DeltaRecurrence, WindowRecurrence
-from tests._backend import flat, gradients, xfail_jax_symbolic_length, xla
+from tests._backend import flat, gradients, xla
 from tests.tolerance import assert_close
 
 # numeric: run again with oneDNN off (`make test-onednn-off`)
@@ -200,7 +200,6 @@ def test_mixed_bfloat16_is_close_to_float32_with_a_float32_state(rng, name):
     assert_close(out, expected, n=n, dtype="bfloat16", what="bf16 vs float32")
 
 
-@xfail_jax_symbolic_length
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_keras_round_trip(rng, tmp_path, name):
     cfg = dict(CONFIGS[name])

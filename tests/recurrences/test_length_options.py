@@ -112,6 +112,17 @@ def _oracle(layer, x, mask):
     return layer.output_dense(att)
 
 
+def _assert_matches_the_oracle(layer, x, mask):
+    """The layer's outputs and weight gradients against `_oracle`'s (float64 attention); returns ``(out, n)``."""
+    weights = layer.trainable_variables
+    out, grads = _outputs_and_gradients(lambda x_: layer(x_, x_, key_mask=mask, use_causal_mask=True), x, weights)
+    ref, ref_grads = _outputs_and_gradients(lambda x_: _oracle(layer, x_, mask), x, weights)
+    n = _n(layer)
+    assert_close(out, ref, n=n, what="outputs")
+    assert_close(grads, ref_grads, n=2 * n + DIM, what="gradients")
+    return np.asarray(out), n
+
+
 # The cache's oracle counts the pairs in the linear state from its own masks (not from the older keys).
 CACHES = pytest.mark.parametrize("cache", [None, 2], ids=["window", "cache2"])
 
@@ -121,12 +132,7 @@ CACHES = pytest.mark.parametrize("cache", [None, 2], ids=["window", "cache2"])
 def test_unrotated_features_match_the_float64_oracle(rng, mean, cache):
     layer = _layer(linear_rope=False, linear_mean=mean, gamma=0.4, cache=cache)
     x, mask = _inputs(rng)
-    weights = layer.trainable_variables
-    out, grads = _outputs_and_gradients(lambda x_: layer(x_, x_, key_mask=mask, use_causal_mask=True), x, weights)
-    ref, ref_grads = _outputs_and_gradients(lambda x_: _oracle(layer, x_, mask), x, weights)
-    n = _n(layer)
-    assert_close(out, ref, n=n, what="outputs")
-    assert_close(grads, ref_grads, n=2 * n + DIM, what="gradients")
+    _assert_matches_the_oracle(layer, x, mask)
     # The oracle given the rotated features instead is another function: the option is read.
     q, k, v = layer.attention_inputs(x, x, key_mask=mask, use_causal_mask=True)
     rotated = layer.recurrence.oracle(q, k, v, k, keras.ops.convert_to_tensor(mask))
@@ -256,12 +262,7 @@ def test_a_cache_at_a_fixed_distance_matches_the_float64_oracle(rng, mean, dista
     # (cache_q, cache_k); the window's are the rotated q . k.
     layer = _layer(linear_rope=False, linear_mean=mean, gamma=0.4, cache=2, cache_distance=distance)
     x, mask = _inputs(rng)
-    weights = layer.trainable_variables
-    out, grads = _outputs_and_gradients(lambda x_: layer(x_, x_, key_mask=mask, use_causal_mask=True), x, weights)
-    ref, ref_grads = _outputs_and_gradients(lambda x_: _oracle(layer, x_, mask), x, weights)
-    n = _n(layer)
-    assert_close(out, ref, n=n, what="outputs")
-    assert_close(grads, ref_grads, n=2 * n + DIM, what="gradients")
+    out, n = _assert_matches_the_oracle(layer, x, mask)
     # The rotated cache is another function from the first cached pair on: the option is read.
     rotated = _layer(linear_rope=False, linear_mean=mean, gamma=0.4, cache=2)
     _copy_weights(layer, rotated)
