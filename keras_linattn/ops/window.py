@@ -211,12 +211,20 @@ def window_attention_step(
 ):
     """One decoding step of the hybrid.
 
+    Grouped-query attention: the keys and values may have ``G`` heads, a
+    divisor of ``H``, where query head ``h`` reads key/value head
+    ``h // (H / G)``. ``k_t``, ``v_t`` and the buffer then have ``G`` heads
+    (the buffer is read in place, never repeated to ``H``), and
+    ``k_features_evicted`` has ``H`` (each query head's map of the oldest
+    key). ``G = H`` is ordinary multi-head attention.
+
     Args:
         q_t: raw query ``[B, H, D]``; q_features_t: ``phi(q_t)`` ``[B, H, C]``.
-        k_t: raw key ``[B, H, D]``; v_t: value ``[B, H, M]``.
+        k_t: raw key ``[B, G, D]``; v_t: value ``[B, G, M]``.
         k_features_evicted: ``phi`` of the oldest buffered key,
-            ``phi(buffer[0][:, 0])``, ``[B, H, C]``: it leaves the window now.
-        buffer: ``(keys [B, W, H, D], values [B, W, H, M], valid [B, W])``,
+            ``phi(buffer[0][:, 0])`` (its head repeated to each query head
+            that reads it), ``[B, H, C]``: it leaves the window now.
+        buffer: ``(keys [B, W, G, D], values [B, W, G, M], valid [B, W])``,
             oldest first.
         state: ``(S [B, H, C, M], z [B, H, C])`` of the keys older than the buffer.
         key_mask_t: optional ``[B]``: a padded token takes its place in the
@@ -231,12 +239,13 @@ def window_attention_step(
     _check_state(state, q_features_t.shape[1], q_features_t.shape[2], v_t.shape[2])
     if not isinstance(buffer, (tuple, list)) or len(buffer) != 3:
         raise ValueError(f"`buffer` must be (keys, values, valid). Received: buffer={buffer!r}")
+    groups = _query_heads_per_key_head(q_t, k_t, v_t, buffer)
     scale = _check_scale(scale, q_t)
     out_dtype = v_t.dtype
-    keys, values, valid = (ops.cast(x, "float32") for x in buffer)  # [B, W, H, D], [B, W, H, M], [B, W]
+    keys, values, valid = (ops.cast(x, "float32") for x in buffer)  # [B, W, G, D], [B, W, G, M], [B, W]
     old_ok = valid[:, 0] > 0  # [B]
     kf_old = _mask_keys(ops.cast(k_features_evicted, "float32"), old_ok)  # [B, H, C]
-    v_old = _mask_keys(values[:, 0], old_ok)  # [B, H, M]
+    v_old = _mask_keys(_repeat_heads(values[:, 0], groups), old_ok)  # [B, H, M]
     s, z = (ops.cast(x, "float32") for x in state)
     s = s + kf_old[..., :, None] * v_old[..., None, :]  # [B, H, C, M]
     z = z + kf_old  # [B, H, C]
@@ -251,12 +260,12 @@ def window_attention_step(
 
     q = ops.cast(q_t, "float32")  # [B, H, D]
     qf = ops.cast(q_features_t, "float32")  # [B, H, C]
-    scores = ops.einsum("bhd,bwhd->bhw", q * scale, keys)  # [B, H, W]
+    scores = _grouped_scores(q * scale, keys, groups)  # [B, H, W]
     e = _softmax_terms(scores, (valid > 0)[:, None, :])  # [B, H, W]
     gamma = _check_gamma(gamma, q_t.shape[1])
     if gamma is not None:
         e = e * gamma[None, :, None]  # [B, H, W]
-    num = ops.einsum("bhw,bwhm->bhm", e, values) + ops.einsum("bhc,bhcm->bhm", qf, s)  # [B, H, M]
+    num = _grouped_readout(e, values, groups) + ops.einsum("bhc,bhcm->bhm", qf, s)  # [B, H, M]
     den_sm = ops.sum(e, axis=-1, keepdims=True)  # [B, H, 1]
     den = den_sm + ops.sum(qf * z, axis=-1, keepdims=True)  # [B, H, 1]
     den_abs = den_sm + ops.sum(ops.abs(qf) * ops.abs(z), axis=-1, keepdims=True)  # [B, H, 1]
@@ -264,6 +273,44 @@ def window_attention_step(
     # Keys that have left the window are known through the state only (as in a masked plain step).
     out = _mark_underflow(out, qf, den_abs, ops.any(ops.not_equal(z, 0.0), axis=-1, keepdims=True))
     return ops.cast(out, out_dtype), (s, z), (keys, values, valid)
+
+
+def _query_heads_per_key_head(q_t, k_t, v_t, buffer):
+    """``H / G`` for a step's query heads ``H`` and key/value heads ``G`` (1 without grouping)."""
+    heads, kv_heads = q_t.shape[1], k_t.shape[1]
+    shapes = {"k_t": k_t.shape[1], "v_t": v_t.shape[1]}
+    shapes.update({"buffer keys": buffer[0].shape[2], "buffer values": buffer[1].shape[2]})
+    if heads is None or any(g is None for g in shapes.values()):
+        return 1  # unknown head counts: read as H = G (the shapes then have to agree at run time)
+    if len(set(shapes.values())) != 1 or heads % kv_heads:
+        raise ValueError(
+            "The keys, values and buffer must have the same number of heads G, a divisor of the "
+            f"query heads H = {heads}. Received: {shapes}"
+        )
+    return heads // kv_heads
+
+
+def _repeat_heads(x, groups):
+    """``[B, G, X]`` -> ``[B, G * groups, X]``: key/value head g serves query heads g * groups ... + groups - 1."""
+    return x if groups == 1 else ops.repeat(x, groups, axis=1)
+
+
+def _grouped_scores(q, keys, groups):
+    """``q . k`` of each query head ``[B, H, D]`` with its group's buffered keys ``[B, W, G, D]``: ``[B, H, W]``."""
+    if groups == 1:
+        return ops.einsum("bhd,bwhd->bhw", q, keys)
+    kv_heads = keys.shape[2]
+    grouped = ops.reshape(q, (-1, kv_heads, groups, ops.shape(q)[-1]))  # [B, G, H / G, D]
+    return ops.reshape(ops.einsum("bgqd,bwgd->bgqw", grouped, keys), (-1, kv_heads * groups, ops.shape(keys)[1]))
+
+
+def _grouped_readout(e, values, groups):
+    """``sum_w e[h, w] v[w, group(h)]`` for ``e [B, H, W]`` and values ``[B, W, G, M]``: ``[B, H, M]``."""
+    if groups == 1:
+        return ops.einsum("bhw,bwhm->bhm", e, values)
+    kv_heads = values.shape[2]
+    grouped = ops.reshape(e, (-1, kv_heads, groups, ops.shape(e)[-1]))  # [B, G, H / G, W]
+    return ops.reshape(ops.einsum("bgqw,bwgm->bgqm", grouped, values), (-1, kv_heads * groups, ops.shape(values)[-1]))
 
 
 def window_attention_reference(

@@ -219,7 +219,7 @@ class SparseCacheRecurrence(WindowRecurrence):
         """One step; ``unrotated=(q, k) [B, H, D]`` before the rotary embedding when `reads_unrotated`."""
         buf_k = self._expand(state["window_k"])  # [B, W, H, D]
         # The oldest buffered key leaves the window now: its features and the cached keys' are scored.
-        qf, kf_old, new = self._step_features(q, k, buf_k, state, training, unrotated)
+        qf, kf_old, new = self._step_features(q, k, buf_k[:, :1], state, training, unrotated)
         scored = {}
         if self.cache_distance is not None:  # the leaving pair's unrotated key is the oldest of window_k_plain
             scored = {

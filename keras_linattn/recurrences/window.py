@@ -192,23 +192,23 @@ class WindowRecurrence(Recurrence):
             new["linear_count"] = state["linear_count"] + ops.sum(ok_all[:, :-w], axis=1)  # [B]
         return qf, kf_all, new
 
-    def _step_features(self, q, k, buf_k, state, training, unrotated):
+    def _step_features(self, q, k, oldest_k, state, training, unrotated):
         """``(qf [B, 1, H, C], kf_old [B, 1, H, C], new)`` of one step, with the length options applied.
 
         ``kf_old`` are the features of the oldest buffered key, the one that
-        leaves the window now; ``buf_k [B, W, H, D]`` is the expanded buffer.
-        ``new`` as in `_piece_features`.
+        leaves the window now; ``oldest_k [B, 1, H, D]`` is that key, expanded
+        to the H heads. ``new`` as in `_piece_features`.
         """
-        q_lin, buf_lin = q, buf_k
+        q_lin, old_lin = q, oldest_k
         new = {}
         if not self.linear_rope:
             q_lin, k_plain = (q, k) if unrotated is None else unrotated
             plain = state["window_k_plain"]  # [B, W, buffer_heads, D]
-            buf_lin = self._expand(plain)  # [B, W, H, D]
+            old_lin = self._expand(plain[:, :1])  # [B, 1, H, D]
             shifted = ops.concatenate([plain[:, 1:], self._shrink(ops.cast(k_plain, "float32")[:, None])], axis=1)
             new["window_k_plain"] = shifted  # [B, W, buffer_heads, D]
         qf = self.features(q_lin[:, None], True, True, training)  # [B, 1, H, C]
-        kf_old = self.features(ops.cast(buf_lin[:, :1], q.dtype), False, True, training)  # [B, 1, H, C]
+        kf_old = self.features(ops.cast(old_lin, q.dtype), False, True, training)  # [B, 1, H, C]
         if self.linear_mean:
             count = state["linear_count"] + state["window_valid"][:, 0]  # [B]
             qf = qf * self._older_scale(count[:, None], qf.dtype)
@@ -274,21 +274,21 @@ class WindowRecurrence(Recurrence):
 
     def step(self, q, k, v, gate_keys, state, training=None, unrotated=None):
         """One step; ``unrotated=(q, k) [B, H, D]`` before the rotary embedding when `reads_unrotated`."""
-        buf_k = self._expand(state["window_k"])  # [B, W, H, D]
         # The oldest buffered key leaves the window now: its features join (S, z).
-        qf, kf_old, new = self._step_features(q, k, buf_k, state, training, unrotated)
+        oldest_k = self._expand(state["window_k"][:, :1])  # [B, 1, H, D]
+        qf, kf_old, new = self._step_features(q, k, oldest_k, state, training, unrotated)
+        # The buffers stay at their buffer_heads: the op reads them per group (never repeated to H).
         out, (s, z), (wk, wv, wok) = window_ops.window_attention_step(
             q,
             qf[:, 0],
-            k,
-            v,
+            self._shrink(k[:, None])[:, 0],  # [B, buffer_heads, D]
+            self._shrink(v[:, None])[:, 0],  # [B, buffer_heads, M]
             kf_old[:, 0],
-            (buf_k, self._expand(state["window_v"]), state["window_valid"]),
+            (state["window_k"], state["window_v"], state["window_valid"]),
             (state["S"], state["z"]),
             eps=self.layer.epsilon,
             gamma=self._gamma(),
         )  # [B, H, M]
-        wk, wv = self._shrink(wk), self._shrink(wv)
         return out, {"S": s, "z": z, "window_k": wk, "window_v": wv, "window_valid": wok, **new}
 
     def oracle(self, q, k, v, gate_keys, key_mask, training=None, unrotated=None):

@@ -5,6 +5,7 @@ gradients; pieces and steps against one pass; the degenerate-only normalizer
 guard and underflow (reported, never a silent 0).
 """
 
+import keras
 import numpy as np
 import pytest
 
@@ -216,3 +217,69 @@ def test_window_underflow_raises_eagerly_and_is_nan_in_graphs(rng):
     assert raised
     out = np.stack(outs, 1)
     _assert_flagged(np.where(in_window[:, :, None, None], 0.0, out), flagged, "steps, graph")
+
+
+# ---------------------------------------------------------------- grouped-query attention in the step
+def test_a_step_reads_a_grouped_buffer_as_the_repeated_one(rng):
+    # G = 2 key/value heads serve H = 6 query heads (head h reads h // 3). The step on the grouped buffer
+    # against the same step on the buffer repeated to H heads: outputs, state and buffers over a padded
+    # sequence, then the gradients of one step from there (with respect to the grouped inputs).
+    heads, kv_heads, window, t = 6, 2, 4, 9
+    groups = heads // kv_heads
+    repeat = lambda x, axis: np.repeat(np.asarray(x), groups, axis=axis)  # noqa: E731
+    q = rng.normal(size=(B, t, heads, D)).astype("float32")
+    qf = np.abs(rng.normal(size=(B, t, heads, C))).astype("float32") + 0.05
+    kf = np.abs(rng.normal(size=(B, t, heads, C))).astype("float32") + 0.05  # each query head's map of the key
+    k = rng.normal(size=(B, t, kv_heads, D)).astype("float32")
+    v = rng.normal(size=(B, t, kv_heads, M)).astype("float32")
+    mask = np.ones((B, t), bool)
+    mask[1, :2] = False
+    mask[0, 5] = False
+    gamma = np.linspace(0.2, 0.9, heads).astype("float32")
+    state = (np.zeros((B, heads, C, M), "float32"), np.zeros((B, heads, C), "float32"))
+    grouped = (np.zeros((B, window, kv_heads, D), "float32"), np.zeros((B, window, kv_heads, M), "float32"))
+    grouped += (np.zeros((B, window), "float32"),)
+    s_ref, wide = state, (repeat(grouped[0], 2), repeat(grouped[1], 2), grouped[2])
+    features = np.zeros((B, window, heads, C), "float32")
+    for i in range(t):
+        o, state, grouped = lops.window_attention_step(
+            q[:, i], qf[:, i], k[:, i], v[:, i], features[:, 0], grouped, state, mask[:, i], gamma=gamma
+        )
+        o_ref, s_ref, wide = lops.window_attention_step(
+            q[:, i], qf[:, i], repeat(k[:, i], 1), repeat(v[:, i], 1), features[:, 0], wide, s_ref, mask[:, i],
+            gamma=gamma,
+        )  # fmt: skip
+        features = np.concatenate([features[:, 1:], kf[:, i : i + 1]], 1)
+        assert_close(o, o_ref, n=window + C, what=f"output {i}")
+        for part, ref in zip(state, s_ref, strict=True):
+            assert_close(part, ref, n=i + 1, paths=2, what=f"state {i}")
+        for part, ref, axis in zip(grouped, wide, (2, 2, None), strict=True):
+            np.testing.assert_array_equal(np.asarray(part) if axis is None else repeat(part, axis), ref)
+    args = (q[:, 0], qf[:, 0], k[:, 0], v[:, 0], grouped[0], grouped[1])
+    w = rng.normal(size=(B, heads, M))
+
+    def step(q_, qf_, k_, v_, keys, values, expand):
+        buffer = (keys, values, grouped[2])
+        if expand:
+            rep = lambda x, axis: keras.ops.repeat(x, groups, axis=axis)  # noqa: E731
+            k_, v_, buffer = rep(k_, 1), rep(v_, 1), (rep(keys, 2), rep(values, 2), grouped[2])
+        return lops.window_attention_step(q_, qf_, k_, v_, features[:, 0], buffer, state, gamma=gamma)[0]
+
+    assert_close(
+        _grads(lambda *x: step(*x, False), args, w),
+        _grads(lambda *x: step(*x, True), args, w),
+        n=window + C + D,
+        paths=2,
+        what="gradients",
+    )
+
+
+def test_a_step_refuses_key_heads_that_do_not_divide_the_query_heads(rng):
+    q, qf = rng.normal(size=(B, 6, D)), np.abs(rng.normal(size=(B, 6, C)))
+    k, v = rng.normal(size=(B, 4, D)), rng.normal(size=(B, 4, M))
+    buffer = (np.zeros((B, 3, 4, D)), np.zeros((B, 3, 4, M)), np.zeros((B, 3)))
+    state = (np.zeros((B, 6, C, M)), np.zeros((B, 6, C)))
+    with pytest.raises(ValueError, match="divisor of the query heads H = 6"):
+        lops.window_attention_step(q, qf, k, v, qf, buffer, state)
+    with pytest.raises(ValueError, match="same number of heads"):
+        lops.window_attention_step(q, qf, k, v[:, :2], qf, buffer, state)
