@@ -70,10 +70,10 @@ def _check_gamma(gamma, heads):
     return ops.cast(gamma, "float32")
 
 
-def _softmax_terms(scores, allowed):
-    """``exp(s - m)`` over allowed keys (``m`` their max) and 0 elsewhere; finite for empty rows."""
+def _softmax_terms(scores, allowed, axis=-1):
+    """``exp(s - m)`` over allowed keys (``m`` their max along `axis`) and 0 elsewhere; finite for empty rows."""
     # `initial`: no error for an empty batch or piece (the masked scores are >= _NEG anyway).
-    peak = ops.max(ops.where(allowed, scores, ops.full_like(scores, _NEG)), axis=-1, keepdims=True, initial=_NEG)
+    peak = ops.max(ops.where(allowed, scores, ops.full_like(scores, _NEG)), axis=axis, keepdims=True, initial=_NEG)
     return ops.where(allowed, ops.exp(ops.minimum(scores - peak, 0.0)), ops.zeros_like(scores))
 
 
@@ -260,13 +260,28 @@ def window_attention_step(
 
     q = ops.cast(q_t, "float32")  # [B, H, D]
     qf = ops.cast(q_features_t, "float32")  # [B, H, C]
-    scores = _grouped_scores(q * scale, keys, groups)  # [B, H, W]
-    e = _softmax_terms(scores, (valid > 0)[:, None, :])  # [B, H, W]
-    gamma = _check_gamma(gamma, q_t.shape[1])
-    if gamma is not None:
-        e = e * gamma[None, :, None]  # [B, H, W]
-    num = _grouped_readout(e, values, groups) + ops.einsum("bhc,bhcm->bhm", qf, s)  # [B, H, M]
-    den_sm = ops.sum(e, axis=-1, keepdims=True)  # [B, H, 1]
+    if groups == 1:
+        # One key/value head per query head: the softmax part in the buffer's own layout, key axis first
+        # (``[B, W, H]``), as broadcast products summed over D and over W. An einsum would copy the
+        # [B, W, H, D] keys and values to heads-first on every step for H matrix-vector products, which
+        # at decode sizes cost more than the products themselves.
+        scores = ops.sum((q * scale)[:, None] * keys, axis=-1)  # [B, W, H]
+        e = _softmax_terms(scores, (valid > 0)[:, :, None], axis=1)  # [B, W, H]
+        gamma = _check_gamma(gamma, q_t.shape[1])
+        if gamma is not None:
+            e = e * gamma[None, None, :]  # [B, W, H]
+        num_sm = ops.sum(e[..., None] * values, axis=1)  # [B, H, M]
+        den_sm = ops.sum(e, axis=1)[..., None]  # [B, H, 1]
+    else:
+        # Grouped heads: each group's H / G queries against its key/value head are small matrix products.
+        scores = _grouped_scores(q * scale, keys, groups)  # [B, H, W]
+        e = _softmax_terms(scores, (valid > 0)[:, None, :])  # [B, H, W]
+        gamma = _check_gamma(gamma, q_t.shape[1])
+        if gamma is not None:
+            e = e * gamma[None, :, None]  # [B, H, W]
+        num_sm = _grouped_readout(e, values, groups)  # [B, H, M]
+        den_sm = ops.sum(e, axis=-1, keepdims=True)  # [B, H, 1]
+    num = num_sm + ops.einsum("bhc,bhcm->bhm", qf, s)  # [B, H, M]
     den = den_sm + ops.sum(qf * z, axis=-1, keepdims=True)  # [B, H, 1]
     den_abs = den_sm + ops.sum(ops.abs(qf) * ops.abs(z), axis=-1, keepdims=True)  # [B, H, 1]
     out = _normalize(qf, num, den, eps, den_abs)  # [B, H, M]
@@ -297,8 +312,6 @@ def _repeat_heads(x, groups):
 
 def _grouped_scores(q, keys, groups):
     """``q . k`` of each query head ``[B, H, D]`` with its group's buffered keys ``[B, W, G, D]``: ``[B, H, W]``."""
-    if groups == 1:
-        return ops.einsum("bhd,bwhd->bhw", q, keys)
     kv_heads = keys.shape[2]
     grouped = ops.reshape(q, (-1, kv_heads, groups, ops.shape(q)[-1]))  # [B, G, H / G, D]
     return ops.reshape(ops.einsum("bgqd,bwgd->bgqw", grouped, keys), (-1, kv_heads * groups, ops.shape(keys)[1]))
@@ -306,8 +319,6 @@ def _grouped_scores(q, keys, groups):
 
 def _grouped_readout(e, values, groups):
     """``sum_w e[h, w] v[w, group(h)]`` for ``e [B, H, W]`` and values ``[B, W, G, M]``: ``[B, H, M]``."""
-    if groups == 1:
-        return ops.einsum("bhw,bwhm->bhm", e, values)
     kv_heads = values.shape[2]
     grouped = ops.reshape(e, (-1, kv_heads, groups, ops.shape(e)[-1]))  # [B, G, H / G, W]
     return ops.reshape(ops.einsum("bgqw,bwgm->bgqm", grouped, values), (-1, kv_heads * groups, ops.shape(values)[-1]))

@@ -151,10 +151,10 @@ class WindowRecurrence(Recurrence):
         groups = self.num_heads // self.buffer_heads
         return x if groups == 1 else ops.repeat(x, groups, axis=2)
 
-    def _shrink(self, x):
-        """``[B, W, H, ...]`` keys or values of the H heads -> one head per group (the heads of a group are equal)."""
+    def _shrink(self, x, axis=2):
+        """Keys or values of the H heads (on `axis`: ``[B, W, H, ...]``) -> one head per group (a group's are equal)."""
         groups = self.num_heads // self.buffer_heads
-        return x if groups == 1 else x[:, :, ::groups]
+        return x if groups == 1 else x[(slice(None),) * axis + (slice(None, None, groups),)]
 
     def _mean_scale(self, count, dtype):
         """``1 / max(count, 1)`` as ``[B, T, 1, 1]`` for ``count [B, T]`` (older keys per query)."""
@@ -281,8 +281,8 @@ class WindowRecurrence(Recurrence):
         out, (s, z), (wk, wv, wok) = window_ops.window_attention_step(
             q,
             qf[:, 0],
-            self._shrink(k[:, None])[:, 0],  # [B, buffer_heads, D]
-            self._shrink(v[:, None])[:, 0],  # [B, buffer_heads, M]
+            self._shrink(k, axis=1),  # [B, buffer_heads, D]
+            self._shrink(v, axis=1),  # [B, buffer_heads, M]
             kf_old[:, 0],
             (state["window_k"], state["window_v"], state["window_valid"]),
             (state["S"], state["z"]),

@@ -283,3 +283,57 @@ def test_a_step_refuses_key_heads_that_do_not_divide_the_query_heads(rng):
         lops.window_attention_step(q, qf, k, v, qf, buffer, state)
     with pytest.raises(ValueError, match="same number of heads"):
         lops.window_attention_step(q, qf, k, v[:, :2], qf, buffer, state)
+
+
+@pytest.mark.parametrize("with_gamma", [False, True])
+def test_a_step_is_a_one_token_piece_outputs_state_and_gradients(rng, with_gamma):
+    # The step against the parallel form (itself checked against the float64 oracle above) on a piece of
+    # one token whose keys are the buffer then the new key: outputs, the linear state and, from a buffer
+    # with padded slots and a state that is not empty, the gradients with respect to every input.
+    window = 5
+    q = rng.normal(size=(B, H, D)).astype("float32")
+    qf = np.abs(rng.normal(size=(B, H, C))).astype("float32") + 0.05
+    k = rng.normal(size=(B, H, D)).astype("float32")
+    v = rng.normal(size=(B, H, M)).astype("float32")
+    kf_old = np.abs(rng.normal(size=(B, H, C))).astype("float32") + 0.05  # phi of the oldest buffered key
+    keys = rng.normal(size=(B, window, H, D)).astype("float32")
+    values = rng.normal(size=(B, window, H, M)).astype("float32")
+    valid = np.ones((B, window), "float32")
+    valid[0, 0] = 0.0  # the key that leaves the window is padding in row 0
+    valid[1, 2] = 0.0
+    new_ok = np.array([True, False] + [True] * (B - 2))[:B]
+    state = tuple(np.abs(rng.normal(size=(B, H) + tail)).astype("float32") for tail in ((C, M), (C,)))
+    gamma = np.linspace(0.3, 0.8, H).astype("float32") if with_gamma else None
+    w = rng.normal(size=(B, H, M))
+
+    def step(q_, qf_, k_, v_, kf_old_, keys_, values_, s_, z_):
+        return lops.window_attention_step(
+            q_, qf_, k_, v_, kf_old_, (keys_, values_, valid), (s_, z_), key_mask_t=new_ok, gamma=gamma
+        )
+
+    def piece(q_, qf_, k_, v_, kf_old_, keys_, values_, s_, z_):
+        # Only the oldest slot's features reach the linear part of the one query (slot W of the keys).
+        zero = keras.ops.zeros_like(keras.ops.concatenate([keys_[:, :1, :, :1]] * C, -1))  # [B, 1, H, C]
+        kf_all = keras.ops.concatenate([kf_old_[:, None]] + [zero] * window, 1)  # [B, W + 1, H, C]
+        k_all = keras.ops.concatenate([keys_, k_[:, None]], 1)
+        v_all = keras.ops.concatenate([values_, v_[:, None]], 1)
+        ok = np.concatenate([valid > 0, new_ok[:, None]], 1)
+        out, st = lops.window_attention(
+            q_[:, None], qf_[:, None], k_all, kf_all, v_all, window, ok, initial_state=(s_, z_), return_state=True,
+            gamma=gamma,
+        )  # fmt: skip
+        return out[:, 0], st
+
+    args = (q, qf, k, v, kf_old, keys, values) + state
+    out, (s, z), _ = step(*args)
+    out_ref, (s_ref, z_ref) = piece(*args)
+    assert_close(out, out_ref, n=window + C + D, what="output")
+    assert_close(s, s_ref, n=2, what="S")
+    assert_close(z, z_ref, n=2, what="z")
+    assert_close(
+        _grads(lambda *x: step(*x)[0], args, w),
+        _grads(lambda *x: piece(*x)[0], args, w),
+        n=window + C + D + M,
+        paths=2,
+        what="gradients",
+    )
