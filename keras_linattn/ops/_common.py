@@ -297,11 +297,22 @@ def _mark_underflow(out, q, den_abs, has_keys):
 
 
 def _is_eager(x):
-    """True for a concrete (eager) tensor, whose values can be read now."""
-    if keras.backend.backend() == "tensorflow":
+    """True for a concrete (eager) tensor, whose values can be read now.
+
+    TensorFlow: eager execution and a tensor with values. JAX: an array
+    that is not a tracer (under `jax.jit`, `grad` or Keras' symbolic
+    passes, values are tracers and the rows are marked NaN instead, as in
+    a TensorFlow graph). Other backends: False.
+    """
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
         import tensorflow as tf
 
         return tf.executing_eagerly() and hasattr(x, "numpy")
+    if backend == "jax":
+        import jax
+
+        return isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
     return False
 
 

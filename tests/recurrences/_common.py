@@ -79,7 +79,13 @@ def _has_key(mask, window=0):
 
 
 def _modes(fn):
-    """The eager call, and the same call in a graph and under XLA (where nothing can raise)."""
+    """The call in a graph and under XLA (where nothing can raise); on JAX, `jax.jit` for both."""
+    import keras
+
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return jax.jit(fn), jax.jit(fn)
     import tensorflow as tf
 
     graph = tf.function(fn, autograph=False)
