@@ -147,6 +147,8 @@ def _run(args, config, student):
     import numpy as np
     import tensorflow as tf
 
+    from benchmarks import bench_linearized_decode as bench
+
     _fuse(student)
 
     token = tf.zeros((1,), "int32")
@@ -164,16 +166,8 @@ def _run(args, config, student):
         functions[variant] = run
     _ACTIVE["variant"] = "step"
     rng = np.random.default_rng(0)
-    matrices = [tf.Variable(rng.standard_normal(s, dtype=np.float32)) for s in _layer_matrices(args, config)]
-
-    @tf.function(autograph=False)
-    def chain(x):
-        acc = tf.zeros((), tf.float32)
-        for w in matrices:
-            rows = w.shape[0]
-            vec = tf.tile(x, [1, -(-rows // x.shape[1])])[:, :rows] + acc * 0.0  # waits for the product before
-            acc = tf.reduce_sum(tf.matmul(vec, w)[:, :1])
-        return acc
+    shapes = bench.weight_matrices(args.family, None, config)
+    chain = bench.matrix_chain([tf.Variable(rng.standard_normal(shape, dtype=np.float32)) for shape in shapes])
 
     x = tf.ones((1, config["hidden_dim"]), tf.float32)
     calls = {name: (lambda fn=fn: fn(token, state)[0].numpy()) for name, fn in functions.items()}
@@ -203,15 +197,6 @@ def _run(args, config, student):
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     return result
-
-
-def _layer_matrices(args, config):
-    """The shapes of the layers' matrices and the (small) head, as `bench_linearized_decode.weight_matrices`."""
-    h, inner, vocab = config["hidden_dim"], config["intermediate_dim"], args.vocabulary
-    if args.family == "gpt2":
-        return [(h, h), (h, h), (h, h), (h, h), (h, inner), (inner, h)] * args.layers + [(h, vocab)]
-    kv = h // config["num_query_heads"] * config["num_key_value_heads"]
-    return [(h, h), (h, kv), (h, kv), (h, h), (h, inner), (h, inner), (inner, h)] * args.layers + [(h, vocab)]
 
 
 if __name__ == "__main__":

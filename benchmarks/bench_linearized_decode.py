@@ -743,8 +743,11 @@ def stage_traffic(args):
     return result
 
 
-def weight_matrices(family, size):
+def weight_matrices(family, size, config=None):
     """``[(rows, cols), ...]``: the matrices a decode step multiplies a vector by, from the config alone.
+
+    The config is ``CONFIGS[(family, size)]``, or `config` when given (a
+    smaller variant of one, e.g. fewer layers).
 
     Per layer the attention's query, key, value and output projections and
     the feed-forward's (GPT-2: in and out; Llama: gate, up and down), then
@@ -752,7 +755,7 @@ def weight_matrices(family, size):
     position lookups read one row and are left out, as are biases, norms
     and the feature maps (a few MB at these sizes).
     """
-    cfg = CONFIGS[(family, size)]
+    cfg = CONFIGS[(family, size)] if config is None else config
     h, inner, vocab = cfg["hidden_dim"], cfg["intermediate_dim"], cfg["vocabulary_size"]
     if family == "gpt2":
         kv = h
@@ -762,6 +765,22 @@ def weight_matrices(family, size):
         ffn = [(h, inner), (h, inner), (inner, h)]
     layer = [(h, h), (h, kv), (h, kv), (h, h)] + ffn
     return layer * cfg["num_layers"] + [(h, vocab)]
+
+
+def matrix_chain(matrices):
+    """A `tf.function` ``x [1, n] -> scalar`` multiplying a vector by each matrix in turn, each after the one before."""
+    import tensorflow as tf
+
+    @tf.function(autograph=False)
+    def chain(x):
+        acc = tf.zeros((), tf.float32)
+        for w in matrices:
+            rows = w.shape[0]
+            vec = tf.tile(x, [1, -(-rows // x.shape[1])])[:, :rows] + acc * 0.0  # waits for the product before
+            acc = tf.reduce_sum(tf.matmul(vec, w)[:, :1])
+        return acc
+
+    return chain
 
 
 def stage_chain(args):
@@ -782,18 +801,6 @@ def stage_chain(args):
     weights = [tf.Variable(rng.standard_normal(shape, dtype=np.float32)) for shape in shapes]
     total = sum(int(np.prod(shape)) * 4 for shape in shapes)
 
-    def chain_of(matrices):
-        @tf.function(autograph=False)
-        def chain(x):
-            acc = tf.zeros((), tf.float32)
-            for w in matrices:
-                rows = w.shape[0]
-                vec = tf.tile(x, [1, -(-rows // x.shape[1])])[:, :rows] + acc * 0.0  # waits for the product before
-                acc = tf.reduce_sum(tf.matmul(vec, w)[:, :1])
-            return acc
-
-        return chain
-
     def median_ms(fn, x, calls):
         fn(x).numpy()
         times = []
@@ -805,11 +812,11 @@ def stage_chain(args):
 
     x = tf.ones((1, shapes[0][0]), tf.float32)
     bw_before = bandwidth_gib_s()
-    chain_ms, chain_all = median_ms(chain_of(weights), x, args.repeats * 4 + 1)
+    chain_ms, chain_all = median_ms(matrix_chain(weights), x, args.repeats * 4 + 1)
     # TensorFlow's own kernel on the floor's single 512 MB matrix.
     n = int((512 * 2**20 / 4) ** 0.5)
     big = tf.Variable(rng.standard_normal((n, n), dtype=np.float32))
-    one_ms, _ = median_ms(chain_of([big]), tf.ones((1, n), tf.float32), 7)
+    one_ms, _ = median_ms(matrix_chain([big]), tf.ones((1, n), tf.float32), 7)
     del big
     bw_after = bandwidth_gib_s()
     bw = _median([bw_before, bw_after])
