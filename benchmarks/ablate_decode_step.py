@@ -22,6 +22,13 @@ round's median), batch 1:
 
     python -m benchmarks.ablate_decode_step --layers 12
 
+With ``--profile N`` (at most 50) the ``step`` variant is also traced
+afresh and run N times under TensorFlow's profiler, and the result gains ``profile``: the time of each
+op type and of each layer scope per step (`profile_ops`). The ops of a step
+run partly at once on the CPU's inter-op threads, so their summed time can
+exceed the step's; the profiler also slows a step, by the figure it reports
+beside the unprofiled one.
+
 Each variant's output is not the student's (they drop work); only the
 ``step`` variant computes the model.
 """
@@ -34,6 +41,14 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 VARIANTS = ("step", "no_recurrence", "no_feature_maps", "fused_qkv", "matrices")
+# Op types that multiply by a matrix (TensorFlow's own and oneDNN's rewrites of them).
+MATRIX_OPS = frozenset(
+    prefix + name
+    for prefix in ("", "_Mkl", "_MklNative")
+    for name in ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "FusedMatMul", "_FusedMatMul")
+)
+# Profiler events that contain ops (the function call, the executor, thread-pool bookkeeping): not ops themselves.
+_NOT_OPS = ("KernelAndDeviceFunc", "EagerLocalExecute", "ExecutorState", "ThreadpoolListener", "Run")
 _ACTIVE = {"variant": "step"}  # read while a variant's function is traced
 
 
@@ -90,6 +105,100 @@ def _patch():
     return undo
 
 
+def _op_events(xspace):
+    """``[(op name, op type, duration ms)]`` of the op executions in a profiler `XSpace`."""
+    events = []
+    for plane in xspace.planes:
+        names = {key: meta.name for key, meta in plane.event_metadata.items()}
+        for line in plane.lines:
+            for event in line.events:
+                name = names.get(event.metadata_id, "")
+                op, sep, op_type = name.rpartition(":")
+                if not sep or not op or " " in name or "::" in name or op.startswith(_NOT_OPS):
+                    continue
+                events.append((op, op_type, event.duration_ps / 1e9))
+    return events
+
+
+def _scope(op_name):
+    """The layer an op belongs to: its name's first part without Keras' ``_<n>`` suffix; ``(unscoped)`` if none."""
+    import re
+
+    head, sep, _ = op_name.partition("/")
+    return re.sub(r"_\d+$", "", head) if sep else "(unscoped)"
+
+
+MAX_PROFILED_CALLS = 50
+
+
+def profile_ops(function, args, calls, logdir):
+    """Runs ``function(*args)`` `calls` times under TensorFlow's profiler: what each op type and layer scope costs.
+
+    `function` is a `tf.function` (or a Python function); it is traced
+    afresh here, since TensorFlow's executor stops recording the ops of a
+    function it has run often (about 100 calls: it then runs the ops it
+    found cheap inline, untraced), hence also at most `MAX_PROFILED_CALLS`.
+
+    Returns ``{"calls", "ms_per_call", "op_ms_per_call", "matrix_op_ms_per_call",
+    "by_type": {type: {"count", "ms"}}, "by_scope": {scope: {"count", "ms"}}}``,
+    per call, largest first. ``ms_per_call`` is the wall time under the
+    profiler; ``op_ms_per_call`` the ops' summed time (ops that ran at once
+    on different threads both count). Matrix products are the types in
+    `MATRIX_OPS`; oneDNN's fused products carry the name of the op fused
+    into them (a bias, GELU or residual add).
+    """
+    import glob
+
+    import numpy as np
+    import tensorflow as tf
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2  # the profiler's own trace format
+
+    if not 1 <= calls <= MAX_PROFILED_CALLS:
+        raise ValueError(f"`calls` must be in [1, {MAX_PROFILED_CALLS}]. Received: calls={calls}")
+    fresh = tf.function(getattr(function, "python_function", function), autograph=False)
+
+    def call():
+        return [np.asarray(t) for t in tf.nest.flatten(fresh(*args))]
+
+    call()  # traced before the profile starts
+    # Level 3 records every op: at the default level the executor leaves out the ops it runs inline as cheap.
+    tf.profiler.experimental.start(logdir, options=tf.profiler.experimental.ProfilerOptions(host_tracer_level=3))
+    start = time.perf_counter()
+    try:
+        for _ in range(calls):
+            call()
+    finally:
+        wall = time.perf_counter() - start
+        tf.profiler.experimental.stop()
+    paths = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
+    if not paths:
+        raise RuntimeError(f"TensorFlow's profiler wrote no trace under {logdir}")
+    xspace = xplane_pb2.XSpace()
+    with open(max(paths, key=os.path.getmtime), "rb") as f:
+        xspace.ParseFromString(f.read())
+    events = _op_events(xspace)
+    if not events:
+        raise RuntimeError("The profile holds no op executions: was `call` a TensorFlow function?")
+
+    def table(key):
+        rows = {}
+        for op, op_type, ms in events:
+            row = rows.setdefault(key(op, op_type), {"count": 0.0, "ms": 0.0})
+            row["count"] += 1 / calls
+            row["ms"] += ms / calls
+        ordered = sorted(rows.items(), key=lambda item: -item[1]["ms"])
+        return {name: {"count": round(r["count"], 2), "ms": round(r["ms"], 4)} for name, r in ordered}
+
+    return {
+        "calls": calls,
+        "ms_per_call": 1e3 * wall / calls,
+        "op_ms_per_call": sum(ms for _, _, ms in events) / calls,
+        "matrix_op_ms_per_call": sum(ms for _, t, ms in events if t in MATRIX_OPS) / calls,
+        "by_type": table(lambda op, op_type: op_type),
+        "by_scope": table(lambda op, op_type: _scope(op)),
+    }
+
+
 def _fuse(student):
     """Concatenated q/k/v kernels and biases (eager copies) on each attention layer, for ``fused_qkv``."""
     import numpy as np
@@ -117,8 +226,13 @@ def main(argv=None):
     parser.add_argument("--vocabulary", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--calls", type=int, default=21)
+    parser.add_argument(
+        "--profile", type=int, default=0, help=f"profile this many calls of `step`, 0 (none) to {MAX_PROFILED_CALLS}"
+    )
     parser.add_argument("--out")
     args = parser.parse_args(argv)
+    if not 0 <= args.profile <= MAX_PROFILED_CALLS:
+        parser.error(f"--profile must be in [0, {MAX_PROFILED_CALLS}]")
 
     import keras
     import keras_hub
@@ -192,6 +306,12 @@ def _run(args, config, student):
     }
     base = result["ms"]["step"]
     result["saved_ms"] = {name: base - ms for name, ms in result["ms"].items() if name != "step"}
+    if args.profile:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as logdir:
+            result["profile"] = profile_ops(functions["step"], (token, state), args.profile, logdir)
+        result["profile"]["step_ms_unprofiled"] = base
     print(json.dumps(result, indent=1))
     if args.out:
         with open(args.out, "w") as f:

@@ -792,27 +792,45 @@ def stage_chain(args):
     at batch 1 reads its weights. Its median time beside the single large
     matrix-vector product's bandwidth (`bandwidth_gib_s`) says how far from
     that floor the weight reads alone already are on this CPU.
+
+    The same products through numpy (its BLAS), one after the other, give
+    ``numpy_chain_ms``: what a matrix-vector kernel other than TensorFlow's
+    reaches on the same shapes. The timings are apart in time, with a pause
+    between, since BLAS threads that wait spinning after a call slow the
+    next library's threads.
     """
     import numpy as np
     import tensorflow as tf
 
     shapes = weight_matrices(args.family, args.size)
     rng = np.random.default_rng(0)
-    weights = [tf.Variable(rng.standard_normal(shape, dtype=np.float32)) for shape in shapes]
+    arrays = [rng.standard_normal(shape, dtype=np.float32) for shape in shapes]
+    weights = [tf.Variable(a) for a in arrays]
     total = sum(int(np.prod(shape)) * 4 for shape in shapes)
 
     def median_ms(fn, x, calls):
-        fn(x).numpy()
+        np.asarray(fn(x))
         times = []
         for _ in range(calls):
             t = time.perf_counter()
-            fn(x).numpy()
+            np.asarray(fn(x))
             times.append(time.perf_counter() - t)
         return 1000 * _median(times), [round(1000 * t, 2) for t in times]
 
+    def numpy_chain(_):
+        acc = np.float32(0.0)
+        for a in arrays:
+            acc = (np.full(a.shape[0], 1.0 + 0.0 * acc, np.float32) @ a)[0]  # waits for the product before
+        return np.asarray(acc)
+
     x = tf.ones((1, shapes[0][0]), tf.float32)
     bw_before = bandwidth_gib_s()
+    time.sleep(0.5)
     chain_ms, chain_all = median_ms(matrix_chain(weights), x, args.repeats * 4 + 1)
+    time.sleep(0.5)
+    numpy_ms, _ = median_ms(numpy_chain, None, args.repeats * 4 + 1)
+    arrays.clear()  # the numpy copies go before the single large product below
+    time.sleep(0.5)
     # TensorFlow's own kernel on the floor's single 512 MB matrix.
     n = int((512 * 2**20 / 4) ** 0.5)
     big = tf.Variable(rng.standard_normal((n, n), dtype=np.float32))
@@ -831,6 +849,8 @@ def stage_chain(args):
         "chain_ms_all": chain_all,
         "chain_over_floor": chain_ms / floor_ms,
         "chain_bandwidth_gib_s": total / 2**30 / (chain_ms / 1000),
+        "numpy_chain_ms": numpy_ms,
+        "numpy_chain_over_floor": numpy_ms / floor_ms,
     }
     print(json.dumps(result), flush=True)
     return result

@@ -157,3 +157,5 @@ def test_a_tiny_chain_run_reports_its_time_beside_the_floor(tmp_path):
     shapes = B.weight_matrices("gpt2", "tiny")
     assert chain["matrices"] == len(shapes) and len(chain["chain_ms_all"]) == 5
     assert chain["chain_ms"] > 0 and np.isclose(chain["chain_over_floor"], chain["chain_ms"] / chain["floor_ms"])
+    assert chain["numpy_chain_ms"] > 0
+    assert np.isclose(chain["numpy_chain_over_floor"], chain["numpy_chain_ms"] / chain["floor_ms"])
