@@ -86,7 +86,15 @@ from keras_linattn.ops._common import (
     _validate_inputs,
 )
 from keras_linattn.ops.core import DEFAULT_EPSILON
-from keras_linattn.ops.window import _NEG, _check_gamma, _check_scale
+from keras_linattn.ops.window import (
+    _NEG,
+    _check_gamma,
+    _check_scale,
+    _grouped_readout,
+    _grouped_scores,
+    _query_heads_per_key_head,
+    _repeat_heads,
+)
 
 __all__ = ["sparse_cache_attention", "sparse_cache_attention_reference", "sparse_cache_attention_step"]
 
@@ -455,12 +463,20 @@ def sparse_cache_attention_step(
 ):
     """One decoding step: the oldest window pair goes through the selection, the new one enters the window.
 
+    Grouped-query attention: as in `window_attention_step`, the window's
+    keys and values may have ``G`` heads, a divisor of ``H`` (query head
+    ``h`` reads key/value head ``h // (H / G)``): ``k_t``, ``v_t`` and the
+    buffer then have ``G`` heads and the buffer is read in place, never
+    repeated to ``H``. The cache keeps ``H`` heads (each query head selects
+    its own pairs): the leaving pair enters it repeated to each query head.
+
     Args:
         q_t: raw query ``[B, H, D]``; q_features_t: ``phi(q_t)`` ``[B, H, C]``.
-        k_t: raw key ``[B, H, D]``; v_t: value ``[B, H, M]``.
+        k_t: raw key ``[B, G, D]``; v_t: value ``[B, G, M]``.
         k_features_evicted: ``phi`` of the oldest buffered key ``[B, H, C]``
-            (it leaves the window now).
-        buffer: ``(keys [B, W, H, D], values [B, W, H, M], valid [B, W])``, oldest first.
+            (it leaves the window now; its head repeated to each query head
+            that reads it).
+        buffer: ``(keys [B, W, G, D], values [B, W, G, M], valid [B, W])``, oldest first.
         cache: ``(keys [B, N, H, D], features [B, N, H, C], values [B, N, H, M],
             valid [B, N, H])``, oldest first (``features = phi(keys)``).
         state: ``(S [B, H, C, M], z [B, H, C])``.
@@ -482,15 +498,16 @@ def sparse_cache_attention_step(
     if not isinstance(buffer, (tuple, list)) or len(buffer) != 3:
         raise ValueError(f"`buffer` must be (keys, values, valid). Received: buffer={buffer!r}")
     _check_cache(cache, h, d, c, m, "cache")
+    groups = _query_heads_per_key_head(q_t, k_t, v_t, buffer)
     scale = _check_scale(scale, q_t)
     gamma = _check_gamma(gamma, h)
     out_dtype = v_t.dtype
     f32 = lambda x: ops.cast(x, "float32")  # noqa: E731
-    keys, values, valid = (f32(x) for x in buffer)  # [B, W, H, D], [B, W, H, M], [B, W]
+    keys, values, valid = (f32(x) for x in buffer)  # [B, W, G, D], [B, W, G, M], [B, W]
     ck, ckf, cv, cok = (f32(x) for x in cache)
     cache = tuple(_mask_keys(x, cok > 0) for x in (ck, ckf, cv)) + (cok,)
-    leaving_key = keys[:, 0] if k_cache_evicted is None else f32(k_cache_evicted)  # [B, H, D]
-    leaving = (leaving_key, f32(k_features_evicted), values[:, 0], valid[:, 0])
+    leaving_key = _repeat_heads(keys[:, 0], groups) if k_cache_evicted is None else f32(k_cache_evicted)  # [B, H, D]
+    leaving = (leaving_key, f32(k_features_evicted), _repeat_heads(values[:, 0], groups), valid[:, 0])
     (s, z), cache, _ = _admit(tuple(f32(x) for x in state), cache, leaving, eps)
     ck, _, cv, cok = cache
 
@@ -498,25 +515,29 @@ def sparse_cache_attention_step(
         new_ok = ops.ones_like(valid[:, :1])  # [B, 1]
     else:
         new_ok = f32(ops.cast(key_mask_t, "bool"))[:, None]  # [B, 1]
-    v_new = _mask_keys(f32(v_t), new_ok[:, 0] > 0)  # [B, H, M]
-    keys = ops.concatenate([keys[:, 1:], f32(k_t)[:, None]], axis=1)  # [B, W, H, D]
-    values = ops.concatenate([values[:, 1:], v_new[:, None]], axis=1)  # [B, W, H, M]
+    v_new = _mask_keys(f32(v_t), new_ok[:, 0] > 0)  # [B, G, M]
+    keys = ops.concatenate([keys[:, 1:], f32(k_t)[:, None]], axis=1)  # [B, W, G, D]
+    values = ops.concatenate([values[:, 1:], v_new[:, None]], axis=1)  # [B, W, G, M]
     valid = ops.concatenate([valid[:, 1:], new_ok], axis=1)  # [B, W]
 
     q = f32(q_t) * scale  # [B, H, D]
     q_c = q if q_cache_t is None else f32(q_cache_t) * scale  # [B, H, D]
     qf = f32(q_features_t)  # [B, H, C]
+    if groups == 1:
+        window_scores = ops.einsum("bhd,bwhd->bhw", q, keys)  # [B, H, W]
+    else:
+        window_scores = _grouped_scores(q, keys, groups)  # [B, H, W]: each group of heads against its keys
     e_w, e_c = _joint_softmax_terms(
-        (ops.einsum("bhd,bwhd->bhw", q, keys), (valid > 0)[:, None, :]),  # [B, H, W], [B, 1, W]
+        (window_scores, (valid > 0)[:, None, :]),  # [B, H, W], [B, 1, W]
         (ops.einsum("bhd,bnhd->bhn", q_c, ck), ops.transpose(cok, (0, 2, 1)) > 0),  # [B, H, N], [B, H, N]
     )
     if gamma is not None:
         e_w, e_c = e_w * gamma[None, :, None], e_c * gamma[None, :, None]
-    num = (
-        ops.einsum("bhw,bwhm->bhm", e_w, values)
-        + ops.einsum("bhn,bnhm->bhm", e_c, cv)
-        + ops.einsum("bhc,bhcm->bhm", qf, s)
-    )  # [B, H, M]
+    if groups == 1:
+        window_read = ops.einsum("bhw,bwhm->bhm", e_w, values)  # [B, H, M]
+    else:
+        window_read = _grouped_readout(e_w, values, groups)  # [B, H, M]
+    num = window_read + ops.einsum("bhn,bnhm->bhm", e_c, cv) + ops.einsum("bhc,bhcm->bhm", qf, s)  # [B, H, M]
     den_sm = ops.sum(e_w, axis=-1, keepdims=True) + ops.sum(e_c, axis=-1, keepdims=True)  # [B, H, 1]
     den = den_sm + ops.sum(qf * z, axis=-1, keepdims=True)  # [B, H, 1]
     den_abs = den_sm + ops.sum(ops.abs(qf) * ops.abs(z), axis=-1, keepdims=True)  # [B, H, 1]

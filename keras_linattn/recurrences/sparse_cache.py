@@ -217,22 +217,23 @@ class SparseCacheRecurrence(WindowRecurrence):
 
     def step(self, q, k, v, gate_keys, state, training=None, unrotated=None):
         """One step; ``unrotated=(q, k) [B, H, D]`` before the rotary embedding when `reads_unrotated`."""
-        buf_k = self._expand(state["window_k"])  # [B, W, H, D]
         # The oldest buffered key leaves the window now: its features and the cached keys' are scored.
-        qf, kf_old, new = self._step_features(q, k, buf_k[:, :1], state, training, unrotated)
+        oldest_k = self._expand(state["window_k"][:, :1])  # [B, 1, H, D]
+        qf, kf_old, new = self._step_features(q, k, oldest_k, state, training, unrotated)
         scored = {}
         if self.cache_distance is not None:  # the leaving pair's unrotated key is the oldest of window_k_plain
             scored = {
                 "q_cache_t": self._cache_queries(q if unrotated is None else unrotated[0]),  # [B, H, D]
-                "k_cache_evicted": self._expand(state["window_k_plain"])[:, 0],  # [B, H, D]
+                "k_cache_evicted": self._expand(state["window_k_plain"][:, :1])[:, 0],  # [B, H, D]
             }
+        # The window's buffers stay at their buffer_heads: the op reads them per group (never repeated to H).
         out, (s, z), (wk, wv, wok), (ck, cf, cv, cok) = sparse_cache_ops.sparse_cache_attention_step(
             q,
             qf[:, 0],
-            k,
-            v,
+            self._shrink(k, axis=1),  # [B, buffer_heads, D]
+            self._shrink(v, axis=1),  # [B, buffer_heads, M]
             kf_old[:, 0],
-            (buf_k, self._expand(state["window_v"]), state["window_valid"]),
+            (state["window_k"], state["window_v"], state["window_valid"]),
             self._cache(state, q.dtype, training),
             (state["S"], state["z"]),
             eps=self.layer.epsilon,
@@ -242,8 +243,8 @@ class SparseCacheRecurrence(WindowRecurrence):
         return out, {
             "S": s,
             "z": z,
-            "window_k": self._shrink(wk),
-            "window_v": self._shrink(wv),
+            "window_k": wk,
+            "window_v": wv,
             "window_valid": wok,
             "cache_k": ck,
             "cache_v": cv,

@@ -175,7 +175,14 @@ def _as_multi_head(layer, **kwargs):
 
 
 @pytest.mark.parametrize(
-    "kwargs", [dict(), dict(linear_rope=False, linear_mean=True), dict(cache_size=2)], ids=["window", "length", "lola"]
+    "kwargs",
+    [
+        dict(),
+        dict(linear_rope=False, linear_mean=True),
+        dict(cache_size=2),
+        dict(cache_size=2, linear_rope=False, cache_distance=4),
+    ],
+    ids=["window", "length", "lola", "lola_fixed_distance"],
 )
 def test_gqa_window_buffers_keep_the_key_value_heads(rng, kwargs):
     """Under GQA the window's key/value buffers hold one head per group (a quarter at Llama 3.2 1B's
@@ -208,6 +215,8 @@ def test_gqa_window_buffers_keep_the_key_value_heads(rng, kwargs):
     steps, _ = run_steps(layer, x[:1], self_attention=True)
     steps_mha, _ = run_steps(mha, x[:1], self_attention=True)
     assert_close(steps, steps_mha, n=n, conditioning=c, paths=2, what="steps")
+    one_pass = layer(x[:1], x[:1], use_causal_mask=True)
+    assert_close(steps, one_pass, n=n, conditioning=c, paths=2, what="steps against one pass")
 
 
 def test_gqa_buffers_keep_every_head_with_a_short_convolution():

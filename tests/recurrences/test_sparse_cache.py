@@ -242,6 +242,79 @@ def _run_one(k, kf, v, window, cache_size, initial_state=None):
     )
 
 
+# ---------------------------------------------------------------- grouped-query attention in the step
+def test_a_step_reads_a_grouped_window_as_the_repeated_one(rng):
+    # G = 2 key/value heads serve H = 6 query heads (head h reads h // 3). Steps on the grouped window
+    # against the same steps on the window repeated to H heads, over a padded sequence long enough for
+    # pairs to leave the window, fill the cache and be evicted: outputs, state, buffers and cache; then the
+    # gradients of one step from there (with respect to the grouped inputs).
+    heads, kv_heads, window, cache_size, t = 6, 2, 3, 2, 11
+    groups = heads // kv_heads
+    repeat = lambda x, axis: np.repeat(np.asarray(x), groups, axis=axis)  # noqa: E731
+    q = rng.normal(size=(B, t, heads, D)).astype("float32")
+    qf = np.abs(rng.normal(size=(B, t, heads, C))).astype("float32") + 0.05
+    kf = np.abs(rng.normal(size=(B, t, heads, C))).astype("float32") + 0.05  # each query head's map of the key
+    k = rng.normal(size=(B, t, kv_heads, D)).astype("float32")
+    v = rng.normal(size=(B, t, kv_heads, M)).astype("float32")
+    mask = np.ones((B, t), bool)
+    mask[1, :2] = False
+    mask[0, 5] = False
+    gamma = np.linspace(0.2, 0.9, heads).astype("float32")
+    state = (np.zeros((B, heads, C, M), "float32"), np.zeros((B, heads, C), "float32"))
+    grouped = (np.zeros((B, window, kv_heads, D), "float32"), np.zeros((B, window, kv_heads, M), "float32"))
+    grouped += (np.zeros((B, window), "float32"),)
+    cache = tuple(np.zeros((B, cache_size, heads) + tail, "float32") for tail in ((D,), (C,), (M,), ()))
+    s_ref, wide, c_ref = state, (repeat(grouped[0], 2), repeat(grouped[1], 2), grouped[2]), cache
+    features = np.zeros((B, window, heads, C), "float32")
+    for i in range(t):
+        o, state, grouped, cache = lops.sparse_cache_attention_step(
+            q[:, i], qf[:, i], k[:, i], v[:, i], features[:, 0], grouped, cache, state, mask[:, i], gamma=gamma
+        )
+        o_ref, s_ref, wide, c_ref = lops.sparse_cache_attention_step(
+            q[:, i], qf[:, i], repeat(k[:, i], 1), repeat(v[:, i], 1), features[:, 0], wide, c_ref, s_ref,
+            mask[:, i], gamma=gamma,
+        )  # fmt: skip
+        features = np.concatenate([features[:, 1:], kf[:, i : i + 1]], 1)
+        assert_close(o, o_ref, n=window + cache_size + C, what=f"output {i}")
+        for part, ref in zip(state, s_ref, strict=True):
+            assert_close(part, ref, n=i + 1, paths=2, what=f"state {i}")
+        for part, ref, axis in zip(grouped, wide, (2, 2, None), strict=True):
+            np.testing.assert_array_equal(np.asarray(part) if axis is None else repeat(part, axis), ref)
+        for part, ref in zip(cache, c_ref, strict=True):
+            np.testing.assert_array_equal(np.asarray(part), np.asarray(ref))
+    # The run used the cache and the state: pairs were admitted and some evicted into (S, z).
+    assert np.asarray(cache[3]).all() and np.asarray(state[1]).any()
+    args = (q[:, 0], qf[:, 0], k[:, 0], v[:, 0], grouped[0], grouped[1])
+    w = rng.normal(size=(B, heads, M))
+
+    def step(q_, qf_, k_, v_, keys, values, expand):
+        buffer = (keys, values, grouped[2])
+        if expand:
+            rep = lambda x, axis: keras.ops.repeat(x, groups, axis=axis)  # noqa: E731
+            k_, v_, buffer = rep(k_, 1), rep(v_, 1), (rep(keys, 2), rep(values, 2), grouped[2])
+        return lops.sparse_cache_attention_step(q_, qf_, k_, v_, features[:, 0], buffer, cache, state, gamma=gamma)[0]
+
+    assert_close(
+        _grads(lambda *x: step(*x, False), args, w),
+        _grads(lambda *x: step(*x, True), args, w),
+        n=window + cache_size + C + D,
+        paths=2,
+        what="gradients",
+    )
+
+
+def test_a_step_refuses_window_heads_that_do_not_divide_the_query_heads(rng):
+    q, qf = rng.normal(size=(B, 6, D)), np.abs(rng.normal(size=(B, 6, C)))
+    k, v = rng.normal(size=(B, 4, D)), rng.normal(size=(B, 4, M))
+    buffer = (np.zeros((B, 3, 4, D)), np.zeros((B, 3, 4, M)), np.zeros((B, 3)))
+    cache = tuple(np.zeros((B, 2, 6) + tail) for tail in ((D,), (C,), (M,), ()))
+    state = (np.zeros((B, 6, C, M)), np.zeros((B, 6, C)))
+    with pytest.raises(ValueError, match="divisor of the query heads H = 6"):
+        lops.sparse_cache_attention_step(q, qf, k, v, qf, buffer, cache, state)
+    with pytest.raises(ValueError, match="same number of heads"):
+        lops.sparse_cache_attention_step(q, qf, k, v[:, :2], qf, buffer, cache, state)
+
+
 def test_the_pair_the_state_recalls_best_is_evicted():
     # W = 1, N = 1. The linear state already holds phi = [1, 0] -> v = [3, 4]. Token 0 (phi [0, 1], v [1, 0])
     # leaves the window at query 1 and takes the free slot. At query 2 token 1 (phi [1, 0], v [3, 4]) leaves:
