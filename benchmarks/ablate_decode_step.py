@@ -143,7 +143,7 @@ def profile_ops(function, args, calls, logdir):
     "by_type": {type: {"count", "ms"}}, "by_scope": {scope: {"count", "ms"}}}``,
     per call, largest first, read from the trace's op events (the
     profiler's own op statistics, `profile_attention.read_op_stats`, count
-    about a third of the step's cheap ops: 57 of its 183 `Mul` a step at
+    about a third of the step's cheap ops: 57-70 of its 183 `Mul` a step at
     GPT-2 base). ``ms_per_call`` is the wall time under the profiler;
     ``op_ms_per_call`` the ops' summed time (ops that ran at once on
     different threads both count). Matrix products are the types in
