@@ -99,3 +99,21 @@ def _assert_flagged(out, has_key, what):
     nan_rows = np.isnan(out).all(-1)  # [B, T, H]
     np.testing.assert_array_equal(nan_rows, np.broadcast_to(has_key[:, :, None], nan_rows.shape), err_msg=what)
     assert not np.isnan(out[~has_key]).any() and (out[~has_key] == 0).all(), what
+
+
+def _grouped_inputs(rng, heads, kv_heads, t):
+    """Grouped-query step inputs: ``q, qf, kf [B, t, heads, .]``, ``k, v [B, t, kv_heads, .]``, a padding mask, gamma.
+
+    ``kf`` is each query head's map of the key; the mask pads the first two
+    tokens of row 1 and token 5 of row 0 (``t >= 6``).
+    """
+    q = rng.normal(size=(B, t, heads, D)).astype("float32")
+    qf = np.abs(rng.normal(size=(B, t, heads, C))).astype("float32") + 0.05
+    kf = np.abs(rng.normal(size=(B, t, heads, C))).astype("float32") + 0.05
+    k = rng.normal(size=(B, t, kv_heads, D)).astype("float32")
+    v = rng.normal(size=(B, t, kv_heads, M)).astype("float32")
+    mask = np.ones((B, t), bool)
+    mask[1, :2] = False
+    mask[0, 5] = False
+    gamma = np.linspace(0.2, 0.9, heads).astype("float32")
+    return q, qf, kf, k, v, mask, gamma

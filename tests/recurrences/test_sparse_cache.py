@@ -16,7 +16,7 @@ from keras_linattn import ops as lops
 from keras_linattn import recurrences
 from keras_linattn.layers import AttentionSpec, LinearAttention
 from keras_linattn.recurrences import SparseCacheRecurrence, WindowRecurrence
-from tests.recurrences._common import B, C, D, H, M, _features, _grads, _padding
+from tests.recurrences._common import B, C, D, H, M, _features, _grads, _grouped_inputs, _padding
 from tests.tolerance import assert_close
 
 # numeric: run again with oneDNN off (`make test-onednn-off`)
@@ -251,15 +251,7 @@ def test_a_step_reads_a_grouped_window_as_the_repeated_one(rng):
     heads, kv_heads, window, cache_size, t = 6, 2, 3, 2, 11
     groups = heads // kv_heads
     repeat = lambda x, axis: np.repeat(np.asarray(x), groups, axis=axis)  # noqa: E731
-    q = rng.normal(size=(B, t, heads, D)).astype("float32")
-    qf = np.abs(rng.normal(size=(B, t, heads, C))).astype("float32") + 0.05
-    kf = np.abs(rng.normal(size=(B, t, heads, C))).astype("float32") + 0.05  # each query head's map of the key
-    k = rng.normal(size=(B, t, kv_heads, D)).astype("float32")
-    v = rng.normal(size=(B, t, kv_heads, M)).astype("float32")
-    mask = np.ones((B, t), bool)
-    mask[1, :2] = False
-    mask[0, 5] = False
-    gamma = np.linspace(0.2, 0.9, heads).astype("float32")
+    q, qf, kf, k, v, mask, gamma = _grouped_inputs(rng, heads, kv_heads, t)
     state = (np.zeros((B, heads, C, M), "float32"), np.zeros((B, heads, C), "float32"))
     grouped = (np.zeros((B, window, kv_heads, D), "float32"), np.zeros((B, window, kv_heads, M), "float32"))
     grouped += (np.zeros((B, window), "float32"),)

@@ -19,6 +19,7 @@ from tests.recurrences._common import (
     _assert_flagged,
     _features,
     _grads,
+    _grouped_inputs,
     _has_key,
     _modes,
     _padding,
@@ -227,15 +228,7 @@ def test_a_step_reads_a_grouped_buffer_as_the_repeated_one(rng):
     heads, kv_heads, window, t = 6, 2, 4, 9
     groups = heads // kv_heads
     repeat = lambda x, axis: np.repeat(np.asarray(x), groups, axis=axis)  # noqa: E731
-    q = rng.normal(size=(B, t, heads, D)).astype("float32")
-    qf = np.abs(rng.normal(size=(B, t, heads, C))).astype("float32") + 0.05
-    kf = np.abs(rng.normal(size=(B, t, heads, C))).astype("float32") + 0.05  # each query head's map of the key
-    k = rng.normal(size=(B, t, kv_heads, D)).astype("float32")
-    v = rng.normal(size=(B, t, kv_heads, M)).astype("float32")
-    mask = np.ones((B, t), bool)
-    mask[1, :2] = False
-    mask[0, 5] = False
-    gamma = np.linspace(0.2, 0.9, heads).astype("float32")
+    q, qf, kf, k, v, mask, gamma = _grouped_inputs(rng, heads, kv_heads, t)
     state = (np.zeros((B, heads, C, M), "float32"), np.zeros((B, heads, C), "float32"))
     grouped = (np.zeros((B, window, kv_heads, D), "float32"), np.zeros((B, window, kv_heads, M), "float32"))
     grouped += (np.zeros((B, window), "float32"),)
