@@ -27,6 +27,10 @@ Steps (``--stages``, in this order by default):
   ``CausalLM.generate``, KV cache), interleaved, at each ``--contexts``;
   beside the weights-read floor (weight bytes / the memory bandwidth measured
   here with a large matrix-vector product).
+- ``onnx_decode``: the same through onnxruntime, on the ``export_onnx``
+  graphs: `OnnxGenerator.generate` (the loop inside onnxruntime) and
+  `OnnxGenerator.step` (one call a token), with worker threads that sleep
+  between ops (the package's default) and that spin (``--onnx-spinning``).
 
 Each step reports wall time, the peak RSS of its process (``VmHWM``) and the
 RSS after loading the model (so that the step's own share is the
@@ -55,6 +59,7 @@ STAGES = (
     "verify_saved_model",
     "verify_onnx",
     "decode",
+    "onnx_decode",
     "serve",
     "merge_lora",
     "long_generate",
@@ -342,6 +347,113 @@ def stage_decode(args):
         "weights_read_floor_ms": floor,
         "contexts": rows,
     }
+
+
+def onnx_weight_bytes(path):
+    """Bytes of an ONNX graph's initializers (its weights), read from the graph without loading them."""
+    import numpy as np
+    import onnx
+
+    model = onnx.load(path, load_external_data=False)
+    return int(
+        sum(
+            int(np.prod(t.dims)) * np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
+            for t in model.graph.initializer
+        )
+    )
+
+
+def stage_onnx_decode(args):
+    """ms per new token at batch 1 through onnxruntime, on the graphs of ``export_onnx``, beside the floor.
+
+    For each ``--onnx-spinning`` setting (worker threads that sleep between
+    ops, the package's default, or spin), one `OnnxGenerator` on the step
+    graph (its `generate` runs the generate graph):
+
+    - ``generate``: greedy `OnnxGenerator.generate`, the prefill and the
+      decode loop inside onnxruntime; ms per token is the difference of two
+      lengths (``--new-tokens``) over the tokens between, as in ``decode``;
+    - ``step``: `OnnxGenerator.step` called once a token from Python (state
+      passed back as returned), the median of 31 calls.
+
+    The settings take turns within each repeat. The floor is the graph's
+    weight bytes over the bandwidth of a large matrix-vector product
+    (`bandwidth_gib_s`), measured after the timings in the same process.
+    """
+    import numpy as np
+
+    from keras_linattn.export import OnnxGenerator
+
+    step_path = os.path.join(args.workdir, "onnx", "lm_step.onnx")
+    if not os.path.isfile(step_path):
+        raise SystemExit(f"no {step_path}: run the export_onnx stage first")
+    vocab = CONFIGS[(args.family, args.size)]["vocabulary_size"]
+    limit = CONFIGS[(args.family, args.size)].get("max_sequence_length")
+    settings = {"sleep": False, "spin": True}
+    settings = {name: spin for name, spin in settings.items() if name in args.onnx_spinning.split(",")}
+    t = time.perf_counter()
+    generators = {name: OnnxGenerator(step_path, device="cpu", allow_spinning=spin) for name, spin in settings.items()}
+    load_s = time.perf_counter() - t
+    short, long = args.new_tokens
+    rng = np.random.default_rng(0)
+    rows = []
+    for context in args.contexts:
+        if limit is not None and context + long > limit:
+            rows.append({"context": context, "skipped": f"context + {long} new tokens > max_sequence_length={limit}"})
+            continue
+        prompt = rng.integers(0, vocab, size=(1, context)).astype("int32")
+        row = {"context": context}
+        diffs = {name: [] for name in generators}
+
+        def run(generator, n, prompt=prompt, context=context):
+            t = time.perf_counter()
+            generator.generate(prompt, max_length=context + n)
+            return time.perf_counter() - t
+
+        for name, generator in generators.items():
+            row[f"{name}_first_call_s"] = run(generator, short)
+            run(generator, long)
+        for _ in range(args.repeats):
+            for name, generator in generators.items():
+                a = run(generator, short)
+                b = run(generator, long)
+                diffs[name].append((b - a) / (long - short))
+        for name, values in diffs.items():
+            row[f"generate_{name}_ms_per_token"] = 1e3 * _median(values)
+            row[f"generate_{name}_ms_range"] = [1e3 * min(values), 1e3 * max(values)]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    steps = {}
+    for _ in range(max(1, args.repeats // 2)):
+        for name, generator in generators.items():
+            state = generator.initial_state(1)
+            token = np.zeros((1,), np.int32)
+            for _ in range(3):
+                _, state = generator.step(token, state)
+            times = []
+            for _ in range(31):
+                t = time.perf_counter()
+                _, state = generator.step(token, state)
+                times.append(time.perf_counter() - t)
+            steps.setdefault(name, []).append(1e3 * _median(times))
+    bw = bandwidth_gib_s()
+    weights = onnx_weight_bytes(step_path)
+    floor = weights / (bw * 2**30) * 1e3
+    result = {
+        "load_s": load_s,
+        "weights_gib": _gib(weights),
+        "bandwidth_gib_s": bw,
+        "weights_read_floor_ms": floor,
+        "contexts": rows,
+        "step_ms": {name: _median(values) for name, values in steps.items()},
+        "step_ms_runs": steps,
+    }
+    for row in rows:
+        for name in generators:
+            if f"generate_{name}_ms_per_token" in row:
+                row[f"generate_{name}_over_floor"] = row[f"generate_{name}_ms_per_token"] / floor
+    result["step_over_floor"] = {name: ms / floor for name, ms in result["step_ms"].items()}
+    return result
 
 
 def stage_merge_lora(args):
@@ -912,7 +1024,7 @@ def _run_stage(args, stage):
         command.append("--no-teacher")
     if args.merge_in_place:
         command.append("--merge-in-place")
-    command += ["--student-modes", args.student_modes]
+    command += ["--student-modes", args.student_modes, "--onnx-spinning", args.onnx_spinning]
     command += ["--serve-context", str(args.serve_context), "--serve-batches", args.serve_batches]
     command += ["--serve-budget-gib", str(args.serve_budget_gib), "--serve-model", args.serve_model]
     command += ["--prefill-piece", str(args.prefill_piece), "--decode-tokens", str(args.decode_tokens)]
@@ -947,6 +1059,11 @@ def main(argv=None):
     parser.add_argument(
         "--student-modes", default="xla,plain", help="decode: the student's generate modes (xla, plain, auto, all)"
     )
+    parser.add_argument(
+        "--onnx-spinning",
+        default="sleep,spin",
+        help="onnx_decode: onnxruntime's worker threads between ops: sleep (the package's default), spin, or both",
+    )
     parser.add_argument("--merge-in-place", action="store_true", help="merge_lora: merge into the student")
     parser.add_argument("--serve-context", type=int, default=16384, help="serve: the context of the timed step")
     parser.add_argument("--serve-batches", default="1,2,4,8,16,32,64,128,256", help="serve: batch sizes to try")
@@ -968,6 +1085,9 @@ def main(argv=None):
         parser.error(f"no configuration {args.family} {args.size}; known: {sorted(CONFIGS)}")
     args.contexts = [int(c) for c in args.contexts.split(",")] if args.contexts else list(DEFAULT_CONTEXTS[args.family])
     args.new_tokens = [int(n) for n in args.new_tokens.split(",")]
+    spinning = args.onnx_spinning.split(",")
+    if not spinning or set(spinning) - {"sleep", "spin"}:
+        parser.error(f"--onnx-spinning takes sleep, spin or both. Received: {args.onnx_spinning!r}")
     args.workdir = args.workdir or os.path.join("build", f"linearized_{args.family}_{args.size}")
     os.makedirs(args.workdir, exist_ok=True)
     if args.stage:

@@ -32,6 +32,7 @@ Names (`available()`): ``greedy``, ``random`` (temperature sampling),
 ``top_k``, ``top_p``.
 """
 
+import keras
 import numpy as np
 from keras import ops
 
@@ -227,6 +228,11 @@ def argmax(x):
     return ops.where(first < vocab, first, INVALID_TOKEN)  # [B]
 
 
+def _is_static(*values):
+    """Whether every value is a Python or NumPy number (not a tensor)."""
+    return all(isinstance(v, (int, float, np.number)) for v in values)
+
+
 def _gumbel_argmax(logits, seed):
     """A sample of softmax(logits) per row; -inf logits are never drawn."""
     gumbel = gumbel_noise(uniform_noise(seed, ops.shape(logits)))  # [B, V], finite
@@ -270,16 +276,28 @@ def sample(logits, seed, temperature=1.0, top_k=0, top_p=1.0):
         isinstance(top_k, (int, np.integer)) and top_k == 0 and isinstance(top_p, (int, float)) and top_p >= 1.0
     )
     if not static_all:
+        static_settings = _is_static(top_k, top_p)
         vocab = ops.shape(logits)[-1]
         top_k = ops.cast(top_k, "int32")
         k = ops.where(ops.logical_or(top_k <= 0, top_k > vocab), vocab, top_k)  # []
-        ranked = -ops.sort(-logits, axis=-1)  # [B, V], descending
-        in_top_k = ops.arange(vocab, dtype="int32")[None, :] < k  # [1, V]
-        probs = ops.softmax(ops.where(in_top_k, ranked, -float("inf")), axis=-1)  # [B, V]
-        before = ops.cumsum(probs, axis=-1) - probs  # [B, V]: mass of the more likely tokens
         top_p = ops.cast(top_p, "float32")
-        keep = ops.logical_and(in_top_k, ops.logical_or(before < top_p, top_p >= 1.0))  # [B, V]
+        filters = ops.logical_or(k < vocab, top_p < 1.0)  # []
+        if keras.backend.backend() == "tensorflow" and not static_settings:
+            # Settings given as tensors (one exported graph serves them all): rank only as many
+            # tokens as the settings read -- all of them for top-p, `k` for top-k alone, one
+            # where nothing filters -- so that greedy and plain sampling skip the sort over the
+            # vocabulary. (Other backends need a static `k`; they rank all tokens.)
+            ranked_size = ops.where(top_p < 1.0, vocab, ops.where(k < vocab, k, 1))  # []
+            ranked = ops.top_k(logits, ranked_size)[0]  # [B, ranked_size], descending
+        else:
+            ranked_size = vocab
+            ranked = -ops.sort(-logits, axis=-1)  # [B, V], descending
+        in_top_k = ops.arange(ranked_size, dtype="int32")[None, :] < k  # [1, ranked_size]
+        probs = ops.softmax(ops.where(in_top_k, ranked, -float("inf")), axis=-1)  # [B, ranked_size]
+        before = ops.cumsum(probs, axis=-1) - probs  # [B, ranked_size]: mass of the more likely tokens
+        keep = ops.logical_and(in_top_k, ops.logical_or(before < top_p, top_p >= 1.0))  # [B, ranked_size]
         threshold = ops.min(ops.where(keep, ranked, float("inf")), axis=-1, keepdims=True)  # [B, 1]
+        threshold = ops.where(filters, threshold, -float("inf"))  # [B, 1]: nothing filtered
         logits = ops.where(logits >= threshold, logits, -float("inf"))  # [B, V]
     drawn = ops.cast(_gumbel_argmax(logits, seed), "int32")  # [B]
     if greedy is not None:

@@ -6,6 +6,7 @@
 """
 
 import keras
+from keras import ops
 
 from keras_linattn._docstrings import fill
 from keras_linattn._tracking import CheckpointTracked
@@ -41,6 +42,35 @@ def _serialize_activation(activation):
     if activation is _gelu_approximate:
         return "gelu_approximate"
     return keras.activations.serialize(activation)
+
+
+def step_norm(norm, x):
+    """``norm(x)`` for one token ``[B, dim]``, in the plain form where `norm` is a float32 norm of the last axis.
+
+    ``(x - mean) / sqrt(var + eps) * gamma + beta`` for a `LayerNormalization`,
+    ``x / sqrt(mean(x^2) + eps) * scale`` for an `RMSNormalization`, with the
+    square as a power: the same values as the layer's call up to rounding,
+    in fewer ops than Keras' form (9 against 14 in TensorFlow), and in the
+    pattern onnxruntime fuses into one ``LayerNormalization`` /
+    ``SimplifiedLayerNormalization`` node (Keras' form stays 13 nodes
+    there). A decode step runs 2 per layer and one more, each at one
+    token, where the op count is the cost. Any other norm (other axes,
+    centre or scale off, another dtype) is called as is.
+    """
+    plain = (
+        norm.built
+        and norm.compute_dtype == "float32"
+        and norm.variable_dtype == "float32"
+        and x.dtype == "float32"
+        and norm.axis in (-1, [-1], len(x.shape) - 1, [len(x.shape) - 1])
+    )
+    if plain and type(norm) is keras.layers.RMSNormalization:
+        return x / ops.sqrt(ops.mean(ops.power(x, 2.0), axis=-1, keepdims=True) + norm.epsilon) * norm.scale
+    if plain and type(norm) is keras.layers.LayerNormalization and norm.center and norm.scale and not norm.rms_scaling:
+        centred = x - ops.mean(x, axis=-1, keepdims=True)  # [B, dim]
+        variance = ops.mean(ops.power(centred, 2.0), axis=-1, keepdims=True)  # [B, 1]
+        return centred / ops.sqrt(variance + norm.epsilon) * norm.gamma + norm.beta
+    return norm(x)
 
 
 def _make_norm(kind, epsilon, dtype, name):
@@ -232,8 +262,8 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
         """The block's `LinearAttention` layer (built with the block)."""
         return self._self_attention
 
-    def _feedforward(self, x, training):
-        h = self._ffn_norm(x)  # [..., dim]
+    def _feedforward(self, x, training, norm=None):
+        h = (norm or self._ffn_norm)(x)  # [..., dim]
         if self.feedforward == "gated":
             h = self._ffn_gate(h) * self._ffn_intermediate(h)  # [..., intermediate_dim]
         else:
@@ -308,10 +338,10 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
             raise ValueError(
                 f"`inputs_t` must have last dim {self.hidden_dim}. Received: inputs_t.shape={tuple(inputs_t.shape)}"
             )
-        h = self._attention_norm(inputs_t)  # [B, dim]
+        h = step_norm(self._attention_norm, inputs_t)  # [B, dim]
         attended, new_state = self._self_attention.step(h, h, state, training=training)  # [B, dim]
         x = inputs_t + self._attention_dropout(attended, training=training)  # [B, dim]
-        return self._feedforward(x, training), new_state
+        return self._feedforward(x, training, norm=lambda v: step_norm(self._ffn_norm, v)), new_state
 
     # ----------------------------------------------------------------- config
     def get_config(self):

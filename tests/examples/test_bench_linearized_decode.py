@@ -159,3 +159,27 @@ def test_a_tiny_chain_run_reports_its_time_beside_the_floor(tmp_path):
     assert chain["chain_ms"] > 0 and np.isclose(chain["chain_over_floor"], chain["chain_ms"] / chain["floor_ms"])
     assert chain["numpy_chain_ms"] > 0
     assert np.isclose(chain["numpy_chain_over_floor"], chain["numpy_chain_ms"] / chain["floor_ms"])
+
+
+def test_a_tiny_onnx_decode_run_times_both_thread_settings_beside_the_floor(tmp_path):
+    out = tmp_path / "onnx.json"
+    argv = ["--family", "gpt2", "--size", "tiny", "--stages", "build,export_onnx,onnx_decode", "--repeats", "1"]
+    argv += ["--contexts", "16,254", "--new-tokens", "2,4", "--workdir", str(tmp_path / "w"), "--out", str(out)]
+    assert B.main(argv) == 0
+    stage = json.loads(out.read_text())["stages"]["onnx_decode"]
+    assert "failed" not in stage, stage
+    row, skipped = stage["contexts"]
+    assert skipped == {"context": 254, "skipped": "context + 4 new tokens > max_sequence_length=256"}
+    for name in ("sleep", "spin"):
+        assert row[f"generate_{name}_ms_per_token"] == row[f"generate_{name}_ms_range"][0]  # one repeat
+        ratio = row[f"generate_{name}_ms_per_token"] / stage["weights_read_floor_ms"]
+        assert np.isclose(row[f"generate_{name}_over_floor"], ratio)
+        assert stage["step_ms"][name] > 0 and len(stage["step_ms_runs"][name]) == 1
+    # The floor's bytes are the graph's weights: the student's, within the few non-weight constants.
+    build = json.loads(out.read_text())["stages"]["build"]
+    assert abs(stage["weights_gib"] - build["weights_gib"]) <= 0.002, (stage["weights_gib"], build["weights_gib"])
+
+
+def test_onnx_decode_refuses_unknown_thread_settings(tmp_path):
+    with pytest.raises(SystemExit):
+        B.main(["--stages", "onnx_decode", "--onnx-spinning", "fast", "--workdir", str(tmp_path)])

@@ -272,3 +272,63 @@ def test_bad_arguments_raise(rng):
         block.step(np.zeros((3, DIM), "float32"), state)
     with pytest.raises(ValueError, match="padding_mask"):
         block(np.zeros((2, T, DIM), "float32"), padding_mask=np.ones((2, T, 1)))
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm"])
+def test_step_norm_matches_the_layer_values_and_gradients(kind, tmp_path):
+    """The decode step's plain norm against the Keras layer it stands for (values and gradients)."""
+    from keras_linattn.layers.transformer import _make_norm, step_norm
+
+    rng = np.random.default_rng(TEST_SEED)
+    dim = 96
+    norm = _make_norm(kind, 1e-5, "float32", "n")
+    norm.build((None, dim))
+    for w in norm.weights:  # away from the initial ones and zeros, so that a dropped weight shows
+        w.assign(rng.normal(size=w.shape).astype("float32") + 1.0)
+    x = tf.constant((rng.normal(size=(5, dim)) * 3 + 0.7).astype("float32"))
+
+    def values_and_grads(fn):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = fn(x)
+            loss = tf.reduce_sum(y * tf.sin(tf.range(dim, dtype=tf.float32)))
+        return [y.numpy()] + [g.numpy() for g in tape.gradient(loss, [x] + list(norm.trainable_weights))]
+
+    got, expected = values_and_grads(lambda v: step_norm(norm, v)), values_and_grads(norm)
+    # A norm over `dim` values, computed in two orders: sums of `dim` terms each way.
+    for name, a, b in zip(["outputs", "d/dx"] + [w.path for w in norm.trainable_weights], got, expected, strict=True):
+        assert_close(a, b, n=dim, paths=2, what=name)
+    # The point of the plain form: onnxruntime fuses it into one node (Keras' form stays ~13 nodes).
+    import onnx
+    import onnxruntime as ort
+    import tf2onnx
+
+    fn = tf.function(lambda v: step_norm(norm, v))
+    proto, _ = tf2onnx.convert.from_function(fn, [tf.TensorSpec((None, dim), tf.float32)], opset=18)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    fused = {"layer_norm": "LayerNormalization", "rms_norm": "SimplifiedLayerNormalization"}[kind]
+    assert [n.op_type for n in onnx.load(options.optimized_model_filepath).graph.node] == [fused]
+    (y,) = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    assert_close(y, expected[0], n=dim, paths=2, what="onnxruntime")
+
+
+def test_step_norm_calls_any_other_norm_as_is():
+    from keras_linattn.layers.transformer import step_norm
+
+    x = tf.constant(np.random.default_rng(0).normal(size=(3, 8)).astype("float32"))
+    others = [
+        keras.layers.LayerNormalization(center=False),
+        keras.layers.LayerNormalization(dtype="mixed_float16"),
+        keras.layers.LayerNormalization(axis=0),
+    ]
+    for norm in others:
+        norm.build(x.shape)
+        calls = []
+        original = norm.call
+        norm.call = lambda v, original=original, calls=calls: calls.append(1) or original(v)
+        np.testing.assert_array_equal(np.asarray(step_norm(norm, x)), np.asarray(norm(x)))
+        assert len(calls) == 2, norm.get_config()

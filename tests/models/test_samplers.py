@@ -214,3 +214,53 @@ def test_sample_kernel_gives_the_sentinel_greedy_and_sampled(rng, mode):
         ids = np.asarray(call(logits, seed, tf.constant(temperature), tf.constant(top_k, "int32"), tf.constant(top_p)))
         assert ids[BAD_ROWS].tolist() == [-1] * len(BAD_ROWS), (temperature, top_k, top_p)
         assert 0 <= ids[0] < 12 and ids[5] % 2 == 1, (temperature, top_k, top_p, ids)
+
+
+# Settings that rank all tokens (top-p), `k` of them (top-k alone) or one (nothing filters).
+TENSOR_SETTINGS = [
+    (0.0, 0, 1.0),
+    (1.0, 0, 1.0),
+    (0.7, 1, 1.0),
+    (0.7, 4, 1.0),
+    (1.3, 50, 1.0),
+    (1.3, 57, 1.0),
+    (1.2, 0, 0.6),
+    (1.0, 3, 0.5),
+    (0.9, 0, 0.999),
+    (1.0, 60, 0.3),
+]
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph", "xla"])
+def test_sample_with_tensor_settings_draws_what_static_settings_draw(rng, mode):
+    """The tensor-settings path (the exported graphs': it ranks only as many tokens as the settings read)
+    against the static one (a full sort), on logits with ties, for many seeds."""
+    logits = np.round(rng.normal(size=(16, 50)) * 2).astype("float32") / 2  # many ties
+    call = samplers.sample
+    if mode != "eager":
+        call = tf.function(call, jit_compile=mode == "xla")
+    for temperature, top_k, top_p in TENSOR_SETTINGS:
+        for s in range(6):
+            seed = tf.constant([s, 3 * s + 1], "int32")
+            got = np.asarray(
+                call(logits, seed, tf.constant(temperature), tf.constant(top_k, "int32"), tf.constant(top_p))
+            )
+            if temperature == 0:
+                expected = logits.argmax(-1)
+            else:
+                expected = np.asarray(samplers.sample(logits, seed, temperature, top_k, top_p))
+            np.testing.assert_array_equal(got, expected, err_msg=str((temperature, top_k, top_p, s)))
+
+
+def test_sample_with_tensor_settings_ranks_a_computed_number_of_tokens():
+    """No sort over the whole vocabulary for settings that do not need one: the graph's one ranking op
+    takes its size from the settings (a guard against a full sort on every token of greedy decoding)."""
+    fn = tf.function(samplers.sample).get_concrete_function(
+        tf.TensorSpec((None, 1000), tf.float32),
+        tf.TensorSpec((2,), tf.int32),
+        tf.TensorSpec((), tf.float32),
+        tf.TensorSpec((), tf.int32),
+        tf.TensorSpec((), tf.float32),
+    )
+    ranking = [op for op in fn.graph.get_operations() if op.type in ("TopKV2", "TopK")]
+    assert len(ranking) == 1 and ranking[0].inputs[1].op.type != "Const", ranking
