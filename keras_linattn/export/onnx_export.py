@@ -95,7 +95,45 @@ def _erfc_handler(ctx, node, name, args):
     _replace_with_sub(ctx, node, one.output[0], erf.output[0])
 
 
-_CUSTOM_OP_HANDLERS = {"FloorMod": (_floor_mod_handler, []), "Erfc": (_erfc_handler, [])}
+def _select_v2_handler(ctx, node, name, args):
+    """SelectV2 (``where``) as ONNX ``Where``, which broadcasts as SelectV2 does.
+
+    tf2onnx 1.17 lowers a float SelectV2 to ``cond * x + (not cond) * y``
+    (two Casts, a Not, two Muls and an Add): six nodes where one does, and
+    a NaN or Inf in the branch not taken leaks into the result (``0 * NaN``
+    is NaN), which breaks the ``where`` guards that keep a padded position
+    out of the real outputs. A decode step runs about 7 of them a layer; as
+    ``Where`` the GPT-2 base step graph has about 500 nodes fewer.
+
+    onnxruntime's CPU ``Where`` takes float, double, int32, int64 and
+    uint8: other dtypes go through one of those and back (exact: bool and
+    small integers as int32/int64, float16/bfloat16 as float).
+    """
+    from onnx import TensorProto
+
+    dtype = ctx.get_dtype(node.output[0])
+    direct = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.INT32, TensorProto.INT64, TensorProto.UINT8)
+    if dtype in direct:
+        node.type = "Where"
+        return
+    floats = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
+    wide = (
+        TensorProto.FLOAT if dtype in floats else TensorProto.INT32 if dtype == TensorProto.BOOL else TensorProto.INT64
+    )
+    branches = [ctx.make_node("Cast", [node.input[i]], attr={"to": wide}).output[0] for i in (1, 2)]
+    where = ctx.make_node("Where", [node.input[0]] + branches)
+    shapes, dtypes = node.output_shapes, node.output_dtypes
+    ctx.remove_node(node.name)
+    ctx.make_node(
+        "Cast", where.output, attr={"to": dtype}, name=node.name, outputs=node.output, shapes=shapes, dtypes=dtypes
+    )
+
+
+_CUSTOM_OP_HANDLERS = {
+    "FloorMod": (_floor_mod_handler, []),
+    "Erfc": (_erfc_handler, []),
+    "SelectV2": (_select_v2_handler, []),
+}
 
 
 def _check_path(path, name="path"):

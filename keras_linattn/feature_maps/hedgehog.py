@@ -130,6 +130,11 @@ class HedgehogFeatureMap(_trainable.TrainableFeatureMap):
         # half the kernels, which dominate at one token (24 maps of [1, 1, 12, 64] on 2 cores: 3.7 -> 1.5 ms).
         shape = ops.shape(logits)
         both = ops.softmax(ops.stack([logits, -logits], axis=-2), axis=-1)  # [B, T, H, 2, F]
+        dims = [d if isinstance(d, int) else None for d in shape]
+        # At most one unknown dim (a step's batch) and no empty one (-1 cannot be inferred beside a 0): -1 for it.
+        if None not in dims[-1:] and dims[:-1].count(None) <= 1 and 0 not in dims:
+            # A constant target shape: one ONNX Reshape where a shape read at run time is seven nodes.
+            return ops.reshape(both, tuple(-1 if d is None else d for d in dims[:-1]) + (2 * dims[-1],))
         return ops.reshape(both, (*shape[:-1], 2 * shape[-1]))  # [B, T, H, 2F]
 
     def get_config(self):

@@ -138,7 +138,7 @@ def _mask_keys(x, key_mask):
     keep = ops.cast(key_mask, "bool")  # [B, S] (or [B])
     for _ in range(len(x.shape) - len(keep.shape)):
         keep = ops.expand_dims(keep, -1)  # ends as [B, S, 1, 1] (or [B, 1, 1])
-    return ops.where(keep, x, ops.zeros_like(x))
+    return ops.where(keep, x, ops.zeros((), x.dtype))  # a scalar: no zeros the size of x (nor, in ONNX, its shape)
 
 
 def _matmul(a, b, transpose_a=False, transpose_b=False):
@@ -209,7 +209,7 @@ def _guarded_denominator(den, den_abs, eps):
     """
     guard = ops.stop_gradient(eps * den_abs)  # [..., 1]
     degenerate = ops.abs(den) <= guard  # [..., 1]: cancelled, or 0
-    return ops.where(degenerate, ops.where(guard > 0, guard, ops.ones_like(guard)), den)  # [..., 1]
+    return ops.where(degenerate, ops.where(guard > 0, guard, ops.ones((), guard.dtype)), den)  # [..., 1]
 
 
 class KernelUnderflowError(ValueError):
@@ -291,7 +291,8 @@ def _mark_underflow(out, q, den_abs, has_keys):
             )
         return out
     # sqrt(-1) = NaN where flagged, sqrt(-0) = -0 elsewhere (x + -0 == x bit for bit). Not a
-    # `where` with a NaN branch: tf2onnx lowers `where` to products, and 0 * NaN = NaN everywhere.
+    # `where` with a NaN branch: tf2onnx's own lowering of `where` is products (0 * NaN = NaN
+    # everywhere); `export_onnx` converts it to ONNX Where, but other converters may not.
     marker = ops.sqrt(-ops.cast(ops.stop_gradient(underflow), out.dtype))  # [..., 1]
     return out + marker
 

@@ -73,8 +73,10 @@ def _check_gamma(gamma, heads):
 def _softmax_terms(scores, allowed, axis=-1):
     """``exp(s - m)`` over allowed keys (``m`` their max along `axis`) and 0 elsewhere; finite for empty rows."""
     # `initial`: no error for an empty batch or piece (the masked scores are >= _NEG anyway).
-    peak = ops.max(ops.where(allowed, scores, ops.full_like(scores, _NEG)), axis=axis, keepdims=True, initial=_NEG)
-    return ops.where(allowed, ops.exp(ops.minimum(scores - peak, 0.0)), ops.zeros_like(scores))
+    # Scalars in the `where`s: nothing the size of the scores (nor, in ONNX, a read of their shape).
+    neg, zero = ops.full((), _NEG, scores.dtype), ops.zeros((), scores.dtype)
+    peak = ops.max(ops.where(allowed, scores, neg), axis=axis, keepdims=True, initial=_NEG)
+    return ops.where(allowed, ops.exp(ops.minimum(scores - peak, 0.0)), zero)
 
 
 def window_attention(
@@ -247,15 +249,15 @@ def window_attention_step(
     kf_old = _mask_keys(ops.cast(k_features_evicted, "float32"), old_ok)  # [B, H, C]
     v_old = _mask_keys(_repeat_heads(values[:, 0], groups), old_ok)  # [B, H, M]
     s, z = (ops.cast(x, "float32") for x in state)
-    s = s + kf_old[..., :, None] * v_old[..., None, :]  # [B, H, C, M]
+    s = s + ops.expand_dims(kf_old, -1) * ops.expand_dims(v_old, -2)  # [B, H, C, M]
     z = z + kf_old  # [B, H, C]
     if key_mask_t is None:
         new_ok = ops.ones_like(valid[:, :1])  # [B, 1]
     else:
-        new_ok = ops.cast(ops.cast(key_mask_t, "bool"), "float32")[:, None]  # [B, 1]
+        new_ok = ops.expand_dims(ops.cast(ops.cast(key_mask_t, "bool"), "float32"), 1)  # [B, 1]
     v_new = _mask_keys(ops.cast(v_t, "float32"), new_ok[:, 0] > 0)  # [B, H, M]
-    keys = ops.concatenate([keys[:, 1:], ops.cast(k_t, "float32")[:, None]], axis=1)  # [B, W, H, D]
-    values = ops.concatenate([values[:, 1:], v_new[:, None]], axis=1)  # [B, W, H, M]
+    keys = ops.concatenate([keys[:, 1:], ops.expand_dims(ops.cast(k_t, "float32"), 1)], axis=1)  # [B, W, H, D]
+    values = ops.concatenate([values[:, 1:], ops.expand_dims(v_new, 1)], axis=1)  # [B, W, H, M]
     valid = ops.concatenate([valid[:, 1:], new_ok], axis=1)  # [B, W]
 
     q = ops.cast(q_t, "float32")  # [B, H, D]
@@ -265,12 +267,12 @@ def window_attention_step(
         # (``[B, W, H]``), as broadcast products summed over D and over W. An einsum would copy the
         # [B, W, H, D] keys and values to heads-first on every step for H matrix-vector products, which
         # at decode sizes cost more than the products themselves.
-        scores = ops.sum((q * scale)[:, None] * keys, axis=-1)  # [B, W, H]
-        e = _softmax_terms(scores, (valid > 0)[:, :, None], axis=1)  # [B, W, H]
+        scores = ops.sum(ops.expand_dims(q * scale, 1) * keys, axis=-1)  # [B, W, H]
+        e = _softmax_terms(scores, ops.expand_dims(valid > 0, -1), axis=1)  # [B, W, H]
         gamma = _check_gamma(gamma, q_t.shape[1])
         if gamma is not None:
             e = e * gamma[None, None, :]  # [B, W, H]
-        num_sm = ops.sum(e[..., None] * values, axis=1)  # [B, H, M]
+        num_sm = ops.sum(ops.expand_dims(e, -1) * values, axis=1)  # [B, H, M]
         den_sm = ops.sum(e, axis=1)[..., None]  # [B, H, 1]
     else:
         # Grouped heads: each group's H / G queries against its key/value head are small matrix products.
@@ -281,7 +283,9 @@ def window_attention_step(
             e = e * gamma[None, :, None]  # [B, H, W]
         num_sm = _grouped_readout(e, values, groups)  # [B, H, M]
         den_sm = ops.sum(e, axis=-1, keepdims=True)  # [B, H, 1]
-    num = num_sm + ops.einsum("bhc,bhcm->bhm", qf, s)  # [B, H, M]
+    # A batched product rather than an einsum: 3 ONNX nodes where the einsum lowers to ~20 (its
+    # reshapes read the dynamic batch size); the same products over C.
+    num = num_sm + ops.squeeze(ops.matmul(ops.expand_dims(qf, 2), s), axis=2)  # [B, H, M]
     den = den_sm + ops.sum(qf * z, axis=-1, keepdims=True)  # [B, H, 1]
     den_abs = den_sm + ops.sum(ops.abs(qf) * ops.abs(z), axis=-1, keepdims=True)  # [B, H, 1]
     out = _normalize(qf, num, den, eps, den_abs)  # [B, H, M]

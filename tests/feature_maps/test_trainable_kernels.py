@@ -494,3 +494,35 @@ def test_rebuild_keeps_weights_and_checks_the_shape():
         np.testing.assert_array_equal(a, np.asarray(w))
     with pytest.raises(ValueError, match="input_shape"):
         fm.build((None, None, 3, 4))
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize("batch", [0, 1, 3])
+def test_headwise_matmul_at_one_token_matches_the_einsum_values_and_gradients(batch):
+    """The one-token form (constant reshapes around a batched product) against the einsum it stands for."""
+    from keras_linattn.feature_maps import _trainable
+
+    rng = np.random.default_rng(5)
+    x = tf.constant(rng.normal(size=(batch, 1, 4, 16)).astype("float32"))  # [B, 1, H, D]
+    w = tf.constant(rng.normal(size=(4, 16, 8)).astype("float32"))  # [H, D, C]
+    up = tf.constant(rng.normal(size=(batch, 1, 4, 8)).astype("float32"))
+
+    def run(fn):
+        with tf.GradientTape() as tape:
+            tape.watch([x, w])
+            y = fn(x, w)
+            loss = tf.reduce_sum(y * up)
+        return [y] + tape.gradient(loss, [x, w])
+
+    fast = run(tf.function(_trainable.headwise_matmul))  # traced: the batch is unknown there, as in a step
+    plain = run(lambda a, b: tf.einsum("bthd,hdc->bthc", a, b))
+    # Sums of D = 16 (outputs), C = 8 (d/dx) and B (d/dw) products.
+    for name, a, b, n in zip(["outputs", "d/dx", "d/dw"], fast, plain, [16, 8, max(batch, 1)], strict=True):
+        assert a.shape == b.shape, (name, a.shape, b.shape)
+        assert_close(a.numpy(), b.numpy(), n=n, what=name)
+    graph = (
+        tf.function(_trainable.headwise_matmul)
+        .get_concrete_function(tf.TensorSpec((None, 1, 4, 16)), tf.TensorSpec((4, 16, 8)))
+        .graph
+    )
+    assert not [op for op in graph.get_operations() if op.type in ("Einsum", "Shape")]  # the one-token form ran
