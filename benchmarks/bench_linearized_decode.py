@@ -363,6 +363,62 @@ def onnx_weight_bytes(path):
     )
 
 
+def onnx_step_profile(step_path, calls, prepacking=True):
+    """onnxruntime's own profile of the step graph: each op type's node count and time per step.
+
+    A fresh CPU session with profiling on, ``calls`` steps from the initial
+    state after 3 warm-up steps (their events dropped); the node count is
+    that of the graph onnxruntime runs (after its fusions). The profiler
+    adds a little to each node, so the times are a breakdown, not a timing.
+    """
+    import collections
+    import tempfile
+
+    import numpy as np
+    import onnxruntime as ort
+
+    from keras_linattn.export import OnnxGenerator
+
+    generator = OnnxGenerator(step_path, device="cpu", prepacking=prepacking)  # its initial state and feeds
+    with tempfile.TemporaryDirectory() as folder:
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        options.enable_profiling = True
+        options.profile_file_prefix = os.path.join(folder, "step")
+        options.optimized_model_filepath = os.path.join(folder, "optimized.onnx")
+        if not prepacking:
+            options.add_session_config_entry("session.disable_prepacking", "1")
+        session = ort.InferenceSession(step_path, options, providers=["CPUExecutionProvider"])
+        state = generator.initial_state(1)
+        names = [i.name for i in session.get_inputs()]
+        outputs = [o.name for o in session.get_outputs()]
+        warm = 3
+        for _ in range(warm + calls):
+            feeds = {"token_t": np.zeros((1,), np.int32), **{f"state_{i}": s for i, s in enumerate(state)}}
+            out = dict(zip(outputs, session.run(None, {n: feeds[n] for n in names}), strict=True))
+            state = [out[f"new_state_{i}"] for i in range(len(state))]
+        with open(session.end_profiling()) as f:
+            events = json.load(f)
+        import onnx
+
+        nodes = len(onnx.load(options.optimized_model_filepath, load_external_data=False).graph.node)
+    runs = [e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"]
+    start = runs[warm]["ts"] if len(runs) > warm else 0  # events of the timed calls only
+    time_us, count = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time") and e["ts"] >= start:
+            op = e.get("args", {}).get("op_name", "?")
+            time_us[op] += e["dur"]
+            count[op] += 1
+    rows = sorted(time_us, key=time_us.get, reverse=True)
+    return {
+        "calls": calls,
+        "nodes": nodes,
+        "ms_per_step": sum(time_us.values()) / calls / 1e3,
+        "op_types": {op: {"nodes": count[op] // calls, "ms": time_us[op] / calls / 1e3} for op in rows},
+    }
+
+
 def stage_onnx_decode(args):
     """ms per new token at batch 1 through onnxruntime, on the graphs of ``export_onnx``, beside the floor.
 
@@ -376,9 +432,16 @@ def stage_onnx_decode(args):
     - ``step``: `OnnxGenerator.step` called once a token from Python (state
       passed back as returned), the median of 31 calls.
 
+    ``--onnx-no-prepacking`` keeps one copy of the weights in onnxruntime
+    (`OnnxPredictor`'s ``prepacking=False``), for models near the memory limit.
+    ``--onnx-profile N`` adds `onnx_step_profile` (N profiled steps) as
+    ``profile``.
+
     The settings take turns within each repeat. The floor is the graph's
     weight bytes over the bandwidth of a large matrix-vector product
-    (`bandwidth_gib_s`), measured after the timings in the same process.
+    (`bandwidth_gib_s`): the median of 3 measurements before the timings
+    and 3 after, in the same process (one measurement alone moved between
+    24.6 and 36.1 GiB/s on the 2-core host, most of them 25-29).
     """
     import numpy as np
 
@@ -391,8 +454,12 @@ def stage_onnx_decode(args):
     limit = CONFIGS[(args.family, args.size)].get("max_sequence_length")
     settings = {"sleep": False, "spin": True}
     settings = {name: spin for name, spin in settings.items() if name in args.onnx_spinning.split(",")}
+    bandwidths = [bandwidth_gib_s() for _ in range(3)]  # before the timings; 3 more after
     t = time.perf_counter()
-    generators = {name: OnnxGenerator(step_path, device="cpu", allow_spinning=spin) for name, spin in settings.items()}
+    generators = {
+        name: OnnxGenerator(step_path, device="cpu", allow_spinning=spin, prepacking=not args.onnx_no_prepacking)
+        for name, spin in settings.items()
+    }
     load_s = time.perf_counter() - t
     short, long = args.new_tokens
     rng = np.random.default_rng(0)
@@ -436,13 +503,15 @@ def stage_onnx_decode(args):
                 _, state = generator.step(token, state)
                 times.append(time.perf_counter() - t)
             steps.setdefault(name, []).append(1e3 * _median(times))
-    bw = bandwidth_gib_s()
+    bandwidths += [bandwidth_gib_s() for _ in range(3)]
+    bw = _median(bandwidths)
     weights = onnx_weight_bytes(step_path)
     floor = weights / (bw * 2**30) * 1e3
     result = {
         "load_s": load_s,
         "weights_gib": _gib(weights),
         "bandwidth_gib_s": bw,
+        "bandwidth_gib_s_all": [round(b, 2) for b in bandwidths],
         "weights_read_floor_ms": floor,
         "contexts": rows,
         "step_ms": {name: _median(values) for name, values in steps.items()},
@@ -453,6 +522,9 @@ def stage_onnx_decode(args):
             if f"generate_{name}_ms_per_token" in row:
                 row[f"generate_{name}_over_floor"] = row[f"generate_{name}_ms_per_token"] / floor
     result["step_over_floor"] = {name: ms / floor for name, ms in result["step_ms"].items()}
+    if args.onnx_profile:
+        del generators
+        result["profile"] = onnx_step_profile(step_path, args.onnx_profile, prepacking=not args.onnx_no_prepacking)
     return result
 
 
@@ -1025,6 +1097,9 @@ def _run_stage(args, stage):
     if args.merge_in_place:
         command.append("--merge-in-place")
     command += ["--student-modes", args.student_modes, "--onnx-spinning", args.onnx_spinning]
+    if args.onnx_no_prepacking:
+        command.append("--onnx-no-prepacking")
+    command += ["--onnx-profile", str(args.onnx_profile)]
     command += ["--serve-context", str(args.serve_context), "--serve-batches", args.serve_batches]
     command += ["--serve-budget-gib", str(args.serve_budget_gib), "--serve-model", args.serve_model]
     command += ["--prefill-piece", str(args.prefill_piece), "--decode-tokens", str(args.decode_tokens)]
@@ -1063,6 +1138,14 @@ def main(argv=None):
         "--onnx-spinning",
         default="sleep,spin",
         help="onnx_decode: onnxruntime's worker threads between ops: sleep (the package's default), spin, or both",
+    )
+    parser.add_argument(
+        "--onnx-no-prepacking",
+        action="store_true",
+        help="onnx_decode: one copy of the weights in onnxruntime (no repacked copy; for models near the memory limit)",
+    )
+    parser.add_argument(
+        "--onnx-profile", type=int, default=0, help="onnx_decode: also profile this many steps (onnxruntime's profiler)"
     )
     parser.add_argument("--merge-in-place", action="store_true", help="merge_lora: merge into the student")
     parser.add_argument("--serve-context", type=int, default=16384, help="serve: the context of the timed step")

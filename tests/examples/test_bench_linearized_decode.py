@@ -164,7 +164,8 @@ def test_a_tiny_chain_run_reports_its_time_beside_the_floor(tmp_path):
 def test_a_tiny_onnx_decode_run_times_both_thread_settings_beside_the_floor(tmp_path):
     out = tmp_path / "onnx.json"
     argv = ["--family", "gpt2", "--size", "tiny", "--stages", "build,export_onnx,onnx_decode", "--repeats", "1"]
-    argv += ["--contexts", "16,254", "--new-tokens", "2,4", "--workdir", str(tmp_path / "w"), "--out", str(out)]
+    argv += ["--contexts", "16,254", "--new-tokens", "2,4", "--onnx-profile", "2"]
+    argv += ["--workdir", str(tmp_path / "w"), "--out", str(out)]
     assert B.main(argv) == 0
     stage = json.loads(out.read_text())["stages"]["onnx_decode"]
     assert "failed" not in stage, stage
@@ -175,6 +176,13 @@ def test_a_tiny_onnx_decode_run_times_both_thread_settings_beside_the_floor(tmp_
         ratio = row[f"generate_{name}_ms_per_token"] / stage["weights_read_floor_ms"]
         assert np.isclose(row[f"generate_{name}_over_floor"], ratio)
         assert stage["step_ms"][name] > 0 and len(stage["step_ms_runs"][name]) == 1
+    profile = stage["profile"]
+    assert profile["calls"] == 2 and profile["nodes"] > 0 and profile["ms_per_step"] > 0
+    # At least the tiny student's 13 weight products (q, k, v, output and the feed-forward's two in each of
+    # its 2 layers, and the head), counted once per step (the feature maps' products come on top).
+    products = {op: row["nodes"] for op, row in profile["op_types"].items() if op in ("MatMul", "Gemm", "FusedMatMul")}
+    assert sum(products.values()) >= 13, profile["op_types"]
+    assert np.isclose(sum(row["ms"] for row in profile["op_types"].values()), profile["ms_per_step"])
     # The floor's bytes are the graph's weights: the student's, within the few non-weight constants.
     build = json.loads(out.read_text())["stages"]["build"]
     assert abs(stage["weights_gib"] - build["weights_gib"]) <= 0.002, (stage["weights_gib"], build["weights_gib"])
