@@ -44,7 +44,7 @@ def _serialize_activation(activation):
     return keras.activations.serialize(activation)
 
 
-def step_norm(norm, x):
+def _step_norm(norm, x):
     """``norm(x)`` for one token ``[B, dim]``, in the plain form where `norm` is a float32 norm of the last axis.
 
     ``(x - mean) / sqrt(var + eps) * gamma + beta`` for a `LayerNormalization`,
@@ -338,10 +338,10 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
             raise ValueError(
                 f"`inputs_t` must have last dim {self.hidden_dim}. Received: inputs_t.shape={tuple(inputs_t.shape)}"
             )
-        h = step_norm(self._attention_norm, inputs_t)  # [B, dim]
+        h = _step_norm(self._attention_norm, inputs_t)  # [B, dim]
         attended, new_state = self._self_attention.step(h, h, state, training=training)  # [B, dim]
         x = inputs_t + self._attention_dropout(attended, training=training)  # [B, dim]
-        return self._feedforward(x, training, norm=lambda v: step_norm(self._ffn_norm, v)), new_state
+        return self._feedforward(x, training, norm=lambda v: _step_norm(self._ffn_norm, v)), new_state
 
     # ----------------------------------------------------------------- config
     def get_config(self):

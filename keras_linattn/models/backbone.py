@@ -9,7 +9,7 @@ from keras_linattn import _compat, _validation
 from keras_linattn._docstrings import fill
 from keras_linattn._tracking import CheckpointTracked
 from keras_linattn.layers.spec import MECHANISM_ARGS_DOC, AttentionSpec
-from keras_linattn.layers.transformer import _make_norm, step_norm
+from keras_linattn.layers.transformer import _make_norm, _step_norm
 from keras_linattn.layers.transformer_decoder import LinearTransformerDecoder
 from keras_linattn.models import _presets, generation
 
@@ -784,7 +784,7 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
             x, layer_state = block.step(x, layer_state, training=training)  # [B, dim]
             new_state += list(layer_state)
         new_state.append(position + 1)
-        return _nan_where(bad, step_norm(self.final_norm, x)), new_state
+        return _nan_where(bad, _step_norm(self.final_norm, x)), new_state
 
     def embed(self, token_ids, positions):
         """Token embeddings plus, with `max_sequence_length`, the learned positions (``[B, T, dim]``)."""

@@ -56,10 +56,10 @@ def test_a_tiny_run_times_every_variant_and_profiles_the_step(tmp_path):
     assert set(result["ms"]) == set(A.VARIANTS)
     profile = result["profile"]
     assert profile["calls"] == 2
-    # One layer: q, k, v, output, two feed-forward kernels and the vocabulary head (einsums left out: the
-    # feature maps and the linear readout are einsums too).
-    weights = [row["count"] for t, row in profile["by_type"].items() if t in A.MATRIX_OPS and "Einsum" not in t]
-    assert sum(weights) == 7
+    # One layer: q, k, v, output, two feed-forward kernels and the vocabulary head (7), the query's and the
+    # key's feature-map products and the linear readout (3; batched products at one token, not einsums).
+    products = [row["count"] for t, row in profile["by_type"].items() if t in A.MATRIX_OPS and "Einsum" not in t]
+    assert sum(products) == 10
     assert {"query", "key", "value", "hedgehog_feature_map"} <= set(profile["by_scope"])
     assert 0 < profile["matrix_op_ms_per_call"] < profile["op_ms_per_call"]
     assert all(ms > 0 for ms in result["ms"].values())

@@ -278,7 +278,7 @@ def test_bad_arguments_raise(rng):
 @pytest.mark.parametrize("kind", ["layer_norm", "rms_norm"])
 def test_step_norm_matches_the_layer_values_and_gradients(kind, tmp_path):
     """The decode step's plain norm against the Keras layer it stands for (values and gradients)."""
-    from keras_linattn.layers.transformer import _make_norm, step_norm
+    from keras_linattn.layers.transformer import _make_norm, _step_norm
 
     rng = np.random.default_rng(TEST_SEED)
     dim = 96
@@ -295,7 +295,7 @@ def test_step_norm_matches_the_layer_values_and_gradients(kind, tmp_path):
             loss = tf.reduce_sum(y * tf.sin(tf.range(dim, dtype=tf.float32)))
         return [y.numpy()] + [g.numpy() for g in tape.gradient(loss, [x] + list(norm.trainable_weights))]
 
-    got, expected = values_and_grads(lambda v: step_norm(norm, v)), values_and_grads(norm)
+    got, expected = values_and_grads(lambda v: _step_norm(norm, v)), values_and_grads(norm)
     # A norm over `dim` values, computed in two orders: sums of `dim` terms each way.
     for name, a, b in zip(["outputs", "d/dx"] + [w.path for w in norm.trainable_weights], got, expected, strict=True):
         assert_close(a, b, n=dim, paths=2, what=name)
@@ -304,7 +304,7 @@ def test_step_norm_matches_the_layer_values_and_gradients(kind, tmp_path):
     import onnxruntime as ort
     import tf2onnx
 
-    fn = tf.function(lambda v: step_norm(norm, v))
+    fn = tf.function(lambda v: _step_norm(norm, v))
     proto, _ = tf2onnx.convert.from_function(fn, [tf.TensorSpec((None, dim), tf.float32)], opset=18)
     options = ort.SessionOptions()
     options.log_severity_level = 3
@@ -317,7 +317,7 @@ def test_step_norm_matches_the_layer_values_and_gradients(kind, tmp_path):
 
 
 def test_step_norm_calls_any_other_norm_as_is():
-    from keras_linattn.layers.transformer import step_norm
+    from keras_linattn.layers.transformer import _step_norm
 
     x = tf.constant(np.random.default_rng(0).normal(size=(3, 8)).astype("float32"))
     others = [
@@ -330,5 +330,5 @@ def test_step_norm_calls_any_other_norm_as_is():
         calls = []
         original = norm.call
         norm.call = lambda v, original=original, calls=calls: calls.append(1) or original(v)
-        np.testing.assert_array_equal(np.asarray(step_norm(norm, x)), np.asarray(norm(x)))
+        np.testing.assert_array_equal(np.asarray(_step_norm(norm, x)), np.asarray(norm(x)))
         assert len(calls) == 2, norm.get_config()
