@@ -66,6 +66,14 @@ def _merge_specs(first, second):
     return keras.KerasTensor(shape, first.dtype, sparse=first.sparse)
 
 
+def _project_token(dense, x):
+    """``dense`` at one token (``x`` without the time axis): its `step_call` where it has one."""
+    step_call = getattr(dense, "step_call", None)
+    if step_call is not None:
+        return step_call(x)
+    return ops.squeeze(dense(ops.expand_dims(x, 1)), axis=1)
+
+
 def _check_output_shape(output_shape):
     if output_shape is None:
         return None
@@ -75,6 +83,10 @@ def _check_output_shape(output_shape):
         output_shape = output_shape[0]
     _validation.check_positive_int("output_shape", output_shape)
     return output_shape
+
+
+# The projections' equations that `_ProjectionDense.step_call` writes as one 2-D product.
+_STEP_FORMS = {"btd,dhk->bthk": "input", "bthk,hkd->btd": "output"}
 
 
 class _ProjectionDense(keras.layers.EinsumDense):
@@ -115,6 +127,38 @@ class _ProjectionDense(keras.layers.EinsumDense):
             store["1"] = self.bias
         store["lora_kernel_a"] = self.lora_kernel_a
         store["lora_kernel_b"] = self.lora_kernel_b
+
+    def step_call(self, x):
+        """This projection at one token, without the time axis.
+
+        ``[B, dim] -> [B, heads, size]`` for the input projections
+        (``btd,dhk->bthk``) and ``[B, heads, size] -> [B, dim]`` for the output
+        one (``bthk,hkd->btd``): the same einsum at ``T = 1``, written as one
+        matrix product of the kernel seen as 2-D (LoRA included: `kernel`
+        merges it) plus the bias. In an ONNX step that is a `Gemm` and a
+        `Reshape` where the einsum over ``[B, 1, ...]`` lowers to five nodes
+        (the time axis added and dropped, the einsum's own reshapes). Any
+        other equation, a quantized kernel or an activation goes through the
+        layer itself.
+        """
+        form = _STEP_FORMS.get(self.equation)
+        plain = self.quantization_mode is None and self.activation in (None, keras.activations.linear)
+        if form is None or not plain or any(d is None for d in _compat.unmerged_kernel(self).shape):
+            return ops.squeeze(self(ops.expand_dims(x, 1)), axis=1)
+        dtype = self.compute_dtype
+        kernel = ops.cast(self.kernel, dtype)
+        x = ops.cast(x, dtype)
+        if form == "input":
+            dim, heads, size = kernel.shape
+            y = ops.matmul(x, ops.reshape(kernel, (dim, heads * size)))  # [B, heads * size]
+            if self.bias is not None:
+                y = y + ops.reshape(ops.cast(self.bias, dtype), (heads * size,))
+            return ops.reshape(y, (-1, heads, size))  # [B, heads, size]
+        heads, size, dim = kernel.shape
+        y = ops.matmul(ops.reshape(x, (-1, heads * size)), ops.reshape(kernel, (heads * size, dim)))  # [B, dim]
+        if self.bias is not None:
+            y = y + ops.cast(self.bias, dtype)
+        return y
 
     def load_own_variables(self, store):
         if "lora_kernel_a" in store.keys():
@@ -320,6 +364,29 @@ class ProjectedAttention(CheckpointTracked, keras.layers.Layer):
             k = ops.repeat(k, groups, axis=2)  # [B, S, H, D]
             v = ops.repeat(v, groups, axis=2)  # [B, S, H, M]
         return q, k, v
+
+    def project_step(self, query_t, value_t, key_t):
+        """`project` at one token, without the time axis.
+
+        ``query_t [B, dim]``, ``value_t``, ``key_t [B, dim]`` ->
+        ``(q [B, H, D], k [B, H, D], v [B, H, M])``, the same values as
+        `project` on ``[B, 1, dim]`` (grouped heads repeated the same way),
+        through each projection's `step_call` (fewer ops per decoding step).
+        """
+        q, k, v = (
+            _project_token(dense, x)
+            for dense, x in ((self.query_dense, query_t), (self.key_dense, key_t), (self.value_dense, value_t))
+        )
+        groups = self.num_heads // self.key_value_heads
+        if groups > 1:
+            k = ops.repeat(k, groups, axis=1)  # [B, H, D]
+            v = ops.repeat(v, groups, axis=1)  # [B, H, M]
+        return q, k, v
+
+    def project_output_step(self, attended_t, training):
+        """`project_output` at one token: ``[B, H, M] -> [B, out_dim]``."""
+        attended_t = self._dropout_layer(attended_t, training=training)  # [B, H, M]
+        return _project_token(self.output_dense, attended_t)
 
     def project_output(self, attended, training):
         """Dropout, then the output projection: ``[B, T, H, M] -> [B, T, out_dim]``."""

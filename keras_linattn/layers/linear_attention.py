@@ -345,11 +345,10 @@ class LinearAttention(_projections.ProjectedAttention):
         if not self.built:
             self.build((None, None, query_t.shape[-1]), (None, None, value_t.shape[-1]), (None, None, key_t.shape[-1]))
         parts = self._split_state(state)
-        # expand_dims / squeeze rather than indexing: one ONNX node each where a `[:, None]` or
-        # `[:, 0]` is two (a Slice beside the Unsqueeze / Squeeze); a step is mostly such small ops.
-        q, k, v = self.project(*(ops.expand_dims(x, 1) for x in (query_t, value_t, key_t)))  # [B, 1, H, D|D|M]
-        gate_keys = k
-        q, k, v = (ops.squeeze(x, axis=1) for x in (q, k, v))  # [B, H, D|D|M]
+        q, k, v = self.project_step(query_t, value_t, key_t)  # [B, H, D|D|M]
+        # expand_dims rather than `[:, None]`: one ONNX node where indexing is two (an Unsqueeze and a
+        # Slice); a step is mostly such small ops. Unused (and dropped from the graph) by most recurrences.
+        gate_keys = ops.expand_dims(k, 1)  # [B, 1, H, D]
         (q, k, v), new_parts = self.short_conv.step(q, k, v, parts)
         extra = {"unrotated": (q, k)} if self.recurrence.reads_unrotated else {}
         if self.rope_max_wavelength is not None:
@@ -364,8 +363,8 @@ class LinearAttention(_projections.ProjectedAttention):
             out = out[:, 0]  # [B, H, M]
         new_parts.update(recurrence_parts)
         out = ops.cast(self.output_norm(out), self.compute_dtype)
-        out = self.project_output(ops.expand_dims(out, 1), training)  # [B, 1, out_dim]
-        return ops.squeeze(out, axis=1), tuple(new_parts[entry.name] for entry in self.state_spec())
+        out = self.project_output_step(out, training)  # [B, out_dim]
+        return out, tuple(new_parts[entry.name] for entry in self.state_spec())
 
     # ----------------------------------------------------------------- config
     def get_config(self):

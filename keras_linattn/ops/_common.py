@@ -136,6 +136,9 @@ def _mask_keys(x, key_mask):
     if key_mask is None:
         return x
     keep = ops.cast(key_mask, "bool")  # [B, S] (or [B])
+    extra = len(x.shape) - len(keep.shape)
+    if len(keep.shape) == 1 and extra:
+        keep = ops.reshape(keep, (-1,) + (1,) * extra)  # [B, 1, 1]: one ONNX node where the loop makes two
     for _ in range(len(x.shape) - len(keep.shape)):
         keep = ops.expand_dims(keep, -1)  # ends as [B, S, 1, 1] (or [B, 1, 1])
     return ops.where(keep, x, ops.zeros((), x.dtype))  # a scalar: no zeros the size of x (nor, in ONNX, its shape)

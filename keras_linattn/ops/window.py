@@ -253,9 +253,10 @@ def window_attention_step(
     z = z + kf_old  # [B, H, C]
     if key_mask_t is None:
         new_ok = ops.ones_like(valid[:, :1])  # [B, 1]
+        v_new = ops.cast(v_t, "float32")  # [B, H, M]: every token real, nothing to mask
     else:
         new_ok = ops.expand_dims(ops.cast(ops.cast(key_mask_t, "bool"), "float32"), 1)  # [B, 1]
-    v_new = _mask_keys(ops.cast(v_t, "float32"), new_ok[:, 0] > 0)  # [B, H, M]
+        v_new = _mask_keys(ops.cast(v_t, "float32"), ops.squeeze(new_ok, axis=1) > 0)  # [B, H, M]
     keys = ops.concatenate([keys[:, 1:], ops.expand_dims(ops.cast(k_t, "float32"), 1)], axis=1)  # [B, W, H, D]
     values = ops.concatenate([values[:, 1:], ops.expand_dims(v_new, 1)], axis=1)  # [B, W, H, M]
     valid = ops.concatenate([valid[:, 1:], new_ok], axis=1)  # [B, W]
@@ -273,7 +274,7 @@ def window_attention_step(
         if gamma is not None:
             e = e * gamma[None, None, :]  # [B, W, H]
         num_sm = ops.sum(ops.expand_dims(e, -1) * values, axis=1)  # [B, H, M]
-        den_sm = ops.sum(e, axis=1)[..., None]  # [B, H, 1]
+        den_sm = ops.expand_dims(ops.sum(e, axis=1), -1)  # [B, H, 1]
     else:
         # Grouped heads: each group's H / G queries against its key/value head are small matrix products.
         scores = _grouped_scores(q * scale, keys, groups)  # [B, H, W]
@@ -290,7 +291,10 @@ def window_attention_step(
     den_abs = den_sm + ops.sum(ops.abs(qf) * ops.abs(z), axis=-1, keepdims=True)  # [B, H, 1]
     out = _normalize(qf, num, den, eps, den_abs)  # [B, H, M]
     # Keys that have left the window are known through the state only (as in a masked plain step).
-    out = _mark_underflow(out, qf, den_abs, ops.any(ops.not_equal(z, 0.0), axis=-1, keepdims=True))
+    # `sum |z| > 0` is `any(z != 0)` (a sum of non-negative terms is 0 only if each is; the two differ
+    # only for a NaN in z, whose output is NaN already): 2 ONNX nodes beside |z| (shared with den_abs)
+    # where `any` and `!=` lower to 5.
+    out = _mark_underflow(out, qf, den_abs, ops.sum(ops.abs(z), axis=-1, keepdims=True) > 0)
     return ops.cast(out, out_dtype), (s, z), (keys, values, valid)
 
 

@@ -207,7 +207,7 @@ class WindowRecurrence(Recurrence):
             old_lin = self._expand(plain[:, :1])  # [B, 1, H, D]
             shifted = ops.concatenate([plain[:, 1:], self._shrink(ops.cast(k_plain, "float32")[:, None])], axis=1)
             new["window_k_plain"] = shifted  # [B, W, buffer_heads, D]
-        qf = self.features(q_lin[:, None], True, True, training)  # [B, 1, H, C]
+        qf = self.features(ops.expand_dims(q_lin, 1), True, True, training)  # [B, 1, H, C]
         kf_old = self.features(ops.cast(old_lin, q.dtype), False, True, training)  # [B, 1, H, C]
         if self.linear_mean:
             count = state["linear_count"] + state["window_valid"][:, 0]  # [B]
@@ -280,10 +280,12 @@ class WindowRecurrence(Recurrence):
         # The buffers stay at their buffer_heads: the op reads them per group (never repeated to H).
         out, (s, z), (wk, wv, wok) = window_ops.window_attention_step(
             q,
-            qf[:, 0],
+            ops.squeeze(qf, axis=1),  # [B, H, C]
             self._shrink(k, axis=1),  # [B, buffer_heads, D]
             self._shrink(v, axis=1),  # [B, buffer_heads, M]
-            kf_old[:, 0],
+            ops.squeeze(kf_old, axis=1)
+            if kf_old.shape[1] == 1
+            else kf_old[:, 0],  # [B, H, C] (a buffer of unknown W: [:, 0])
             (state["window_k"], state["window_v"], state["window_valid"]),
             (state["S"], state["z"]),
             eps=self.layer.epsilon,

@@ -243,3 +243,42 @@ def test_feature_size_and_feature_dim_give_the_same_map(rng):
     new = HedgehogFeatureMap(feature_dim=6)
     np.testing.assert_array_equal(np.asarray(old(x)), np.asarray(new(x)))
     assert old.get_config()["feature_dim"] == new.get_config()["feature_dim"] == 6
+
+
+@pytest.mark.parametrize("use_bias", [False, True])
+@pytest.mark.parametrize("batch", [0, 1, 3])
+def test_one_token_form_matches_the_general_form_values_and_gradients(batch, use_bias):
+    """At T = 1 (a decoding step) the map folds the sign into [W, -W]: the same values and gradients."""
+    rng = np.random.default_rng(11)
+    fm = HedgehogFeatureMap(feature_dim=10, use_bias=use_bias)
+    fm.build((None, None, 3, 8))
+    for w in fm.trainable_weights:
+        w.assign(rng.normal(size=w.shape).astype("float32"))
+    x = tf.constant(rng.normal(size=(batch, 1, 3, 8)).astype("float32"))  # [B, 1, H, D]
+    up = tf.constant(rng.normal(size=(batch, 1, 3, 10)).astype("float32"))
+
+    def run(inputs, fn):
+        with tf.GradientTape() as tape:
+            tape.watch(inputs)
+            y = fn(inputs)
+            loss = tf.reduce_sum(y * up)
+        return [y] + tape.gradient(loss, [inputs] + fm.trainable_weights)
+
+    # Traced with an unknown batch, as in an exported step, and eagerly.
+    traced = tf.function(lambda a: fm(a, is_query=True), input_signature=[tf.TensorSpec((None, 1, 3, 8))])
+    fast = run(x, traced)
+    fast_eager = run(x, lambda a: fm(a, is_query=True))
+    # The general form: two tokens [x, x] (T = 2 takes the einsum), the first kept (the second gets no gradient).
+    general = run(x, lambda a: fm(tf.concat([a, a], axis=1), is_query=True)[:, :1])
+    branch = fm._branches["qk"]
+    expected = _np_hedgehog(x.numpy(), branch["kernel"].numpy(), branch["bias"].numpy() if use_bias else None)
+    names = ["outputs", "d/dx", "d/dW", "d/db"][: len(fast)]
+    assert len(fast) == 3 + use_bias
+    for name, a, b, c in zip(names, fast, fast_eager, general, strict=True):
+        assert a.shape == b.shape == c.shape, (name, a.shape, c.shape)
+        assert_close(a.numpy(), b.numpy(), n=8 + 5, what=name)
+        assert_close(a.numpy(), c.numpy(), n=8 + 5, what=name)
+    assert_close(fast[0].numpy(), expected, n=8 + 5, what="against NumPy")
+    graph = traced.get_concrete_function().graph
+    ops_ = {op.type for op in graph.get_operations()}
+    assert "Einsum" not in ops_ and "Neg" in ops_  # the one-token form ran: [W, -W], no einsum
