@@ -185,9 +185,37 @@ def prefill(model, prompt_ids, padding_mask, state):
     last = getattr(model, "last_logits_with_state", None)
     if last is not None:
         logits, state = last(prompt_ids, state, padding_mask=padding_mask, training=False)  # [B, V]
-        return ops.cast(logits, "float32"), state
+        return ops.cast(logits, "float32"), _with_spec_shapes(model, state)
     logits, state = model.call_with_state(prompt_ids, state, padding_mask=padding_mask, training=False)  # [B, P, V]
-    return ops.cast(logits[:, -1], "float32"), state
+    return ops.cast(logits[:, -1], "float32"), _with_spec_shapes(model, state)
+
+
+def _with_spec_shapes(model, state):
+    """`state` with the static per-example shapes of the model's `state_spec`, where a trace lost them.
+
+    In one traced graph (the exported generate), a prefill's state can come
+    out with dims the trace cannot know, e.g. a window buffer cut from
+    ``[B, W + P, ...]`` with ``[:, -W:]``. The decoding loop would then carry
+    that unknown dim, and the step traced inside it takes general forms
+    (shape reads, einsums) where a step with the spec's shapes takes the
+    one-token ones. A reshape to ``[-1, *shape]`` restores the spec's dims
+    (a check, too: a state of any other size fails there). Eager tensors and
+    states already of the spec's shape pass through untouched.
+    """
+    spec_of = getattr(model, "state_spec", None)
+    if spec_of is None:
+        return state
+    spec = spec_of()
+    if len(spec) != len(state):
+        return state
+    out = []
+    for x, entry in zip(state, spec, strict=True):
+        dims = tuple(entry.shape)
+        known = all(isinstance(d, int) and d > 0 for d in dims) and len(x.shape) == len(dims) + 1
+        if known and tuple(x.shape[1:]) != dims:
+            x = ops.reshape(x, (-1,) + dims)
+        out.append(x)
+    return type(state)(out) if isinstance(state, (list, tuple)) else out
 
 
 def decode_loop(model, sampler, tokens, logits, state, finished, index, end, seed, stop_token_ids=None, pad_token_id=0):

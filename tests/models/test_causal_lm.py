@@ -449,3 +449,26 @@ def test_generate_raises_where_a_kernel_underflows():
 def test_generate_refuses_the_sentinel_as_pad_token_id(rng):
     with pytest.raises(ValueError, match=r"pad_token_id.*-1"):
         _lm().generate(_ids(rng), max_length=9, pad_token_id=-1)
+
+
+def test_a_traced_prefill_returns_the_state_with_the_spec_shapes():
+    """A window buffer cut from the prompt has a length the trace cannot know: prefill gives it the spec's."""
+    import tensorflow as tf
+
+    lm = _lm(feature_map="hedgehog", window_size=4)
+    spec = lm.state_spec()
+
+    @tf.function(input_signature=[tf.TensorSpec((None, None), tf.int32)])
+    def traced(ids):
+        state = lm.get_initial_state(tf.shape(ids)[0])
+        raw = lm.call_with_state(ids, state, training=False)[1]
+        return generation.prefill(lm, ids, tf.ones_like(ids, tf.bool), state)[1], raw
+
+    fixed, raw = traced.get_concrete_function().structured_outputs
+    assert any(tuple(x.shape[1:]) != tuple(e.shape) for x, e in zip(raw, spec, strict=True))  # what a trace loses
+    for x, entry in zip(fixed, spec, strict=True):
+        assert tuple(x.shape[1:]) == tuple(entry.shape), entry.name
+    ids = np.random.default_rng(0).integers(0, VOCAB, size=(2, 7)).astype("int32")
+    got, want = traced(ids)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
