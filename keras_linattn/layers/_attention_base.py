@@ -145,6 +145,11 @@ class _ProjectionDense(keras.layers.EinsumDense):
         plain = self.quantization_mode is None and self.activation in (None, keras.activations.linear)
         if form is None or not plain or any(d is None for d in _compat.unmerged_kernel(self).shape):
             return ops.squeeze(self(ops.expand_dims(x, 1)), axis=1)
+        # The layer's own name scope, as its call has: profiles and graphs name these ops after it.
+        with keras.name_scope(self.name):
+            return self._step_product(x, form)
+
+    def _step_product(self, x, form):
         dtype = self.compute_dtype
         kernel = ops.cast(self.kernel, dtype)
         x = ops.cast(x, dtype)
