@@ -334,8 +334,20 @@ def _weight_inputs(proto):
 
 
 def _name_weight_inputs(proto, names):
-    """Renames the weight inputs to the weights' names; returns the variable indices the graph uses."""
+    """Renames the weight inputs to the weights' names; returns the variable indices the graph uses.
+
+    A weight that no node reads (e.g. a dropout layer's seed state in an
+    inference graph) leaves the graph's inputs: it would be an initializer
+    that onnxruntime warns about, once per weight, at every session start.
+    """
     used = _weight_inputs(proto)
+    read = _names_read(proto.graph)
+    unread = {key for key in used if key not in read}
+    if unread:
+        kept = [graph_input for graph_input in proto.graph.input if graph_input.name not in unread]
+        del proto.graph.input[:]
+        proto.graph.input.extend(kept)
+        used = {key: i for key, i in used.items() if key not in unread}
     _rename_inputs(proto.graph, {key: names[i] for key, i in used.items()})
     for graph_input in proto.graph.input:
         if graph_input.name in used:

@@ -327,3 +327,21 @@ def test_no_weight_is_carried_through_the_generate_loop():
     for loop in loops:
         carried = set(loop.input[2:])
         assert not carried & weights, sorted(carried & weights)[:3]
+
+
+def test_a_weight_no_node_reads_is_not_stored(tmp_path):
+    """Dropout's seed states are variables that no inference graph reads: not initializers (onnxruntime warns)."""
+    from keras_linattn.models import LinearCausalLM
+
+    lm = LinearCausalLM(vocabulary_size=11, num_layers=1, hidden_dim=8, num_heads=2, intermediate_dim=16, dropout=0.1)
+    lm(np.zeros((1, 2), "int32"))
+    seeds = [name for name in _weights(lm) if "seed_generator" in name]
+    assert seeds  # the model has weights that inference never reads
+    paths = export.export_onnx(lm, tmp_path / "lm.onnx")
+    for kind, path in paths.items():
+        proto = onnx.load(path)
+        read = onnx_export._names_read(proto.graph)
+        stored = {t.name for t in proto.graph.initializer}
+        assert not [name for name in stored if name not in read], kind
+        assert not stored & set(seeds), kind
+        assert {i.name for i in proto.graph.input}.isdisjoint(seeds), kind
