@@ -141,11 +141,12 @@ class HedgehogFeatureMap(_trainable.TrainableFeatureMap):
         return ops.reshape(both, (*shape[:-1], 2 * shape[-1]))  # [B, T, H, 2F]
 
     def _apply_one_token(self, inputs, weights, h, d):
-        """`apply_branch` at one token (a decoding step): the same values, bit for bit, in fewer ops.
+        """`apply_branch` at one token (a decoding step): the same map in fewer ops.
 
         The sign is folded into the weights: ``x [W, -W] + [b, -b]`` is
         ``[l, -l]`` exactly (negation commutes with rounding), so one product
-        gives both halves; and ``[B, 1, H, D]`` is read as ``[B, H, 1, D]``
+        gives both halves (each a sum over D, as in the general form, whose
+        einsum may order it differently); and ``[B, 1, H, D]`` is read as ``[B, H, 1, D]``
         (the same memory at ``T = 1``), a batched product against ``[H, D, 2F]``
         with no transposes. In an ONNX step: 6 nodes where the general form
         lowers to 11.
