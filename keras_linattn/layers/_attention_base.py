@@ -143,7 +143,7 @@ class _ProjectionDense(keras.layers.EinsumDense):
         """
         form = _STEP_FORMS.get(self.equation)
         plain = self.quantization_mode is None and self.activation in (None, keras.activations.linear)
-        if form is None or not plain or any(d is None for d in _compat.unmerged_kernel(self).shape):
+        if form is None or not plain:
             return ops.squeeze(self(ops.expand_dims(x, 1)), axis=1)
         # The layer's own name scope, as its call has: profiles and graphs name these ops after it.
         with keras.name_scope(self.name):
