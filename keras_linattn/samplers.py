@@ -28,6 +28,13 @@ NaN/inf). Every sampler returns the sentinel `INVALID_TOKEN` (-1) for such a
 row (`nonfinite_rows`), never a token id; -inf logits beside finite ones are
 normal (filtered or masked tokens) and are never drawn.
 
+Settings: one rule table (`keras_linattn._sampler_settings`, docs/decoding.md
+"Sampler settings") for every front end. A temperature below float32's
+smallest normal number ``2^-126`` (0 included) decodes greedily; NaN, +-inf,
+negative temperatures, a negative `top_k`, and a `top_p` outside
+``[2^-126, 1]`` are refused: `ValueError` for Python settings,
+`INVALID_TOKEN` rows from `sample` for tensor settings (`settings_rules`).
+
 Names (`available()`): ``greedy``, ``random`` (temperature sampling),
 ``top_k``, ``top_p``.
 """
@@ -36,6 +43,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_linattn import _sampler_settings as rules
 from keras_linattn import _validation
 from keras_linattn._registry import NameRegistry
 
@@ -54,6 +62,7 @@ __all__ = [
     "nonfinite_rows",
     "sample",
     "serialize",
+    "settings_rules",
     "uniform_from_bits",
     "uniform_noise",
 ]
@@ -67,11 +76,15 @@ class Sampler:
     """Base class: next-token logits ``[B, V]`` -> token ids ``[B]`` (int32).
 
     Subclasses implement ``get_next_token(logits, seed)`` on logits already
-    divided by the temperature (computed in float32).
+    divided by the temperature (computed in float32, and shifted by the
+    row's maximum first, which changes no softmax: `scale_logits`).
 
     Args:
         temperature: logits are divided by it before sampling; < 1 sharpens,
-            > 1 flattens the distribution. Greedy decoding ignores it.
+            > 1 flattens the distribution. A float32 number >= 0; below
+            ``2^-126`` (0 included) every sampler decodes greedily (the
+            rule table of docs/decoding.md, "Sampler settings"). Greedy
+            decoding ignores it.
 
     Call arguments:
         logits: ``[B, V]`` next-token logits.
@@ -80,13 +93,18 @@ class Sampler:
     Returns:
         ``[B]`` int32 token ids; `INVALID_TOKEN` (-1) for a row whose logits
         are not finite (`nonfinite_rows`), whatever the subclass draws.
+
+    Raises:
+        ValueError: for a temperature the rule table refuses (NaN, +-inf,
+            negative), naming the value received.
     """
 
     is_random = True
+    # GreedySampler: argmax of the logits as given, whatever the temperature.
+    _greedy = False
 
     def __init__(self, temperature=1.0):
-        temperature = _validation.check_positive_float("temperature", temperature)
-        self.temperature = float(temperature)
+        self.temperature = rules.check_temperature(temperature)
 
     def __call__(self, logits, seed=None):
         if len(logits.shape) != 2:
@@ -98,8 +116,11 @@ class Sampler:
                 f"{type(self).__name__} draws random tokens and needs a `seed` ([2] int32). Received: seed=None"
             )
         logits = ops.cast(logits, "float32")  # [B, V]
-        bad = nonfinite_rows(logits)  # [B], on the logits as given (a temperature may overflow finite ones)
-        ids = ops.cast(self.get_next_token(logits / self.temperature, seed), "int32")  # [B]
+        bad = nonfinite_rows(logits)  # [B]
+        if self._greedy or rules.is_greedy_temperature(self.temperature):
+            ids = argmax(logits)  # [B]: the rule table's greedy temperatures, in every sampler
+        else:
+            ids = ops.cast(self.get_next_token(scale_logits(logits, self.temperature), seed), "int32")  # [B]
         return ops.where(bad, INVALID_TOKEN, ids)
 
     def get_next_token(self, logits, seed):
@@ -239,39 +260,119 @@ def _gumbel_argmax(logits, seed):
     return argmax(logits + gumbel)  # [B]
 
 
+def scale_logits(logits, temperature):
+    """``(logits - max(logits)) / temperature`` per row, ``[B, V]`` float32.
+
+    The shift changes no softmax and no Gumbel-max draw, and keeps the
+    division from overflowing: every value is <= 0, so a tiny temperature
+    sends the other tokens to -inf, never the best one to +inf.
+    """
+    logits = ops.cast(logits, "float32")  # [B, V]
+    return (logits - ops.max(logits, axis=-1, keepdims=True)) / temperature
+
+
+def settings_rules(temperature, top_k, top_p, seed=None):
+    """The rule table of sampler settings as graph conditions: a list of ``(ok, message, value)``.
+
+    The graph-side twin of `keras_linattn._sampler_settings` (the Python
+    checks), written in `keras.ops`: `sample` with tensor settings and the
+    exported ``generate_sampled`` / ONNX generate graphs run it.
+
+    Args:
+        temperature: float32 scalar tensor.
+        top_k: int32 scalar tensor.
+        top_p: float32 scalar tensor.
+        seed: optional int64 scalar tensor (the generate seed).
+
+    Returns:
+        A list of ``(ok, message, value)``: ``ok`` a scalar bool tensor,
+        ``message`` the rule as the Python checks word it, ``value`` the
+        setting as received.
+    """
+    t = ops.cast(temperature, "float32")
+    k = ops.cast(top_k, "int32")
+    p = ops.cast(top_p, "float32")
+    # TensorFlow's kernels flush subnormal inputs to zero: a negative subnormal compares >= 0 there, so the
+    # sign comes from 1 / t (-inf for -0.0), which the flush leaves negative.
+    signed = ops.logical_or(t > 0, ops.divide(1.0, t) > 0)
+    t_ok = ops.logical_and(ops.logical_and(t >= 0, t <= rules.FLOAT32_MAX), signed)
+    p_ok = ops.logical_and(p >= rules.FLOAT32_TINY, p <= 1.0)  # NaN fails both
+    found = [
+        (t_ok, f"`temperature` must be {rules.MESSAGES['temperature']}", t),
+        (k >= 0, f"`top_k` must be {rules.MESSAGES['top_k']}", k),
+        (p_ok, f"`top_p` must be {rules.MESSAGES['top_p']}", p),
+    ]
+    if seed is not None:
+        found.append((seed >= 0, f"`seed` must be {rules.MESSAGES['seed']}", seed))
+    return found
+
+
+def _check_static_settings(temperature, top_k, top_p):
+    """The Python rules for the settings given as numbers (tensors are checked in the graph)."""
+    if _is_static(temperature):
+        rules.check_temperature(temperature)
+    if _is_static(top_k):
+        rules.check_top_k(top_k)
+    if _is_static(top_p):
+        rules.check_top_p(top_p)
+
+
 def sample(logits, seed, temperature=1.0, top_k=0, top_p=1.0):
     """The sampling kernel: temperature, then top-k, then top-p, then a draw.
 
     Every argument may be a tensor, so one exported graph serves every
-    setting; built-in samplers call this with their own settings.
+    setting; built-in samplers call this with their own settings. The
+    settings follow one rule table (docs/decoding.md, "Sampler settings";
+    `keras_linattn._sampler_settings`).
 
     Args:
         logits: ``[B, V]`` next-token logits.
         seed: ``[2]`` int32 (the user's seed, the position of the token).
-        temperature: > 0; logits are divided by it. A tensor temperature
-            <= 0 means greedy (argmax), so one exported graph also decodes
-            greedily.
+        temperature: a float32 number >= 0; logits are divided by it (after
+            a shift by their maximum: `scale_logits`). Below ``2^-126``
+            (0 included) the draw is greedy (argmax).
         top_k: keep the `top_k` most likely tokens; 0 (or >= V) keeps all.
-        top_p: then keep the smallest set of most likely tokens whose
-            probability (renormalized over the top-k) reaches `top_p`;
-            >= 1 keeps all.
+        top_p: in ``[2^-126, 1]``: then keep the smallest set of most
+            likely tokens whose probability (renormalized over the top-k)
+            reaches `top_p`; 1 keeps all.
 
     Returns:
         ``[B]`` int32 token ids in ``[0, V)``, or `INVALID_TOKEN` (-1) for a
         row whose logits hold a NaN or +inf or are all -inf
-        (`nonfinite_rows`), greedy or sampled.
+        (`nonfinite_rows`), greedy or sampled, and for every row when a
+        tensor setting breaks the rule table (`settings_rules`).
+
+    Raises:
+        ValueError: for a setting given as a Python or NumPy number that the
+            rule table refuses (NaN, +-inf or negative `temperature`,
+            negative `top_k`, `top_p` outside ``[2^-126, 1]``), naming it.
     """
+    _check_static_settings(temperature, top_k, top_p)
     logits = ops.cast(logits, "float32")  # [B, V]
     bad = nonfinite_rows(logits)  # [B]
-    greedy = None
-    if isinstance(temperature, (int, float, np.number)):
-        if not temperature > 0:
-            raise ValueError(f"`temperature` must be > 0. Received: temperature={temperature!r}")
+    valid = None
+    if not _is_static(temperature, top_k, top_p):
+        valid = ops.all(ops.stack([ok for ok, _, _ in settings_rules(temperature, top_k, top_p)]))  # []
+    if _is_static(temperature) and rules.is_greedy_temperature(temperature):
+        drawn = argmax(logits)  # [B]
     else:
-        temperature = original_temperature = ops.cast(temperature, "float32")
+        drawn = _filtered_draw(logits, seed, temperature, top_k, top_p)  # [B]
+    if valid is not None:
+        drawn = ops.where(valid, drawn, INVALID_TOKEN)
+    return ops.where(bad, INVALID_TOKEN, drawn)
+
+
+def _filtered_draw(logits, seed, temperature, top_k, top_p):
+    """`sample`'s draw for settings that passed their checks: scale, top-k, top-p, Gumbel-max."""
+    greedy = None
+    if not _is_static(temperature):
+        temperature = ops.cast(temperature, "float32")
+        # Compared with a normal number: a subnormal temperature decodes greedily in every runtime,
+        # whether it flushes subnormals to zero or not.
+        sampling = temperature >= rules.FLOAT32_TINY  # []
         greedy = argmax(logits)  # [B]
-        temperature = ops.where(temperature > 0, temperature, 1.0)
-    logits = logits / temperature  # [B, V]
+        temperature = ops.where(sampling, temperature, 1.0)
+    logits = scale_logits(logits, temperature)  # [B, V], <= 0
     static_all = (
         isinstance(top_k, (int, np.integer)) and top_k == 0 and isinstance(top_p, (int, float)) and top_p >= 1.0
     )
@@ -301,8 +402,8 @@ def sample(logits, seed, temperature=1.0, top_k=0, top_p=1.0):
         logits = ops.where(logits >= threshold, logits, -float("inf"))  # [B, V]
     drawn = ops.cast(_gumbel_argmax(logits, seed), "int32")  # [B]
     if greedy is not None:
-        drawn = ops.where(original_temperature > 0, drawn, greedy)
-    return ops.where(bad, INVALID_TOKEN, drawn)
+        drawn = ops.where(sampling, drawn, greedy)
+    return drawn
 
 
 _REGISTRY = NameRegistry("sampler", "sampler", Sampler)
@@ -321,6 +422,7 @@ class GreedySampler(Sampler):
     """
 
     is_random = False
+    _greedy = True
 
     def __init__(self, **kwargs):
         kwargs.setdefault("temperature", 1.0)
@@ -373,7 +475,9 @@ class TopKSampler(Sampler):
 
     def __init__(self, k=5, temperature=1.0):
         super().__init__(temperature=temperature)
-        self.k = _validation.check_positive_int("k", k)
+        if rules.check_top_k(k, name="k") == 0:
+            _validation.check_positive_int("k", k)  # 0 is `sample`'s "no filter"; a top-k sampler needs a k
+        self.k = int(k)
 
     def get_next_token(self, logits, seed):
         return sample(logits, seed, top_k=self.k)
@@ -406,11 +510,10 @@ class TopPSampler(Sampler):
 
     def __init__(self, p=0.9, k=None, temperature=1.0):
         super().__init__(temperature=temperature)
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
-            raise ValueError(f"`p` must be in (0, 1]. Received: p={p!r}")
-        k = _validation.check_optional_positive_int("k", k)
-        self.p = float(p)
-        self.k = k
+        self.p = rules.check_top_p(p, name="p")
+        if k is not None and rules.check_top_k(k, name="k") == 0:
+            _validation.check_optional_positive_int("k", k)  # None, not 0, is "no cap"
+        self.k = None if k is None else int(k)
 
     def get_next_token(self, logits, seed):
         return sample(logits, seed, top_k=self.k or 0, top_p=self.p)

@@ -227,7 +227,11 @@ class ModelSpecs:
         the same seed.
 
         A request is checked against the rules of
-        `generation.check_generate_arguments` (`request_rules`). With
+        `generation.check_generate_arguments` (`request_rules`) and, for
+        ``generate_sampled``, the sampler settings' rule table
+        (`samplers.settings_rules`: NaN, +-inf or negative ``temperature``,
+        negative ``top_k``, ``top_p`` outside ``[2^-126, 1]``, negative
+        ``seed``; a temperature below ``2^-126``, 0 included, is greedy). With
         `check_lengths` (the SavedModel) each broken rule is a run-time
         assertion naming the argument (``InvalidArgumentError``). A graph
         without assertions (ONNX) returns ``output_ids [B, max(max_length,
@@ -247,11 +251,13 @@ class ModelSpecs:
         limit = getattr(model, "max_sequence_length", None)
         vocabulary_size = self.vocabulary_size
 
-        def generate(prompt_ids, padding_mask, max_length, sampler, seed):
+        def generate(prompt_ids, padding_mask, max_length, sampler, seed, settings=()):
             rules = request_rules(prompt_ids, padding_mask, max_length, vocabulary_size, limit)
             checks = []
             if check_lengths:
                 checks = [tf.debugging.Assert(ok, [message]) for ok, message in rules]
+                checks += [tf.debugging.Assert(ok, [message, "Received:", value]) for ok, message, value in settings]
+            rules = rules + [(ok, message) for ok, message, _ in settings]
             with tf.control_dependencies(checks):
                 ok = tf.reduce_all(tf.stack([ok for ok, _ in rules]))
                 length = tf.shape(prompt_ids)[1]
@@ -275,7 +281,10 @@ class ModelSpecs:
                 def sampler(logits, step_seed):
                     return samplers.sample(logits, step_seed, temperature, top_k, top_p)
 
-                return generate(prompt_ids, padding_mask, max_length, sampler, seed)
+                # The sampler settings' rule table (docs/decoding.md, "Sampler settings"): refused like the
+                # request rules above (an assertion in the SavedModel, output_ids of -1 in ONNX).
+                settings = samplers.settings_rules(temperature, top_k, top_p, seed=seed)
+                return generate(prompt_ids, padding_mask, max_length, sampler, seed, settings)
 
             return sampled_fn
         greedy = samplers.get("greedy")

@@ -5,7 +5,7 @@ import threading
 
 import numpy as np
 
-from keras_linattn import _validation
+from keras_linattn import _sampler_settings
 from keras_linattn.export import _specs, onnx_export
 from keras_linattn.export.onnx_predictor import OnnxPredictor
 
@@ -48,14 +48,17 @@ class OnnxGenerator:
         seed: integer seed of random samplers (None: a fresh one).
         padding_mask: optional ``[B, P]``, 1 for real tokens, each row
             left-padded with at least one real token.
-        temperature: shorthand kept for older callers: 0 is greedy, > 0
-            samples from ``softmax(logits / temperature)``; cannot be
-            combined with `sampler`.
+        temperature: shorthand kept for older callers: below ``2^-126``
+            (0 included) is greedy, above samples from
+            ``softmax(logits / temperature)``; cannot be combined with
+            `sampler`.
 
     Returns:
         ``[B, max_length]`` int32 token ids.
 
     Raises:
+        ValueError: for a sampler setting or seed the rule table refuses
+            (docs/decoding.md, "Sampler settings"), naming the value.
         keras_linattn.models.generation.NonFiniteLogitsError: where the
             logits that predict a position hold a NaN or +inf or are all
             -inf: the generate graph returned -1 there (no token); the
@@ -144,13 +147,9 @@ class OnnxGenerator:
                     "Pass `sampler` or the shorthand `temperature`, not both. "
                     f"Received: sampler={sampler!r}, temperature={temperature!r}"
                 )
-            if (
-                isinstance(temperature, bool)
-                or not isinstance(temperature, (int, float, np.floating))
-                or not (0 <= temperature < float("inf"))
-            ):
-                raise ValueError(f"`temperature` must be a finite number >= 0. Received: temperature={temperature!r}")
-            sampler = "greedy" if temperature == 0 else samplers_lib.get("random", temperature=float(temperature))
+            temperature = _sampler_settings.check_temperature(temperature)
+            greedy = _sampler_settings.is_greedy_temperature(temperature)
+            sampler = "greedy" if greedy else samplers_lib.get("random", temperature=temperature)
         sampler = samplers_lib.get(sampler or "greedy")
         if isinstance(sampler, samplers_lib.GreedySampler):
             params = (0.0, 0, 1.0)
@@ -169,10 +168,12 @@ class OnnxGenerator:
             vocab if vocab else np.iinfo(np.int32).max,
             self.metadata.get("max_sequence_length"),
         )
-        seed = _validation.check_seed("seed", seed)
+        seed = _sampler_settings.check_seed(seed)
         if seed is None:
             seed = int(np.random.randint(0, 2**31 - 1))
-        temperature, top_k, top_p = params
+        # The rule table of docs/decoding.md, "Sampler settings", checked before the graph sees the settings
+        # (the graph would answer a refused setting with output_ids of -1).
+        temperature, top_k, top_p = _sampler_settings.check_settings(*params)
         feeds = {
             _specs.PROMPT_IDS: prompt.astype(np.int32),
             _specs.PADDING_MASK: (np.ones(prompt.shape, np.int32) if mask is None else mask.astype(np.int32)),

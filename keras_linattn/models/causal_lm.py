@@ -5,7 +5,7 @@ import keras_hub
 import numpy as np
 from keras import ops
 
-from keras_linattn import _compat, _validation
+from keras_linattn import _compat, _sampler_settings, _validation
 from keras_linattn import samplers as samplers_lib
 from keras_linattn._docstrings import fill
 from keras_linattn._tracking import CheckpointTracked
@@ -640,7 +640,7 @@ class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
         if block_size is None:
             block_size = 32 if verbose else max(max_length - prompt_length, 1)
         block_size = _validation.check_positive_int("block_size", block_size)
-        seed = _validation.check_seed("seed", seed)
+        seed = _sampler_settings.check_seed(seed)  # the sampler settings' rule table: an int64 seed
         if seed is None:
             seed = int(np.random.randint(0, 2**31 - 1))
         seed_t = ops.convert_to_tensor([int(seed) % (2**31 - 1), 0], "int32")
