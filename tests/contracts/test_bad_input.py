@@ -899,7 +899,7 @@ ROWS = [
     ("samplers.deserialize/unknown", lambda e: samplers.deserialize({"class_name": "Beam"}), V, ["'Beam'"]),
     ("TopKSampler/k=0", lambda e: samplers.TopKSampler(k=0), V, ["k=0"]),
     ("TopPSampler/p=1.5", lambda e: samplers.TopPSampler(p=1.5), V, ["p=1.5"]),
-    ("RandomSampler/temperature=0", lambda e: samplers.RandomSampler(temperature=0), V, ["temperature=0"]),
+    ("RandomSampler/temperature=-1", lambda e: samplers.RandomSampler(temperature=-1), V, ["temperature=-1"]),
     (
         "RandomSampler/temperature=nan",
         lambda e: samplers.RandomSampler(temperature=float("nan")),

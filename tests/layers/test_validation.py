@@ -288,6 +288,6 @@ def test_samplers_refuse_bools_and_non_positive_values():
         (lambda: samplers.TopKSampler(k=True), "k"),
         (lambda: samplers.TopKSampler(k=0), "k"),
         (lambda: samplers.GreedySampler(temperature=True), "temperature"),
-        (lambda: samplers.RandomSampler(temperature=0.0), "temperature"),
+        (lambda: samplers.RandomSampler(temperature=-1.0), "temperature"),  # 0 is greedy (the rule table)
     ]:
         assert f"`{name}` must be" in _message(make)

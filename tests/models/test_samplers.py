@@ -91,8 +91,8 @@ def test_bad_arguments_raise():
         samplers.get("beam")
     with pytest.raises(ValueError, match="sampler"):
         samplers.get(3)
-    with pytest.raises(ValueError, match="temperature"):
-        samplers.RandomSampler(temperature=0)
+    with pytest.raises(ValueError, match="temperature=-1"):  # 0 is greedy: tests/contracts/test_sampler_settings.py
+        samplers.RandomSampler(temperature=-1)
     with pytest.raises(ValueError, match="k"):
         samplers.TopKSampler(k=0)
     with pytest.raises(ValueError, match="p"):
