@@ -34,7 +34,7 @@ import keras_linattn
 from keras_linattn import export, samplers
 from tests import _shared_exports
 
-pytestmark = pytest.mark.tf_only("SavedModel and ONNX exports")
+pytestmark = [pytest.mark.tf_only("SavedModel and ONNX exports"), pytest.mark.numeric]
 
 V = _shared_exports.LIMITED_VOCAB
 TINY = 2.0**-126  # float32's smallest normal number: the rule table's floor
