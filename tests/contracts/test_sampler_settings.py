@@ -204,8 +204,9 @@ def test_a_refused_setting_is_refused_everywhere(env, row, front_end):
             static()
         assert received in str(info.value), str(info.value)
     elif front_end == "saved_model generate_sampled":
-        with pytest.raises(tf.errors.InvalidArgumentError, match=f"`{setting}` must be"):
+        with pytest.raises(tf.errors.InvalidArgumentError, match=f"`{setting}` must be") as info:
             env.saved_model(*settings)
+        assert "Received:" in str(info.value), str(info.value)[:2000]  # the assertion shows the value too
     else:
         out = env.onnx_graph(*settings)
         assert out.shape == (2, MAX_LENGTH)
