@@ -34,9 +34,10 @@ def test_the_two_commands_come_first():
 
 def test_short_and_for_users():
     text = _text()
-    assert len(text.splitlines()) <= 215
-    # No planning vocabulary or references outside the repository.
-    for word in ("FACTS", "missed", "target", "floor", "machine B", "this release"):
+    assert len(text.splitlines()) <= 180
+    # No planning vocabulary, references outside the repository or figures measured on some host (docs/results.md
+    # has the figures, each with its command).
+    for word in ("FACTS", "missed", "target", "floor", "machine B", "this release", "host"):
         assert word not in text, word
     assert not re.search(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b", text), "a commit hash"
 
