@@ -112,7 +112,12 @@ def test_keras_hub_generate_without_a_preprocessor_gives_generates_token_ids(bar
         out = hub_generate(bare, dict(frame), stop_token_ids=None)
         np.testing.assert_array_equal(out["token_ids"], want)
         np.testing.assert_array_equal(out["padding_mask"], np.pad(mask, ((0, 0), (0, 9)), constant_values=True))
-    # A stop token: later columns get the pad id (0) and leave the mask, on both paths.
+
+
+def test_keras_hub_generate_stop_tokens_end_rows_as_generate_does(bare):
+    """A row that emits a stop token: later columns get the pad id (0) and leave the mask, on both paths."""
+    prompt, mask = _left_padded_prompts()
+    frame = _frame(prompt, mask, 14)
     bare.compile(sampler="greedy")
     stop = int(bare.generate(prompt, max_length=6, padding_mask=mask, stop_token_ids=None)[1, 5])  # row 1's next
     want = bare.generate(prompt, max_length=14, padding_mask=mask, stop_token_ids=[stop])
