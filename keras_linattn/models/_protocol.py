@@ -6,7 +6,7 @@ prompt; the other columns are room to generate) and hands it to the
 function `make_generate_function` returns, ``f(inputs, stop_token_ids)``.
 `LinearCausalLM` answers with `generate_step`, which this module runs on
 the package's own compiled prefill and decoding loop
-(`LinearCausalLM._generate_ids`, `keras_linattn.models.generation`): the
+(`LinearCausalLM._generate_ids`, `keras_linattn.generation`): the
 frame is turned into the decode contract's left-padded prompt, decoded,
 and the new tokens are written back into the frame.
 

@@ -5,12 +5,12 @@ import keras_hub
 import numpy as np
 from keras import ops
 
-from keras_linattn import _compat, _validation
+from keras_linattn import _compat, _validation, generation
 from keras_linattn import samplers as samplers_lib
 from keras_linattn._docstrings import fill
 from keras_linattn._tracking import CheckpointTracked
 from keras_linattn.layers.spec import MECHANISM_ARGS_DOC
-from keras_linattn.models import _presets, _protocol, generation
+from keras_linattn.models import _presets, _protocol
 from keras_linattn.models.backbone import BACKBONE_SETTINGS, LinearBackbone, _unpack_inputs
 from keras_linattn.models.preprocessor import LinearCausalLMPreprocessor
 
@@ -196,7 +196,7 @@ class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
         The decode state (`state_spec`, `get_initial_state`, `call_with_state`,
         `step`) is the backbone's; everything that decodes -- `generate`, the
         exported signatures, the ONNX generator -- follows it and
-        `keras_linattn.models.generation`.
+        `keras_linattn.generation`.
 
         Args:
             backbone: a `LinearBackbone` (None: built from `**kwargs`).
