@@ -11,7 +11,7 @@ frame is turned into the decode contract's left-padded prompt, decoded,
 and the new tokens are written back into the frame.
 
 keras-hub's cache becomes the decode state (`LinearCausalLM.state_spec`):
-`build_cache` is the prefill (an empty state, then the prompt through the
+`prefill_cache` is the prefill (an empty state, then the prompt through the
 parallel path) and `call_with_cache` runs tokens from a state, one token
 in recurrent form (`step`), longer pieces in parallel (`call_with_state`).
 
@@ -28,10 +28,6 @@ from keras_linattn.models.backbone import _nan_where, _prepare
 SCORING_MODES = ("logits", "loss")
 
 
-def _identity(x, index):
-    return x
-
-
 def _hidden_with_intercept(lm, token_ids, padding_mask, layer_intercept_fn):
     """The backbone's layers one by one, `layer_intercept_fn` after the embeddings (-1) and after each block."""
     backbone = lm.backbone
@@ -44,7 +40,7 @@ def _hidden_with_intercept(lm, token_ids, padding_mask, layer_intercept_fn):
     return _nan_where(bad, backbone.final_norm(x))  # [B, T, dim]
 
 
-def score(lm, token_ids, padding_mask=None, scoring_mode="logits", layer_intercept_fn=None, target_ids=None):
+def score_tokens(lm, token_ids, padding_mask=None, scoring_mode="logits", layer_intercept_fn=None, target_ids=None):
     """`LinearCausalLM.score`: keras-hub's `CausalLM.score` (see there for the arguments)."""
     if scoring_mode not in SCORING_MODES:
         raise ValueError(f"`scoring_mode` must be one of {SCORING_MODES}. Received: scoring_mode={scoring_mode!r}")
@@ -82,7 +78,7 @@ def score(lm, token_ids, padding_mask=None, scoring_mode="logits", layer_interce
 
 
 # ------------------------------------------------------------------ the cache
-def build_cache(lm, token_ids, padding_mask=None):
+def prefill_cache(lm, token_ids, padding_mask=None):
     """keras-hub's `_build_cache`: ``(hidden_states [B, P, dim], cache)`` after the prompt, from an empty state."""
     batch_size = token_ids.shape[0] if getattr(token_ids, "shape", None) is not None else None
     if batch_size is None:
@@ -91,7 +87,7 @@ def build_cache(lm, token_ids, padding_mask=None):
     return lm.backbone.call_with_state(token_ids, state, padding_mask=padding_mask, training=False)
 
 
-def call_with_cache(lm, token_ids, cache, padding_mask=None):
+def run_with_cache(lm, token_ids, cache, padding_mask=None):
     """keras-hub's `call_with_cache`: ``(logits [B, T, V], hidden_states [B, T, dim], cache)``.
 
     A one-token piece (static ``T == 1``) runs the recurrent `step`, as
@@ -226,3 +222,128 @@ def generate_frame(lm, inputs, stop_token_ids=None, **options):
         out[row, end:] = generated[row, : length - end]
         out_mask[row, end:] = keep[row, : length - end]
     return {"token_ids": out, "padding_mask": out_mask}
+
+
+class CausalLMProtocol:
+    """keras-hub's `CausalLM` protocol for `LinearCausalLM` (a mixin before keras-hub's `CausalLM`).
+
+    `make_generate_function` / `generate_step` (what keras-hub's
+    `CausalLM.generate` calls), `_build_cache` / `call_with_cache` (the
+    decode state as keras-hub's cache) and `score`. The model provides
+    `_generate_ids`, `_head`, `backbone`, `preprocessor` and the decode
+    state API (`get_initial_state`, `step`, `call_with_state`).
+    """
+
+    def make_generate_function(self):
+        """keras-hub's: the function `keras_hub.models.CausalLM.generate` runs on each batch, `generate_step`.
+
+        `generate_step` is not traced as a whole (its prefill and decoding
+        loop are compiled and cached by `_generate_functions`, once per
+        prompt shape and sampler), so it is returned as it is.
+
+        Returns:
+            ``generate_function(inputs, stop_token_ids=None) -> {"token_ids", "padding_mask"}``.
+        """
+        if getattr(self, "generate_function", None) is None:
+            self.generate_function = self.generate_step
+        return self.generate_function
+
+    def generate_step(self, inputs, stop_token_ids=None):
+        """keras-hub's generation of one batch: the frame's prompts, then new tokens in its other columns.
+
+        What `keras_hub.models.CausalLM.generate` calls (through
+        `make_generate_function`), so that keras-hub's own `generate` --
+        its preprocessing, ``stop_token_ids``, ``strip_prompt`` and
+        postprocessing -- runs on this model. It runs `generate`'s own
+        compiled functions (`_generate_functions`: the parallel prefill
+        from an empty state, as `_build_cache`, then
+        `generation.decode_loop` over `step`), with the sampler given to
+        `compile`. Random samplers of `keras_linattn.samplers`
+        draw a seed from NumPy's global generator here
+        (`keras.utils.set_random_seed` fixes it); keras-hub samplers use
+        their own seed.
+
+        Args:
+            inputs: ``{"token_ids": [B, L], "padding_mask": [B, L]}``, the
+                mask 1 on each row's prompt: one run of ones, left padding
+                before it allowed (`LinearCausalLMPreprocessor`'s
+                `generate_preprocess(x, sequence_length=L)`), or prompts
+                from column 0 (keras-hub's right padding). The columns
+                after a row's prompt are generated.
+            stop_token_ids: ids that end a row (its later columns get the
+                pad id and are masked out), or None.
+
+        Returns:
+            ``{"token_ids": [B, L] int32, "padding_mask": [B, L] bool}``:
+            the mask marks each row's prompt and its new tokens up to and
+            including the first stop token.
+
+        Raises:
+            ValueError: for a mask that is not one run of ones per row,
+                token ids outside the vocabulary, or a frame longer than
+                `max_sequence_length`; `generation.NonFiniteLogitsError`
+                where no token can be drawn.
+        """
+        tokenizer = None if self.preprocessor is None else self.preprocessor.tokenizer
+        pad_token_id = getattr(tokenizer, "pad_token_id", None) or 0
+        return generate_frame(self, inputs, stop_token_ids, pad_token_id=pad_token_id)
+
+    def _build_cache(self, token_ids, padding_mask=None):
+        """keras-hub's prefill: an empty decode state (the cache), then the prompt through the parallel path.
+
+        Args:
+            token_ids: ``[B, P]`` int token ids.
+            padding_mask: optional ``[B, P]`` (1 = real token; left padding).
+
+        Returns:
+            ``(hidden_states [B, P, dim], cache)``: the cache is the decode
+            state (`state_spec`).
+        """
+        return prefill_cache(self, token_ids, padding_mask)
+
+    def call_with_cache(self, token_ids, cache, cache_update_index=None, padding_mask=None):
+        """keras-hub's cached forward pass, with the decode state as the cache.
+
+        Args:
+            token_ids: ``[B, T]`` int token ids that follow the cache.
+            cache: the decode state (`_build_cache`, `get_initial_state`,
+                `step` or a previous call).
+            cache_update_index: keras-hub's column of ``token_ids[:, 0]``.
+                Not read: the state holds each row's position (its count of
+                real tokens), which differs from the column in a
+                left-padded batch.
+            padding_mask: optional ``[B, T]`` (1 = real token).
+
+        Returns:
+            ``(logits [B, T, V] float32, hidden_states [B, T, dim], cache)``.
+            One token (``T == 1``, no mask) runs the recurrent `step`, a
+            longer piece the parallel path; chaining pieces gives the
+            logits of one pass.
+        """
+        return run_with_cache(self, token_ids, cache, padding_mask)
+
+    def score(self, token_ids, padding_mask=None, scoring_mode="logits", layer_intercept_fn=None, target_ids=None):
+        """keras-hub's `CausalLM.score`: per-token logits or loss of given token ids.
+
+        Args:
+            token_ids: ``[B, T]`` int token ids to score.
+            padding_mask: optional ``[B, T]`` (1 = real token; default all
+                ones). Padded tokens do not enter the attention state;
+                scores at padded positions are not meaningful.
+            scoring_mode: ``"logits"`` or ``"loss"``.
+            layer_intercept_fn: optional ``fn(activations, index) ->
+                activations`` applied to the embeddings (index -1) and to
+                each block's output (index 0, 1, ...), as in keras-hub.
+            target_ids: ``[B, T]`` int ids the loss is computed against
+                (required for ``"loss"``; typically `token_ids` shifted left).
+
+        Returns:
+            ``[B, T, V]`` float32 logits, or the ``[B, T]`` per-token
+            sparse categorical cross-entropy.
+
+        Raises:
+            ValueError: for another `scoring_mode`, ``"loss"`` without
+                `target_ids`, or ids / targets of the wrong shape.
+            TypeError: for a `layer_intercept_fn` that is not callable.
+        """
+        return score_tokens(self, token_ids, padding_mask, scoring_mode, layer_intercept_fn, target_ids)

@@ -168,7 +168,7 @@ def _is_text(inputs):
 
 @keras.saving.register_keras_serializable(package="keras_linattn")
 @fill(mechanism_args=MECHANISM_ARGS_DOC)
-class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
+class LinearCausalLM(CheckpointTracked, _protocol.CausalLMProtocol, keras_hub.models.CausalLM):
     """Decoder-only language model of causal linear-attention blocks, in keras-hub's shape.
 
         A `LinearBackbone` (embeddings, blocks, final norm) with the language
@@ -506,120 +506,6 @@ class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
         cached = (prefill, self._compile(decode))
         self._generation.functions[key] = cached
         return cached
-
-    # ------------------------------------------ keras-hub's CausalLM protocol
-    def make_generate_function(self):
-        """keras-hub's: the function `keras_hub.models.CausalLM.generate` runs on each batch, `generate_step`.
-
-        `generate_step` is not traced as a whole (its prefill and decoding
-        loop are compiled and cached by `_generate_functions`, once per
-        prompt shape and sampler), so it is returned as it is.
-
-        Returns:
-            ``generate_function(inputs, stop_token_ids=None) -> {"token_ids", "padding_mask"}``.
-        """
-        if getattr(self, "generate_function", None) is None:
-            self.generate_function = self.generate_step
-        return self.generate_function
-
-    def generate_step(self, inputs, stop_token_ids=None):
-        """keras-hub's generation of one batch: the frame's prompts, then new tokens in its other columns.
-
-        What `keras_hub.models.CausalLM.generate` calls (through
-        `make_generate_function`), so that keras-hub's own `generate` --
-        its preprocessing, ``stop_token_ids``, ``strip_prompt`` and
-        postprocessing -- runs on this model. The prompt is prefilled
-        (`_build_cache`) and decoded by the package's compiled loop
-        (`generation.decode_loop`), as `generate` does, with the sampler
-        given to `compile`. Random samplers of `keras_linattn.samplers`
-        draw a seed from NumPy's global generator here
-        (`keras.utils.set_random_seed` fixes it); keras-hub samplers use
-        their own seed.
-
-        Args:
-            inputs: ``{"token_ids": [B, L], "padding_mask": [B, L]}``, the
-                mask 1 on each row's prompt: one run of ones, left padding
-                before it allowed (`LinearCausalLMPreprocessor`'s
-                `generate_preprocess(x, sequence_length=L)`), or prompts
-                from column 0 (keras-hub's right padding). The columns
-                after a row's prompt are generated.
-            stop_token_ids: ids that end a row (its later columns get the
-                pad id and are masked out), or None.
-
-        Returns:
-            ``{"token_ids": [B, L] int32, "padding_mask": [B, L] bool}``:
-            the mask marks each row's prompt and its new tokens up to and
-            including the first stop token.
-
-        Raises:
-            ValueError: for a mask that is not one run of ones per row,
-                token ids outside the vocabulary, or a frame longer than
-                `max_sequence_length`; `generation.NonFiniteLogitsError`
-                where no token can be drawn.
-        """
-        tokenizer = None if self.preprocessor is None else self.preprocessor.tokenizer
-        pad_token_id = getattr(tokenizer, "pad_token_id", None) or 0
-        return _protocol.generate_frame(self, inputs, stop_token_ids, pad_token_id=pad_token_id)
-
-    def _build_cache(self, token_ids, padding_mask=None):
-        """keras-hub's prefill: an empty decode state (the cache), then the prompt through the parallel path.
-
-        Args:
-            token_ids: ``[B, P]`` int token ids.
-            padding_mask: optional ``[B, P]`` (1 = real token; left padding).
-
-        Returns:
-            ``(hidden_states [B, P, dim], cache)``: the cache is the decode
-            state (`state_spec`).
-        """
-        return _protocol.build_cache(self, token_ids, padding_mask)
-
-    def call_with_cache(self, token_ids, cache, cache_update_index=None, padding_mask=None):
-        """keras-hub's cached forward pass, with the decode state as the cache.
-
-        Args:
-            token_ids: ``[B, T]`` int token ids that follow the cache.
-            cache: the decode state (`_build_cache`, `get_initial_state`,
-                `step` or a previous call).
-            cache_update_index: keras-hub's column of ``token_ids[:, 0]``.
-                Not read: the state holds each row's position (its count of
-                real tokens), which differs from the column in a
-                left-padded batch.
-            padding_mask: optional ``[B, T]`` (1 = real token).
-
-        Returns:
-            ``(logits [B, T, V] float32, hidden_states [B, T, dim], cache)``.
-            One token (``T == 1``, no mask) runs the recurrent `step`, a
-            longer piece the parallel path; chaining pieces gives the
-            logits of one pass.
-        """
-        return _protocol.call_with_cache(self, token_ids, cache, padding_mask)
-
-    def score(self, token_ids, padding_mask=None, scoring_mode="logits", layer_intercept_fn=None, target_ids=None):
-        """keras-hub's `CausalLM.score`: per-token logits or loss of given token ids.
-
-        Args:
-            token_ids: ``[B, T]`` int token ids to score.
-            padding_mask: optional ``[B, T]`` (1 = real token; default all
-                ones). Padded tokens do not enter the attention state;
-                scores at padded positions are not meaningful.
-            scoring_mode: ``"logits"`` or ``"loss"``.
-            layer_intercept_fn: optional ``fn(activations, index) ->
-                activations`` applied to the embeddings (index -1) and to
-                each block's output (index 0, 1, ...), as in keras-hub.
-            target_ids: ``[B, T]`` int ids the loss is computed against
-                (required for ``"loss"``; typically `token_ids` shifted left).
-
-        Returns:
-            ``[B, T, V]`` float32 logits, or the ``[B, T]`` per-token
-            sparse categorical cross-entropy.
-
-        Raises:
-            ValueError: for another `scoring_mode`, ``"loss"`` without
-                `target_ids`, or ids / targets of the wrong shape.
-            TypeError: for a `layer_intercept_fn` that is not callable.
-        """
-        return _protocol.score(self, token_ids, padding_mask, scoring_mode, layer_intercept_fn, target_ids)
 
     def generate(
         self,
