@@ -107,6 +107,16 @@ def test_layer_intercept_fn_sees_the_same_activations_as_the_teachers(pair):
     assert np.abs(got - plain).max() > 1e-3  # the intercept changed the activations it was given
 
 
+def test_an_identity_intercept_runs_the_models_own_pass(pair):
+    """The layer-by-layer pass behind `layer_intercept_fn` is the model's graph, for any family."""
+    _, _, student = pair
+    ids, mask, _ = _inputs("right")
+    plain = np.asarray(student.score(ids, padding_mask=mask))
+    intercepted = np.asarray(student.score(ids, padding_mask=mask, layer_intercept_fn=lambda x, index: x))
+    # Two float32 computations of the same sums (paths=2 per side's rounding, as step against parallel).
+    assert_close(intercepted[mask], plain[mask], paths=2 * PATHS, n=N)
+
+
 def test_bad_arguments_are_refused_with_the_value_named(pair):
     _, _, student = pair
     ids, _, targets = _inputs("none")
