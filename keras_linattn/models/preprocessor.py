@@ -159,7 +159,7 @@ class LinearCausalLMPreprocessor(keras_hub.models.CausalLMPreprocessor):
         mask 0, which `LinearCausalLM.generate_step` fills.
 
         Args:
-            x: a string or a list of strings.
+            x: a string, or a list, array or tensor of strings.
             sequence_length: optional frame length.
 
         Raises:
@@ -169,6 +169,8 @@ class LinearCausalLMPreprocessor(keras_hub.models.CausalLMPreprocessor):
             self.build(None)
         if isinstance(x, (str, bytes)):
             x = [x]
+        # A string array or tensor (a `tf.data` batch in keras-hub's `generate`): the tokenizers take lists.
+        x = [v.decode("utf-8") if isinstance(v, bytes) else v for v in np.asarray(x, dtype=object).reshape(-1)]
         tokens = self.tokenizer(x)
         rows = tokens.to_list() if hasattr(tokens, "to_list") else [list(np.asarray(r)) for r in tokens]
         start = [self._special_id("start")] if self.add_start_token and self._special_id("start") is not None else []

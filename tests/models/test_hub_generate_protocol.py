@@ -11,6 +11,7 @@ import keras
 import keras_hub
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import keras_linattn
 from keras_linattn import samplers
@@ -99,6 +100,15 @@ def test_keras_hub_generate_gives_generates_strings_sampled_with_either_sampler_
     assert outputs[0] == outputs[1]
     lm.compile(sampler="greedy")
     assert lm.generate(PROMPTS, max_length=20, stop_token_ids=None) != outputs[0]  # the sampler did sample
+
+
+def test_keras_hub_generate_takes_a_dataset_of_strings_batch_by_batch(lm):
+    lm.compile(sampler="greedy")
+    prompts = ["ab", "import", "x", "def"]
+    out = hub_generate(lm, tf.data.Dataset.from_tensor_slices(prompts).batch(2), max_length=12, stop_token_ids=None)
+    want = lm.generate(prompts[:2], max_length=12, stop_token_ids=None)
+    assert list(out) == want + lm.generate(prompts[2:], max_length=12, stop_token_ids=None)
+    assert lm.preprocessor.generate_preprocess(tf.constant(prompts[:2]))["token_ids"].shape[0] == 2
 
 
 def test_keras_hub_generate_without_a_preprocessor_gives_generates_token_ids(bare):
