@@ -80,9 +80,10 @@ def test_keras_hub_generate_gives_generates_strings_greedy(lm, stop):
     stripped = hub_generate(lm, PROMPTS, max_length=20, stop_token_ids=stop, strip_prompt=True)
     assert stripped == lm.generate(PROMPTS, max_length=20, stop_token_ids=stop, strip_prompt=True)
     assert [p + s for p, s in zip(PROMPTS, stripped, strict=True)] == want
-    assert hub_generate(lm, "import", max_length=12, stop_token_ids=stop) == lm.generate(
-        "import", max_length=12, stop_token_ids=stop
-    )
+    if stop == "auto":  # one string in, one string out (new shapes to compile: once is enough)
+        assert hub_generate(lm, "import", max_length=12, stop_token_ids=stop) == lm.generate(
+            "import", max_length=12, stop_token_ids=stop
+        )
 
 
 def test_keras_hub_generate_gives_generates_strings_sampled_with_either_sampler_kind(lm):
