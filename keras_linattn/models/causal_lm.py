@@ -196,7 +196,10 @@ class LinearCausalLM(CheckpointTracked, _protocol.CausalLMProtocol, keras_hub.mo
         The decode state (`state_spec`, `get_initial_state`, `call_with_state`,
         `step`) is the backbone's; everything that decodes -- `generate`, the
         exported signatures, the ONNX generator -- follows it and
-        `keras_linattn.generation`.
+        `keras_linattn.generation`. keras-hub's own `CausalLM.generate` runs
+        on it too (`generate_step`, with the decode state as keras-hub's
+        cache: `_build_cache`, `call_with_cache`), and `score` is
+        keras-hub's (`keras_linattn.models._protocol`).
 
         Args:
             backbone: a `LinearBackbone` (None: built from `**kwargs`).
