@@ -7,7 +7,7 @@ tensors, so that TF Serving signatures and ONNX graphs carry the same names:
 - ``step`` (causal LMs): ``token_t [B]`` and every state tensor
   ``state_<i>`` in, ``logits [B, V]`` and ``new_state_<i>`` out.
 - ``generate`` / ``generate_sampled`` (causal LMs): the decode contract of
-  `keras_linattn.models.generation` (parallel prefill, then the one decoding
+  `keras_linattn.generation` (parallel prefill, then the one decoding
   loop over ``step``), exactly what `LinearCausalLM.generate` runs. A row
   whose logits are not finite gets -1 from that position on (never a token
   id); `LinearCausalLM.generate` and `OnnxGenerator` raise there instead.
@@ -19,7 +19,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_linattn import _compat
+from keras_linattn import _compat, generation, samplers
 
 SERVING_DEFAULT = "serving_default"
 STEP = "step"
@@ -174,7 +174,7 @@ class ModelSpecs:
     @staticmethod
     def _state_specs(model):
         spec = getattr(model, "state_spec", None)
-        if callable(spec):  # the model's decode contract (`models.generation`)
+        if callable(spec):  # the model's decode contract (`keras_linattn.generation`)
             return [
                 tf.TensorSpec((None,) + tuple(s.shape), tf.as_dtype(s.dtype), name=state_name(i))
                 for i, s in enumerate(spec())
@@ -244,9 +244,6 @@ class ModelSpecs:
         row; the other rows are decoded as usual. No output id is ever
         ``>= vocabulary_size``.
         """
-        from keras_linattn import samplers
-        from keras_linattn.models import generation
-
         model = self.model
         limit = getattr(model, "max_sequence_length", None)
         vocabulary_size = self.vocabulary_size

@@ -13,6 +13,7 @@ import os
 
 import numpy as np
 
+from keras_linattn import generation
 from keras_linattn.export import _specs
 from keras_linattn.export._verify_bounds import _Bound, _compare, _recording_features, _reduction_length
 from keras_linattn.export._verify_report import _Check
@@ -84,8 +85,6 @@ def _onnx_tokens(gen, keras_ids, prompt, max_length, **kwargs):
     (the graph's -1 from a position on); verify reports that as a failed
     token check instead of stopping.
     """
-    from keras_linattn.models import generation
-
     try:
         return gen.generate(prompt, max_length=max_length, **kwargs)
     except generation.NonFiniteLogitsError as e:

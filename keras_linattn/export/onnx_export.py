@@ -538,7 +538,7 @@ def export_onnx(
     ``new_state_<i>``) to `step_path`, and the whole of generation
     (``prompt_ids``, ``padding_mask``, ``max_length``, ``temperature``,
     ``top_k``, ``top_p``, ``seed`` -> ``output_ids``) to `generate_path`:
-    the decode contract of `keras_linattn.models.generation`, the loop that
+    the decode contract of `keras_linattn.generation`, the loop that
     `LinearCausalLM.generate` runs, converted to an ONNX Loop (opset >= 18).
     `keras_linattn.export.OnnxGenerator` runs both.
 

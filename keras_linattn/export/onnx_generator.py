@@ -5,7 +5,8 @@ import threading
 
 import numpy as np
 
-from keras_linattn import _sampler_settings
+from keras_linattn import _sampler_settings, generation
+from keras_linattn import samplers as samplers_lib
 from keras_linattn.export import _specs, onnx_export
 from keras_linattn.export.onnx_predictor import OnnxPredictor
 
@@ -17,7 +18,7 @@ class OnnxGenerator:
 
     `generate` runs the exported generate graph (``<model>_generate.onnx``,
     found through the step graph's metadata): the decode contract of
-    `keras_linattn.models.generation` -- parallel prefill, then the one
+    `keras_linattn.generation` -- parallel prefill, then the one
     decoding loop and sampling kernel of `LinearCausalLM.generate` -- as an
     ONNX Loop, so it returns Keras' tokens for the same sampler and seed.
     The whole loop runs inside onnxruntime; the state never leaves the
@@ -59,7 +60,7 @@ class OnnxGenerator:
     Raises:
         ValueError: for a sampler setting or seed the rule table refuses
             (docs/decoding.md, "Sampler settings"), naming the value.
-        keras_linattn.models.generation.NonFiniteLogitsError: where the
+        keras_linattn.generation.NonFiniteLogitsError: where the
             logits that predict a position hold a NaN or +inf or are all
             -inf: the generate graph returned -1 there (no token); the
             message names the row and position.
@@ -138,9 +139,6 @@ class OnnxGenerator:
         return logits, new_state
 
     def generate(self, prompt_ids, max_length, sampler=None, seed=None, padding_mask=None, temperature=None):
-        from keras_linattn import samplers as samplers_lib
-        from keras_linattn.models import generation
-
         if temperature is not None:
             if sampler is not None:
                 raise ValueError(

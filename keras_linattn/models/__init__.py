@@ -1,4 +1,4 @@
-"""keras-hub-shaped models built from keras_linattn layers; `keras_linattn.models.generation` is the decode contract.
+"""keras-hub-shaped models built from keras_linattn layers; `keras_linattn.generation` is the decode contract.
 
 `LinearBackbone` (embeddings, blocks, final norm, decode state),
 `LinearCausalLM` (head, `generate`, samplers) and

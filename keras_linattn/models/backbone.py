@@ -5,13 +5,13 @@ import keras_hub
 import numpy as np
 from keras import ops
 
-from keras_linattn import _compat, _validation
+from keras_linattn import _compat, _validation, generation
 from keras_linattn._docstrings import fill
 from keras_linattn._tracking import CheckpointTracked
 from keras_linattn.layers.spec import MECHANISM_ARGS_DOC, AttentionSpec
 from keras_linattn.layers.transformer import _make_norm, _step_norm
 from keras_linattn.layers.transformer_decoder import LinearTransformerDecoder
-from keras_linattn.models import _presets, generation
+from keras_linattn.models import _presets
 
 __all__ = ["LinearBackbone"]
 
@@ -444,7 +444,7 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
         `state_spec` describes it (names, shapes, dtypes); everything that
         decodes -- `LinearCausalLM.generate`, the exported signatures, the ONNX
         generator -- follows that one description and
-        `keras_linattn.models.generation`.
+        `keras_linattn.generation`.
 
         Positions: with ``max_sequence_length=None`` (default) there is no
         positional embedding. Causal linear attention is order-aware through its

@@ -5,12 +5,12 @@ import keras_hub
 import numpy as np
 from keras import ops
 
-from keras_linattn import _compat, _sampler_settings, _validation
+from keras_linattn import _compat, _sampler_settings, _validation, generation
 from keras_linattn import samplers as samplers_lib
 from keras_linattn._docstrings import fill
 from keras_linattn._tracking import CheckpointTracked
 from keras_linattn.layers.spec import MECHANISM_ARGS_DOC
-from keras_linattn.models import _presets, generation
+from keras_linattn.models import _presets, _protocol
 from keras_linattn.models.backbone import BACKBONE_SETTINGS, LinearBackbone, _unpack_inputs
 from keras_linattn.models.preprocessor import LinearCausalLMPreprocessor
 
@@ -168,7 +168,7 @@ def _is_text(inputs):
 
 @keras.saving.register_keras_serializable(package="keras_linattn")
 @fill(mechanism_args=MECHANISM_ARGS_DOC)
-class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
+class LinearCausalLM(CheckpointTracked, _protocol.CausalLMProtocol, keras_hub.models.CausalLM):
     """Decoder-only language model of causal linear-attention blocks, in keras-hub's shape.
 
         A `LinearBackbone` (embeddings, blocks, final norm) with the language
@@ -196,7 +196,10 @@ class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
         The decode state (`state_spec`, `get_initial_state`, `call_with_state`,
         `step`) is the backbone's; everything that decodes -- `generate`, the
         exported signatures, the ONNX generator -- follows it and
-        `keras_linattn.models.generation`.
+        `keras_linattn.generation`. keras-hub's own `CausalLM.generate` runs
+        on it too (`generate_step`, with the decode state as keras-hub's
+        cache: `_build_cache`, `call_with_cache`), and `score` is
+        keras-hub's (`keras_linattn.models._protocol`).
 
         Args:
             backbone: a `LinearBackbone` (None: built from `**kwargs`).
@@ -476,14 +479,13 @@ class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
             return tf.function(fn, jit_compile=jit, reduce_retracing=True, autograph=False)
         return fn
 
-    def make_generate_function(self, sampler=None, stop_token_ids=None, pad_token_id=0):
-        """The compiled ``(prefill, decode)`` pair for one sampler, cached.
+    def _generate_functions(self, sampler=None, stop_token_ids=None, pad_token_id=0):
+        """The compiled ``(prefill, decode)`` pair for one sampler, cached: the package's decoding fast path.
 
-        As in keras-hub: `generate` calls this and then the returned
-        functions. ``prefill(prompt_ids, padding_mask, state)`` returns the
-        last position's logits and the state; ``decode(tokens, logits,
-        state, finished, index, end, seed)`` runs
-        `generation.decode_loop`.
+        ``prefill(prompt_ids, padding_mask, state)`` returns the last
+        position's logits and the state (`generation.prefill`);
+        ``decode(tokens, logits, state, finished, index, end, seed)`` runs
+        `generation.decode_loop`. `generate` and `generate_step` run these.
         """
         if sampler is None:
             sampler = getattr(self, "sampler", None) or samplers_lib.get("greedy")
@@ -608,12 +610,7 @@ class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
         prompt_mask = np.asarray(padding_mask).astype(bool)
         mask = np.zeros(tokens.shape, bool)
         mask[:, : prompt_mask.shape[1]] = prompt_mask
-        generated = tokens[:, prompt_mask.shape[1] :]
-        keep = np.ones(generated.shape, bool)
-        if stop_token_ids:
-            hit = np.isin(generated, np.asarray(list(stop_token_ids)))
-            keep = np.cumsum(hit, axis=1) - hit == 0  # up to and including the first stop token
-        mask[:, prompt_mask.shape[1] :] = keep
+        mask[:, prompt_mask.shape[1] :] = _protocol.generated_mask(tokens[:, prompt_mask.shape[1] :], stop_token_ids)
         if strip_prompt:
             mask[:, : prompt_mask.shape[1]] = False
         out = self.preprocessor.generate_postprocess({"token_ids": tokens, "padding_mask": mask})
@@ -649,7 +646,7 @@ class LinearCausalLM(CheckpointTracked, keras_hub.models.CausalLM):
         tokens_np[:, :prompt_length] = prompt
         if max_length == prompt_length:
             return tokens_np
-        prefill, decode = self.make_generate_function(sampler, stop_token_ids, int(pad_token_id))
+        prefill, decode = self._generate_functions(sampler, stop_token_ids, int(pad_token_id))
         state = self.get_initial_state(batch)
         prompt_t = ops.convert_to_tensor(prompt, "int32")
         mask_t = ops.ones_like(prompt_t, "bool") if mask is None else ops.convert_to_tensor(mask)

@@ -55,8 +55,9 @@ class LinearCausalLMPreprocessor(keras_hub.models.CausalLMPreprocessor):
     missing special tokens, as keras-hub's own preprocessors do.
 
     `generate_preprocess` packs prompts without an end token, left-padded to
-    the longest prompt of the batch; `generate_postprocess` drops padding and
-    special tokens and detokenizes.
+    the longest prompt of the batch (with a `sequence_length`, followed by
+    the columns keras-hub's `CausalLM.generate` fills); `generate_postprocess`
+    drops padding and special tokens and detokenizes.
 
     Args:
         tokenizer: a keras-hub tokenizer.
@@ -148,18 +149,28 @@ class LinearCausalLMPreprocessor(keras_hub.models.CausalLMPreprocessor):
         return keras.utils.pack_x_y_sample_weight(inputs, token_ids[..., 1:], weight)
 
     def generate_preprocess(self, x, sequence_length=None):
-        """Prompts -> ``{"token_ids": [B, P], "padding_mask": [B, P]}``, left-padded to the longest one.
+        """Prompts -> ``{"token_ids", "padding_mask"}``, left-padded to the longest one (P tokens).
+
+        Without `sequence_length`: ``[B, P]``, the prompts alone (what
+        `LinearCausalLM.generate` takes). With it (keras-hub's
+        `CausalLM.generate` passes its ``max_length``): a ``[B,
+        sequence_length]`` frame, the prompts (longer ones keep their last
+        `sequence_length` tokens) followed by columns of the pad id with
+        mask 0, which `LinearCausalLM.generate_step` fills.
 
         Args:
-            x: a list of strings.
-            sequence_length: optional cap on P (longer prompts keep their
-                last tokens).
+            x: a string, or a list, array or tensor of strings.
+            sequence_length: optional frame length.
 
         Raises:
             ValueError: for a prompt with no token at all.
         """
         if not self.built:
             self.build(None)
+        if isinstance(x, (str, bytes)):
+            x = [x]
+        # A string array or tensor (a `tf.data` batch in keras-hub's `generate`): the tokenizers take lists.
+        x = [v.decode("utf-8") if isinstance(v, bytes) else v for v in np.asarray(x, dtype=object).reshape(-1)]
         tokens = self.tokenizer(x)
         rows = tokens.to_list() if hasattr(tokens, "to_list") else [list(np.asarray(r)) for r in tokens]
         start = [self._special_id("start")] if self.add_start_token and self._special_id("start") is not None else []
@@ -170,9 +181,9 @@ class LinearCausalLMPreprocessor(keras_hub.models.CausalLMPreprocessor):
             raise ValueError(f"Every prompt needs at least one token. Received: x={x!r}")
         width = max(len(row) for row in rows)
         pad = self._special_id("pad") or 0
-        token_ids = np.full((len(rows), width), pad, "int32")
-        padding_mask = np.zeros((len(rows), width), bool)
+        token_ids = np.full((len(rows), sequence_length or width), pad, "int32")
+        padding_mask = np.zeros(token_ids.shape, bool)
         for i, row in enumerate(rows):
-            token_ids[i, width - len(row) :] = row
-            padding_mask[i, width - len(row) :] = True
+            token_ids[i, width - len(row) : width] = row
+            padding_mask[i, width - len(row) : width] = True
         return {"token_ids": token_ids, "padding_mask": padding_mask}

@@ -6,8 +6,8 @@ import keras
 import numpy as np
 import pytest
 
-from keras_linattn import feature_maps, samplers
-from keras_linattn.models import LinearCausalLM, generation
+from keras_linattn import feature_maps, generation, samplers
+from keras_linattn.models import LinearCausalLM
 from tests._backend import gradients
 from tests._helpers import layer_conditioning, run_steps, step_test_feature_map
 from tests.tolerance import assert_close, assert_rows_close

@@ -36,7 +36,7 @@ def test_the_compiled_functions_follow_the_choice_and_give_the_same_tokens():
         lm.generate_jit_compile = jit
         lm._generation.functions.clear()
         tokens[jit] = np.asarray(lm.generate(prompt, max_length=12, stop_token_ids=None))
-        prefill, decode = lm.make_generate_function()
+        prefill, decode = lm._generate_functions()
         assert prefill._jit_compile is jit and decode._jit_compile is jit
     np.testing.assert_array_equal(tokens[True], tokens[False])
 
