@@ -71,9 +71,19 @@ def _register_model_loaders():
         ("keras_linattn.models.preprocessor", "LinearCausalLMPreprocessor"),
     ):
         registry.setdefault(f"keras_linattn>{name}", loader(module, name))
-    # The name older flat-layout LM files record (`keras_linattn.models._legacy.FLAT_LM_NAME`;
-    # spelled out here because importing that module imports keras_hub).
-    registry.setdefault("keras_linattn>_Round2LinearCausalLM", loader("keras_linattn.models._legacy", "FlatLM"))
+    # The class keras_linattn 0.1's flat LM files record: refused with the converter's name.
+    registry.setdefault("keras_linattn>_Round2LinearCausalLM", _FlatFileRefusal)
+
+
+class _FlatFileRefusal:
+    """Loads nothing: a file of keras_linattn 0.1's flat `LinearCausalLM` names the converter instead."""
+
+    @classmethod
+    def from_config(cls, config):
+        raise ValueError(
+            "This file holds a LinearCausalLM of keras_linattn 0.1 (one flat model): convert it once with "
+            "`python -m keras_linattn.upgrade OLD NEW` (keras_linattn.upgrade)."
+        )
 
 
 _register_model_loaders()

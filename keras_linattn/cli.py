@@ -240,7 +240,7 @@ def _export(args, model, out, name, steps, t0):
     _update_manifest(out, name, entry)  # last: the manifest is what `verify` trusts
     _atomic.fault_point("cli:manifest_published")
     _log("")
-    from keras_linattn.export.verify import _format_table
+    from keras_linattn.export._verify_report import _format_table
 
     _log(_format_table(rows, ("format", "path", "signatures", "size", "seconds")))
     _log(f"\nexported in {time.perf_counter() - t0:.1f} s; check with: keras-linattn verify {out}")

@@ -10,16 +10,9 @@ import os
 
 import numpy as np
 
-from keras_linattn.export import _specs, _verify_decoding, _verify_outputs, _verify_weights
-
-# Imported from here by the CLI (`_format_table`) and the tests; `verify` reads `_row_conditioning` from this
-# module when it is called.
-from keras_linattn.export._verify_bounds import _Bound as _Bound
-from keras_linattn.export._verify_bounds import _compare as _compare
-from keras_linattn.export._verify_bounds import _reduction_length as _reduction_length
-from keras_linattn.export._verify_bounds import _row_conditioning, differences
+from keras_linattn.export import _specs, _verify_bounds, _verify_decoding, _verify_outputs, _verify_weights
+from keras_linattn.export._verify_bounds import differences
 from keras_linattn.export._verify_report import VerificationError, VerificationReport, _Run
-from keras_linattn.export._verify_report import _format_table as _format_table
 
 __all__ = ["VerificationError", "VerificationReport", "differences", "verify"]
 
@@ -204,7 +197,7 @@ def verify(
     specs = _specs.ModelSpecs(model, input_signature=input_signature)
     inputs = specs.describe()["inputs"]
     report = VerificationReport()
-    run = _Run(specs, report, progress or (lambda line: None), seed, onnx_device, _row_conditioning)
+    run = _Run(specs, report, progress or (lambda line: None), seed, onnx_device, _verify_bounds._row_conditioning)
     runner = SavedModelRunner(saved_model_dir) if saved_model_dir is not None else None
     predictor = None
     if onnx_path is not None:

@@ -8,8 +8,9 @@ from keras import ops
 from keras_linattn import _state, _validation
 from keras_linattn import feature_maps as feature_maps_lib
 from keras_linattn._docstrings import fill
-from keras_linattn.layers import _projections
-from keras_linattn.layers._stages import OUTPUT_NORM_EPSILON, OutputNorm, ShortConvolution  # noqa: F401
+from keras_linattn.layers import _attention_base
+from keras_linattn.layers._output_norm import OutputNorm
+from keras_linattn.layers._short_conv import ShortConvolution
 from keras_linattn.layers.spec import MECHANISM_ARGS_DOC, AttentionSpec
 from keras_linattn.ops import core as la_ops
 from keras_linattn.ops import rotary as rotary_ops
@@ -28,9 +29,9 @@ __all__ = ["LinearAttention"]
 
 
 @keras.saving.register_keras_serializable(package="keras_linattn")
-@_projections.document
+@_attention_base.document
 @fill(mechanism_args=MECHANISM_ARGS_DOC)
-class LinearAttention(_projections.ProjectedAttention):
+class LinearAttention(_attention_base.ProjectedAttention):
     """Multi-head linear attention, a drop-in for `keras.layers.MultiHeadAttention`.
 
         Queries and keys are projected per head and mapped through a feature map

@@ -202,6 +202,7 @@ def _relinearize(backbone, feature_map, window_size, attention_kwargs):
         if key not in PRETRAINED_ARGUMENTS:  # RoPE and GQA are the architecture's: kept
             config.pop(key, None)
     config.pop("name", None)
+    config.pop("layout", None)  # a record of the config, not a constructor argument
     config.update(attention_kwargs)
     config["window_size"] = window_size
     config["feature_map"] = feature_map

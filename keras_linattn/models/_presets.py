@@ -208,28 +208,6 @@ def _stored_groups(filepath):
     return len(groups)
 
 
-@contextlib.contextmanager
-def file_layout(backbones, filepath):
-    """Within: `backbones` read the layout the weights file at `filepath` was written in.
-
-    A weights file (``.weights.h5`` / ``.weights.json``) has no config to
-    say its layout; one whose paths name the former inner layer is read
-    through `models/_legacy.py`'s view. Other paths (``.keras`` archives,
-    whose configs carry the layout) are left alone.
-    """
-    if not isinstance(filepath, (str, os.PathLike)) or not os.fspath(filepath).endswith(_WEIGHT_SUFFIXES):
-        yield
-        return
-    from keras_linattn.models import _legacy
-
-    switch = [backbone for backbone in backbones if backbone.layout != "stack"]
-    if switch and _legacy.holds_stack_layout(filepath):
-        with _legacy.stack_layout(switch):
-            yield
-    else:
-        yield
-
-
 def check_weights_consumed(model, filepath):
     """After ``load_weights``: refuses a file with more layers' weights than the model has (Keras skips them)."""
     if not isinstance(filepath, (str, os.PathLike)):

@@ -386,10 +386,11 @@ class _TokenCheck(keras.layers.Layer):
         return config
 
 
-# How `.keras` files, presets and weight files name a backbone's weights: "blocks" (the backbone's
-# own layers, keras-hub's layout) or "stack" (one inner layer holding them all, as files written before
-# held them; `models/_legacy.py`).
-LAYOUTS = ("blocks", "stack")
+# The weight layout current configs record (``"layout"``): the blocks are the backbone's own layers,
+# keras-hub's layout. Files of keras_linattn < 0.3 have no such key (or the flat LM's config); they are
+# refused with the converter's name (`keras_linattn.upgrade`, which the package never imports).
+CURRENT_LAYOUT = "blocks"
+UPGRADE_HINT = "convert it once with `python -m keras_linattn.upgrade OLD NEW` (keras_linattn.upgrade)"
 
 # The constructor settings a backbone (and its task) exposes as attributes.
 BACKBONE_SETTINGS = (
@@ -485,12 +486,6 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
             lora: None, or ``{"rank": r, "alpha": a}``: `enable_lora`'s
                 adapters, as configs after `keras_linattn.linearization.enable_lora`
                 record them.
-            layout: how `.keras` files, presets and weight files name the
-                weights (`LAYOUTS`): ``"blocks"`` (default; the backbone's own
-                layers) or ``"stack"``, the paths of files written while one
-                inner layer held the blocks. A config without ``"layout"`` is
-                such a file's and loads as ``"stack"``; the model is the same
-                either way (`keras_linattn/models/_legacy.py`).
             **kwargs: `keras.Model` arguments (`name`, `dtype`).
 
         Call arguments:
@@ -531,7 +526,6 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
         feedforward="dense",
         use_bias=True,
         lora=None,
-        layout="blocks",
         *,
         spec=None,
         dtype=None,
@@ -547,8 +541,6 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
         )
         if kwargs:
             raise TypeError(f"LinearBackbone got unexpected keyword arguments: {sorted(kwargs)}")
-        if layout not in LAYOUTS:
-            raise ValueError(f"`layout` must be one of {LAYOUTS}. Received: layout={layout!r}")
         _check_sizes(vocabulary_size, num_layers, hidden_dim, num_heads, intermediate_dim, key_dim, max_sequence_length)
         spec.check_heads(num_heads, key_dim if key_dim is not None else hidden_dim // num_heads)
         settings = {
@@ -580,7 +572,6 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
         # === Config ===
         for name, value in settings.items():
             setattr(self, name, value)
-        self.layout = layout
         # `call` takes token ids alone too (then `padding_mask=` is optional).
         self.input_spec = None
         # LoRA adapters (`keras_linattn.linearization.enable_lora` sets these
@@ -598,17 +589,6 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
             padding_mask = ops.cast(ops.cast(ops.convert_to_tensor(padding_mask), "bool"), "int32")
         return super().call({"token_ids": token_ids, "padding_mask": padding_mask}, training=training)
 
-    @property
-    def layers(self):
-        # The layers Keras' weight writer and reader walk first: in the "stack"
-        # layout, those of the files written before the blocks were the
-        # backbone's own (`models/_legacy.py`).
-        if getattr(self, "layout", "blocks") == "stack":
-            from keras_linattn.models import _legacy
-
-            return _legacy.stack_layout_layers(self, super().layers)
-        return super().layers
-
     # Presets: stale weight files removed and a sha256 manifest written at save, checked at load
     # (`keras_linattn.models._presets`).
     def save_to_preset(self, preset_dir, max_shard_size=10):
@@ -621,10 +601,9 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
             return super().from_preset(preset, load_weights=load_weights, **kwargs)
 
     def load_weights(self, filepath, *args, **kwargs):
-        """Keras' `load_weights`, which also reads weights files written in the "stack" layout (`LAYOUTS`)."""
+        """Keras' `load_weights`, refusing a file with more layers' weights than the model (Keras skips them)."""
         _presets.verify_weights_path(filepath)
-        with _presets.file_layout([self], filepath):
-            super().load_weights(filepath, *args, **kwargs)
+        super().load_weights(filepath, *args, **kwargs)
         _presets.check_weights_consumed(self, filepath)
 
     @staticmethod
@@ -819,8 +798,7 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
         lora = self._lora_entry()
         if lora is not None:  # only then: configs without adapters are unchanged
             config["lora"] = lora
-        if self.layout != "stack":  # configs of the "stack" layout are those older files hold
-            config["layout"] = self.layout
+        config["layout"] = CURRENT_LAYOUT  # what tells a current file from one of keras_linattn < 0.3
         return config
 
     def _restore_lora(self, lora):
@@ -859,7 +837,10 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
     @classmethod
     def from_config(cls, config):
         config = dict(config)
-        # A config without "layout" was written when the blocks lived in one
-        # inner layer: its weights are filed under that layer's paths.
-        config.setdefault("layout", "stack")
+        layout = config.pop("layout", None)
+        if layout != CURRENT_LAYOUT:
+            raise ValueError(
+                f"This {cls.__name__} config was written by keras_linattn < 0.3 (its weights are filed under "
+                f"another layout): {UPGRADE_HINT}. Received: layout={layout!r}"
+            )
         return super().from_config(config)

@@ -11,31 +11,13 @@ from keras_linattn._docstrings import fill
 from keras_linattn._tracking import CheckpointTracked
 from keras_linattn.layers.spec import MECHANISM_ARGS_DOC
 from keras_linattn.models import _presets, _protocol
-from keras_linattn.models.backbone import BACKBONE_SETTINGS, LinearBackbone, _unpack_inputs
+from keras_linattn.models.backbone import BACKBONE_SETTINGS, UPGRADE_HINT, LinearBackbone, _unpack_inputs
 from keras_linattn.models.preprocessor import LinearCausalLMPreprocessor
 
 __all__ = ["LinearCausalLM"]
 
 # `LinearCausalLM._symbolic_build` overrides this Keras hook: fail at import if Keras renamed it.
 _compat.check_symbolic_build_hook()
-
-
-# The flat constructor's positional arguments, in order.
-_FLAT_POSITIONAL = (
-    "vocabulary_size",
-    "num_layers",
-    "hidden_dim",
-    "num_heads",
-    "intermediate_dim",
-    "feature_map",
-    "key_dim",
-    "chunk_size",
-    "dropout",
-    "max_sequence_length",
-    "tie_embeddings",
-    "activation",
-    "layer_norm_epsilon",
-)
 
 
 class _FunctionCache:
@@ -190,8 +172,8 @@ class LinearCausalLM(CheckpointTracked, _protocol.CausalLMProtocol, keras_hub.mo
 
         - ``LinearCausalLM(backbone, preprocessor=None)``, as in keras-hub;
         - ``LinearCausalLM(vocabulary_size=..., num_layers=..., ...)``: the
-          `LinearBackbone` arguments, passed flat (the backbone is built
-          for you; older flat `.keras` files load as they are).
+          `LinearBackbone` arguments, by keyword (the backbone is built
+          for you).
 
         The decode state (`state_spec`, `get_initial_state`, `call_with_state`,
         `step`) is the backbone's; everything that decodes -- `generate`, the
@@ -235,19 +217,7 @@ class LinearCausalLM(CheckpointTracked, _protocol.CausalLMProtocol, keras_hub.mo
     backbone_cls = LinearBackbone
     preprocessor_cls = LinearCausalLMPreprocessor
 
-    def __init__(self, backbone=None, preprocessor=None, *args, compile=True, **kwargs):
-        if backbone is not None and not isinstance(backbone, keras.Model):
-            # The flat positional call, LinearCausalLM(vocabulary_size, num_layers, ...).
-            positional = (backbone, preprocessor, *args)
-            if len(positional) > len(_FLAT_POSITIONAL):
-                raise TypeError(f"LinearCausalLM takes at most {len(_FLAT_POSITIONAL)} positional arguments.")
-            for name, value in zip(_FLAT_POSITIONAL, positional, strict=False):
-                if name in kwargs:
-                    raise TypeError(f"LinearCausalLM got multiple values for argument {name!r}")
-                kwargs[name] = value
-            backbone, preprocessor = None, None
-        elif args:
-            raise TypeError("LinearCausalLM(backbone, preprocessor) takes no further positional arguments.")
+    def __init__(self, backbone=None, preprocessor=None, *, compile=True, **kwargs):
         if backbone is None:
             model_kwargs = {key: kwargs.pop(key) for key in ("name", "trainable") if key in kwargs}
             backbone = LinearBackbone(**kwargs)
@@ -326,11 +296,6 @@ class LinearCausalLM(CheckpointTracked, _protocol.CausalLMProtocol, keras_hub.mo
         if isinstance(task, LinearCausalLM):  # the tokenizer's vocabulary is loaded by now
             _presets.check_tokenizer_fits(task.preprocessor, task.backbone)
         return task
-
-    def load_weights(self, filepath, *args, **kwargs):
-        """Keras' `load_weights`, which also reads weights files of the backbone's "stack" layout."""
-        with _presets.file_layout([self.backbone], filepath):
-            super().load_weights(filepath, *args, **kwargs)
 
     # ----------------------------------------------------------- parallel
     def _head(self, hidden):
@@ -689,9 +654,7 @@ class LinearCausalLM(CheckpointTracked, _protocol.CausalLMProtocol, keras_hub.mo
     def from_config(cls, config):
         config = dict(config)
         if "backbone" not in config:
-            # An older file: the backbone's arguments, flat, and the weight
-            # layout of a single subclassed model (`models/_legacy.py`).
-            from keras_linattn.models import _legacy
-
-            return _legacy.load_flat_lm(config)
+            raise ValueError(
+                f"This LinearCausalLM config has no backbone: it was written by keras_linattn 0.1; {UPGRADE_HINT}."
+            )
         return super().from_config(config)

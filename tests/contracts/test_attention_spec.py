@@ -24,7 +24,17 @@ def test_shorthand_arguments_and_recurrence_give_the_same_layer_config():
 
 
 def test_the_lm_hands_one_spec_to_every_block_and_layer():
-    lm = LinearCausalLM(20, 2, 16, 2, 32, update="delta", normalize=False, decay="fixed", conv_size=2)
+    lm = LinearCausalLM(
+        vocabulary_size=20,
+        num_layers=2,
+        hidden_dim=16,
+        num_heads=2,
+        intermediate_dim=32,
+        update="delta",
+        normalize=False,
+        decay="fixed",
+        conv_size=2,
+    )
     spec = lm.backbone.attention_spec
     assert lm.attention_spec is spec
     expected = lm.backbone.get_config()["recurrence"]  # the LM is a keras-hub task over its backbone

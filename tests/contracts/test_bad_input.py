@@ -674,23 +674,39 @@ ROWS = [
         ["batch_size=1", "unbuilt"],
     ),
     # --- LinearCausalLM
-    ("LinearCausalLM/vocabulary_size=0", lambda e: LinearCausalLM(0, 1, 8, 2, 16), V, ["vocabulary_size=0"]),
+    (
+        "LinearCausalLM/vocabulary_size=0",
+        lambda e: LinearCausalLM(vocabulary_size=0, num_layers=1, hidden_dim=8, num_heads=2, intermediate_dim=16),
+        V,
+        ["vocabulary_size=0"],
+    ),
     (
         "LinearCausalLM/hidden_dim % num_heads",
-        lambda e: LinearCausalLM(16, 1, 10, 3, 16),
+        lambda e: LinearCausalLM(vocabulary_size=16, num_layers=1, hidden_dim=10, num_heads=3, intermediate_dim=16),
         V,
         ["hidden_dim=10", "num_heads=3"],
     ),
     (
         "LinearCausalLM/max_sequence_length=0",
-        lambda e: LinearCausalLM(16, 1, 8, 2, 16, max_sequence_length=0),
+        lambda e: LinearCausalLM(
+            vocabulary_size=16, num_layers=1, hidden_dim=8, num_heads=2, intermediate_dim=16, max_sequence_length=0
+        ),
         V,
         ["max_sequence_length=0"],
     ),
-    ("LinearCausalLM/dropout=2", lambda e: LinearCausalLM(16, 1, 8, 2, 16, dropout=2.0), V, ["dropout=2.0"]),
+    (
+        "LinearCausalLM/dropout=2",
+        lambda e: LinearCausalLM(
+            vocabulary_size=16, num_layers=1, hidden_dim=8, num_heads=2, intermediate_dim=16, dropout=2.0
+        ),
+        V,
+        ["dropout=2.0"],
+    ),
     (
         "LinearCausalLM/unknown feature_map",
-        lambda e: LinearCausalLM(16, 1, 8, 2, 16, feature_map="rbf"),
+        lambda e: LinearCausalLM(
+            vocabulary_size=16, num_layers=1, hidden_dim=8, num_heads=2, intermediate_dim=16, feature_map="rbf"
+        ),
         V,
         ["feature_map='rbf'"],
     ),

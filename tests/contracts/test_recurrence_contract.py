@@ -195,11 +195,11 @@ def test_saved_model_and_onnx_parity_and_identical_tokens(tmp_path, case):
 
     keras.utils.set_random_seed(1234)
     lm = LinearCausalLM(
-        VOCAB,
-        1,
-        DIM,
-        HEADS,
-        32,
+        vocabulary_size=VOCAB,
+        num_layers=1,
+        hidden_dim=DIM,
+        num_heads=HEADS,
+        intermediate_dim=32,
         chunk_size=CHUNK,
         recurrence=recurrences.serialize(_recurrence(case)),
         conv_size=case[2],

@@ -57,7 +57,15 @@ def exported(request, tmp_path_factory):
     keras.utils.set_random_seed(1234)
     # One block: every buffer kind of a mechanism lives in each block's state; several
     # blocks in one state are exported by the shared tiny LM (tests/_shared_exports.py).
-    lm = LinearCausalLM(VOCAB, 1, 16, 2, 32, chunk_size=4, **CONFIGS[request.param])
+    lm = LinearCausalLM(
+        vocabulary_size=VOCAB,
+        num_layers=1,
+        hidden_dim=16,
+        num_heads=2,
+        intermediate_dim=32,
+        chunk_size=4,
+        **CONFIGS[request.param],
+    )
     # Logits spread well apart (the default init gives near-ties that any
     # rounding difference can flip): deterministic weights of scale 0.5.
     rng = np.random.default_rng(7)

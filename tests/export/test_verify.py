@@ -26,6 +26,7 @@ from tests import _shared_exports, tolerance
 from tests._helpers import export_once
 
 verify_module = importlib.import_module("keras_linattn.export.verify")
+bounds_module = importlib.import_module("keras_linattn.export._verify_bounds")
 # max_sequence_length of the LM under test: past 13 (the longest of the old fixed shapes)
 LIMIT = _shared_exports.LIMIT
 HIDDEN = _shared_exports.LIMITED_HIDDEN
@@ -133,7 +134,7 @@ def test_tolerance_is_the_error_model_of_the_tests(limited_export):
     report = export.verify(lm, saved_model_dir=version_dir, shapes=[(2, 5), (1, LIMIT)], decode_steps=2)
     for r in report.rows:
         if r.signature == "serving_default:logits":  # elu: a positive kernel, conditioning 1
-            n = verify_module._reduction_length(lm, r.shape[1])
+            n = bounds_module._reduction_length(lm, r.shape[1])
             assert r.tolerance == pytest.approx(_tolerance.bound("float32", n=n, paths=2))
     # a fixed tolerance still overrides it
     report = export.verify(lm, saved_model_dir=version_dir, shapes=[(1, 4)], decode_steps=1, saved_model_tolerance=1e-3)
@@ -242,22 +243,22 @@ def test_cli_verifies_a_model_with_a_position_limit(limited_cli_export, capsys):
 def test_a_check_with_no_comparable_row_is_not_verified():
     """Every row's bound vacuous (conditioning past 1/eps): finite outputs prove nothing, so no pass."""
     expected = np.ones((2, 3, 4))
-    bound = verify_module._Bound(n=16, conditioning=[1e9, 1e9])
-    row = verify_module._compare("onnx", "serving_default:out", (2, 3), expected * 7.0, expected, bound)
+    bound = bounds_module._Bound(n=16, conditioning=[1e9, 1e9])
+    row = bounds_module._compare("onnx", "serving_default:out", (2, 3), expected * 7.0, expected, bound)
     assert not row.ok and not row.verified and row.status == "not verified"
     assert "not verified" in verify_module.VerificationReport().table([row])
     # a non-finite output there is a failure, not "not verified"
-    row = verify_module._compare("onnx", "serving_default:out", (2, 3), expected * np.nan, expected, bound)
+    row = bounds_module._compare("onnx", "serving_default:out", (2, 3), expected * np.nan, expected, bound)
     assert not row.ok and row.verified and row.status == "FAIL"
     # one comparable row is enough to verify the check
-    bound = verify_module._Bound(n=16, conditioning=[1e9, 1.0])
-    row = verify_module._compare("onnx", "serving_default:out", (2, 3), expected, expected, bound)
+    bound = bounds_module._Bound(n=16, conditioning=[1e9, 1.0])
+    row = bounds_module._compare("onnx", "serving_default:out", (2, 3), expected, expected, bound)
     assert row.ok and row.verified and row.status == "ok"
 
 
 def _ill_conditioned_for_batch(batch):
     """A `_row_conditioning` whose rows of batch size `batch` are past float32 (the others: 1)."""
-    original = verify_module._row_conditioning
+    original = bounds_module._row_conditioning
 
     def conditioning(records, b):
         return np.full(b, 1e9) if b == batch else original(records, b)
@@ -271,7 +272,7 @@ def test_verify_reports_a_check_it_could_not_compare(tmp_path, monkeypatch):
     model(np.zeros((1, 5, 6), "float32"))
     signature = [tf.TensorSpec((None, None, 6), tf.float32, name="features")]
     version_dir = export.export_saved_model(model, tmp_path / "sub", input_signature=signature)
-    monkeypatch.setattr(verify_module, "_row_conditioning", _ill_conditioned_for_batch(3))
+    monkeypatch.setattr(bounds_module, "_row_conditioning", _ill_conditioned_for_batch(3))
     shapes = [(2, 9), (3, 5)]
     report = export.verify(
         model, saved_model_dir=version_dir, input_signature=signature, shapes=shapes, raise_on_failure=False
@@ -287,7 +288,7 @@ def test_cli_exits_3_when_a_check_could_not_be_verified(limited_cli_export, caps
 
     out = limited_cli_export
     capsys.readouterr()
-    monkeypatch.setattr(verify_module, "_row_conditioning", _ill_conditioned_for_batch(3))
+    monkeypatch.setattr(bounds_module, "_row_conditioning", _ill_conditioned_for_batch(3))
     assert cli.main(["verify", str(out), "--shapes", "1x5,3x5", "--decode-steps", "2"]) == 3
     text = capsys.readouterr().out
     # serving_default and step at batch 3: not verified; nothing failed

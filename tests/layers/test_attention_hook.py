@@ -17,7 +17,7 @@ import tensorflow as tf
 import keras_linattn
 from keras_linattn import ops as lops
 from keras_linattn.layers import EfficientAttention, LinearAttention
-from keras_linattn.layers._projections import ProjectedAttention
+from keras_linattn.layers._attention_base import ProjectedAttention
 from keras_linattn.ops.core import _mask_keys
 from tests.tolerance import assert_close
 

@@ -13,7 +13,7 @@ from keras import ops
 
 from keras_linattn import ops as lops
 from keras_linattn.layers import LinearAttention, LinearTransformerDecoder, LinearTransformerEncoder
-from keras_linattn.layers.linear_attention import OUTPUT_NORM_EPSILON
+from keras_linattn.layers._output_norm import OUTPUT_NORM_EPSILON
 from keras_linattn.models import LinearCausalLM
 from keras_linattn.ops.core import _mask_keys
 from keras_linattn.recurrences import AdditiveRecurrence, DeltaRecurrence, WindowRecurrence
@@ -289,7 +289,7 @@ def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         LinearTransformerDecoder(HEADS, 32, **kwargs)
     with pytest.raises(ValueError, match=match):
-        LinearCausalLM(20, 1, DIM, HEADS, 32, **kwargs)
+        LinearCausalLM(vocabulary_size=20, num_layers=1, hidden_dim=DIM, num_heads=HEADS, intermediate_dim=32, **kwargs)
 
 
 def test_causal_mechanisms_refuse_non_causal_use(rng):
@@ -307,7 +307,9 @@ def test_causal_mechanisms_refuse_non_causal_use(rng):
 @pytest.mark.parametrize("name", ["scalar_conv", "based", "channel_conv_unnormalized", "gated_delta_conv_identity"])
 def test_lm_step_matches_parallel_and_round_trips(rng, tmp_path, name):
     cfg = dict(CONFIGS[name])
-    lm = LinearCausalLM(40, 2, DIM, HEADS, 32, chunk_size=CHUNK, **cfg)
+    lm = LinearCausalLM(
+        vocabulary_size=40, num_layers=2, hidden_dim=DIM, num_heads=HEADS, intermediate_dim=32, chunk_size=CHUNK, **cfg
+    )
     ids = rng.integers(1, 40, size=(2, T)).astype("int32")
     full = np.asarray(lm(ids))
     state = lm.get_initial_state(2)
@@ -323,7 +325,16 @@ def test_lm_step_matches_parallel_and_round_trips(rng, tmp_path, name):
 
 
 def test_decode_state_does_not_grow(rng):
-    lm = LinearCausalLM(40, 1, DIM, HEADS, 32, conv_size=4, window_size=8, decay=None)
+    lm = LinearCausalLM(
+        vocabulary_size=40,
+        num_layers=1,
+        hidden_dim=DIM,
+        num_heads=HEADS,
+        intermediate_dim=32,
+        conv_size=4,
+        window_size=8,
+        decay=None,
+    )
     state = lm.get_initial_state(1)
     shapes = [tuple(s.shape) for s in state]
     for t in range(40):

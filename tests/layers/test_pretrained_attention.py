@@ -347,7 +347,9 @@ def test_rope_needs_an_even_key_dim():
     with pytest.raises(ValueError, match="even `key_dim`"):
         LinearAttention(2, 5, rope_max_wavelength=10000)
     with pytest.raises(ValueError, match="num_key_value_heads"):
-        LinearCausalLM(20, 1, 16, 4, 32, num_key_value_heads=3)
+        LinearCausalLM(
+            vocabulary_size=20, num_layers=1, hidden_dim=16, num_heads=4, intermediate_dim=32, num_key_value_heads=3
+        )
     with pytest.raises(ValueError, match="num_key_value_heads"):
         LinearTransformerDecoder(4, 32, num_key_value_heads=3)
 
@@ -375,11 +377,11 @@ def test_config_round_trip_and_keras_file(rng, tmp_path):
 
 def test_the_lm_carries_the_arguments_to_every_block_and_decodes_like_its_parallel_pass(rng, tmp_path):
     lm = LinearCausalLM(
-        40,
-        2,
-        16,
-        4,
-        32,
+        vocabulary_size=40,
+        num_layers=2,
+        hidden_dim=16,
+        num_heads=4,
+        intermediate_dim=32,
         chunk_size=4,
         feature_map="hedgehog",
         window_size=3,

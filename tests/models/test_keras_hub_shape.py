@@ -240,7 +240,9 @@ def test_backbone_under_another_head():
     assert_close(np.asarray(lm.backbone(ids)), np.asarray(hidden), paths=1, n=16)
 
 
-def test_import_keras_linattn_does_not_import_keras_hub():
+def test_import_keras_linattn_does_not_import_keras_hub(tmp_path):
+    saved = str(tmp_path / "lm.keras")
+    _lm().save(saved)
     code = (
         "import sys, keras, keras_linattn, keras_linattn.layers, keras_linattn.ops, keras_linattn.export;"
         "assert 'keras_hub' not in sys.modules, 'keras_hub imported';"
@@ -251,7 +253,7 @@ def test_import_keras_linattn_does_not_import_keras_hub():
         "keras_linattn.linearize(mha, window_size=4);"
         "assert 'keras_hub' not in sys.modules, 'keras_hub imported by linearize';"
         # A saved LM loads without importing keras_linattn.models first (it is imported then).
-        "lm = keras.saving.load_model('tests/fixtures/round2/lm_based.keras');"
+        f"lm = keras.saving.load_model({saved!r});"
         "assert 'keras_hub' in sys.modules;"
         "from keras_linattn.models import LinearCausalLM;"
         "assert isinstance(lm, LinearCausalLM), type(lm)"

@@ -385,7 +385,14 @@ def test_redraw_callback_trains_a_causal_lm_with_favor_plus():
     from keras_linattn.callbacks import RedrawRandomFeatures
     from keras_linattn.models import LinearCausalLM
 
-    lm = LinearCausalLM(16, 1, 8, 2, 16, feature_map=feature_maps.get("favor+", num_features=4, seed=0))
+    lm = LinearCausalLM(
+        vocabulary_size=16,
+        num_layers=1,
+        hidden_dim=8,
+        num_heads=2,
+        intermediate_dim=16,
+        feature_map=feature_maps.get("favor+", num_features=4, seed=0),
+    )
     lm.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     ids = np.random.default_rng(0).integers(0, 16, (4, 9)).astype("int32")
     block_map = lm.decoder_blocks[0].attention.feature_map
