@@ -91,6 +91,7 @@ class OnnxGenerator:
             )
         self.num_states = sum(1 for n in names if n.startswith("state_"))
         self.metadata = self.predictor.metadata
+        self._step_path, self._verify = self.predictor.path, self.predictor.verify  # kept if `predictor` is freed
         self._initial = self.metadata.get("initial_state")
         if generate_path is None and self.metadata.get("generate_file"):
             generate_path = os.path.join(
@@ -210,7 +211,7 @@ class OnnxGenerator:
             if own is not None and found != own:  # replaced since `__init__` checked it
                 raise ValueError(
                     f"The ONNX generate graph {self.generate_path!r} comes from another export than the step graph "
-                    f"{self.predictor.path!r} (export ids {found} and {own}): another export replaced it; load "
+                    f"{self._step_path!r} (export ids {found} and {own}): another export replaced it; load "
                     f"again. Received: generate_path={self.generate_path!r}"
                 )
             self._generate_predictor = predictor
@@ -220,6 +221,4 @@ class OnnxGenerator:
         """The generate graph, when present, comes from the step graph's export (a mixed pair is refused)."""
         if self.generate_path is None or not os.path.isfile(self.generate_path) or "export_id" not in self.metadata:
             return
-        _onnx_files.check_companion(
-            self.predictor.path, self.metadata, "generate", self.generate_path, self.predictor.verify
-        )
+        _onnx_files.check_companion(self._step_path, self.metadata, "generate", self.generate_path, self._verify)
