@@ -343,3 +343,22 @@ def test_concurrent_writers_publish_one_after_the_other(models, exported, tmp_pa
     _, logits, _, tokens = _outputs(directory, verify="full")
     np.testing.assert_array_equal(logits, exported["B"][1])
     np.testing.assert_array_equal(tokens, exported["B"][2])
+
+
+def test_an_export_without_recorded_digests_is_checked_by_its_tensors_extent(exported, tmp_path):
+    """Graphs written before the digests name no ``data_file``: the header and the tensors' extent are checked."""
+    directory = _copy(exported, "A", tmp_path)
+    model = os.path.join(directory, "lm.onnx")
+    proto = onnx.load(model, load_external_data=False)
+    for entry in proto.metadata_props:
+        if entry.key == onnx_export._METADATA_KEY:
+            meta = json.loads(entry.value)
+            del meta["data_file"], meta["digests"]
+            entry.value = json.dumps(meta)
+    onnx.save(proto, model)
+    export.OnnxPredictor(model, device="cpu")  # whole: loads
+    data, _ = _data_file(model)
+    with open(data, "r+b") as f:
+        f.truncate(os.path.getsize(data) // 2)
+    with pytest.raises(ValueError, match=r"truncated \(incomplete\)"):
+        export.OnnxPredictor(model, device="cpu")
