@@ -25,6 +25,9 @@ those files.
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -66,12 +69,16 @@ def _reuse_conversions():
 @pytest.fixture(scope="module")
 def models(_reuse_conversions):
     """(A, B): the limited LM and the same network with other weights."""
-    a = _shared_exports.built_limited_lm()
+    return _shared_exports.built_limited_lm(), model_b()
+
+
+def model_b():
+    """The limited LM's network with other weights (also built by the killed process of the slow test)."""
     b = _shared_exports.built_limited_lm()
     rng = np.random.default_rng(99)
     for w in b.trainable_weights:
         w.assign((rng.standard_normal(w.shape) * 0.5).astype(w.dtype))
-    return a, b
+    return b
 
 
 def _export(model, directory, **kwargs):
@@ -362,3 +369,36 @@ def test_an_export_without_recorded_digests_is_checked_by_its_tensors_extent(exp
         f.truncate(os.path.getsize(data) // 2)
     with pytest.raises(ValueError, match=r"truncated \(incomplete\)"):
         export.OnnxPredictor(model, device="cpu")
+
+
+_KILLED_EXPORT = """
+import sys
+from keras_linattn import export
+from tests.export.test_onnx_provenance import model_b
+export.export_onnx(model_b(), sys.argv[1], external_data=True, overwrite=True)
+"""
+
+
+@pytest.mark.slow
+def test_sigkill_at_the_publishing_steps_of_an_overwrite(models, exported, tmp_path):
+    """A real process exporting B over A, SIGKILLed inside the publishing lock; then the next export runs."""
+    directory = _copy(exported, "A", tmp_path)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="", KERAS_BACKEND="tensorflow")
+    env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
+    id_a = _ids(directory)["model"]
+    for point in ("onnx:data_published", "onnx:step_published", "onnx:old_data_removed"):
+        run = subprocess.run(
+            [sys.executable, "-c", _KILLED_EXPORT, os.path.join(directory, "lm.onnx")],
+            env=dict(env, **{_atomic.KILL_ENV: point}),
+            cwd=repo,
+            capture_output=True,
+            timeout=900,
+        )
+        assert run.returncode == -signal.SIGKILL, (point, run.stderr[-2000:])
+        expected = {id_a: exported["A"][1:]}
+        expected.update({i: exported["B"][1:] for i in set(_ids(directory).values()) if i != id_a})
+        _check_reader_view(directory, expected)
+    _export(models[0], directory, overwrite=True)  # the killed writers' lock is gone; their files are cleaned
+    assert len(_data_files(directory)) == 1 and not [n for n in os.listdir(directory) if _atomic.is_temporary(n)]
+    np.testing.assert_array_equal(_outputs(directory)[1], exported["A"][1])
