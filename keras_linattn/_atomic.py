@@ -205,6 +205,47 @@ def publish(src, dst):
     fsync_dir(os.path.dirname(os.path.abspath(dst)))
 
 
+def _exchange(a, b):
+    """Swaps the paths `a` and `b` in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
+    import ctypes
+    import errno
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # not glibc >= 2.28 / not Linux
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    error = ctypes.get_errno()
+    if error in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # a file system without the flag
+        return False
+    raise OSError(error, os.strerror(error), b)
+
+
+def replace_dir(src, dst):
+    """Puts the complete directory `src` at `dst`, replacing the directory there in one step.
+
+    `src` is flushed first. Where ``dst`` exists, the two are exchanged in
+    one ``renameat2(RENAME_EXCHANGE)`` (Linux): a reader sees the old or the
+    new directory, whatever moment the writer is killed at, and the old one
+    is left at `src` (inside a staging directory: removed with it). Where
+    the exchange is not supported, ``dst`` is moved to ``<src>.old`` and
+    `src` renamed to ``dst``: a kill between the two renames leaves no
+    ``dst`` (both copies stay in the staging directory until it is cleaned).
+    """
+    fsync_tree(src)
+    if not os.path.lexists(dst):
+        os.rename(src, dst)
+    elif not _exchange(src, dst):
+        aside = src + ".old"
+        os.rename(dst, aside)
+        os.rename(src, dst)
+        os.rename(aside, src)
+    fsync_dir(os.path.dirname(os.path.abspath(dst)))
+
+
 def write_bytes_atomic(path, data):
     """Writes `data` (bytes or str) to `path` through a staging directory and one rename."""
     path = os.fspath(path)

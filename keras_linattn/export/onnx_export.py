@@ -19,8 +19,10 @@ parameter) once, when a session is created.
 
 Models whose weights pass `EXTERNAL_DATA_THRESHOLD` bytes (or
 ``external_data=True``) keep them in one external data file per directory,
-``<model file>.data``, shared by the model, step and generate graphs; a
-4 KiB header names the export it belongs to.
+``<model file>.<export id>.data``, shared by the model, step and generate
+graphs; a 4 KiB header names the export it belongs to, and each graph
+records its name, size and sha256 (`_onnx_publish` writes and publishes the
+set; `_onnx_files` checks it at load).
 
 tf2onnx and onnx are imported inside the functions: importing
 `keras_linattn.export` stays cheap.
@@ -38,11 +40,11 @@ import numpy as np
 import tensorflow as tf
 
 from keras_linattn import _atomic
-from keras_linattn.export import _specs
+from keras_linattn.export import _onnx_files, _onnx_publish, _specs
 
 __all__ = ["check_pair", "export_onnx"]
 
-_METADATA_KEY = "keras_linattn"
+_METADATA_KEY = _onnx_files.METADATA_KEY
 _DEFAULT_OPSET = 17
 # The generate graph's sampler hashes with BitwiseAnd/BitwiseXor (opset 18).
 _GENERATE_MIN_OPSET = 18
@@ -178,10 +180,6 @@ def _without_optimizer_copies():
 # for the graph itself.
 EXTERNAL_DATA_THRESHOLD = 1 << 30
 _WEIGHT_INPUT = "kla_weight_{}"
-# External data: each tensor starts at a multiple of this (page size: onnxruntime
-# can map aligned tensors instead of copying them), after a header of this size.
-_ALIGN = 4096
-_DATA_MAGIC = b"keras_linattn external data\n"
 
 
 def _export_variables(model):
@@ -355,79 +353,7 @@ def _name_weight_inputs(proto, names):
     return sorted(used.values())
 
 
-def _weight_tensor(variable, name, layout=None):
-    """The initializer of one weight: its values, or (`layout`) a pointer into the external data file."""
-    from onnx import TensorProto, helper, numpy_helper
-
-    if layout is None:
-        return numpy_helper.from_array(np.ascontiguousarray(variable.numpy()), name)
-    index_offset, length = layout["__index__"][name]
-    tensor = TensorProto(name=name, dims=list(variable.shape))
-    tensor.data_type = helper.np_dtype_to_tensor_dtype(np.dtype(str(variable.dtype)))
-    tensor.data_location = TensorProto.EXTERNAL
-    for key, value in (("location", layout["__file__"]), ("offset", str(index_offset)), ("length", str(length))):
-        entry = tensor.external_data.add()
-        entry.key, entry.value = key, value
-    return tensor
-
-
-def _save_with_weights(proto, path, used, variables, names, layout=None):
-    """Writes `proto` with the used weights as initializers, one weight in memory at a time.
-
-    The weight inputs leave the graph's inputs. The file is the serialized
-    graph followed by one serialized ``ModelProto`` per weight holding just
-    that initializer: protobuf parses concatenated messages as one merged
-    message (repeated fields append), so this is the same model as one
-    `onnx.save` of the graph with every initializer, without ever holding
-    the whole serialized model (GPT-2 base: 0.47 GB of weights, twice, per
-    graph) in memory.
-    """
-    from onnx import ModelProto
-
-    weight_set = {names[i] for i in used}
-    kept = [graph_input for graph_input in proto.graph.input if graph_input.name not in weight_set]
-    del proto.graph.input[:]
-    proto.graph.input.extend(kept)
-    with open(path, "wb") as f:
-        f.write(proto.SerializeToString())
-        for i in used:
-            piece = ModelProto()
-            piece.graph.initializer.append(_weight_tensor(variables[i], names[i], layout))
-            f.write(piece.SerializeToString())
-            del piece
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_external_data(path, variables, used, export_id):
-    """Writes the used weights, aligned, after a header naming the export; returns ``{index: (offset, length)}``."""
-    import numpy as np
-
-    layout = {}
-    with open(path, "wb") as f:
-        header = _DATA_MAGIC + f"export_id={export_id}\n".encode()
-        f.write(header.ljust(_ALIGN, b"\0"))
-        for i in used:
-            value = np.ascontiguousarray(variables[i].numpy())
-            offset = f.tell()
-            f.write(memoryview(value).cast("B"))  # the array's own buffer: no second copy of a weight
-            layout[i] = (offset, value.nbytes)
-            pad = -f.tell() % _ALIGN
-            f.write(b"\0" * pad)
-            del value
-        f.flush()
-        os.fsync(f.fileno())
-    return layout
-
-
-def _read_data_header(path):
-    """The export id in an external data file's header, or None if it has none."""
-    with open(path, "rb") as f:
-        head = f.read(_ALIGN)
-    if not head.startswith(_DATA_MAGIC):
-        return None
-    line = head[len(_DATA_MAGIC) :].split(b"\n", 1)[0].decode(errors="replace")
-    return line.split("=", 1)[1] if line.startswith("export_id=") else None
+_read_data_header = _onnx_files.read_data_header
 
 
 def _from_function(tf_fn, input_signature, opset, fast=True):
@@ -454,7 +380,7 @@ def _convert(fn, input_signature, opset, metadata, fast=True, variables=None):
 
     With `variables`, the weights are extra inputs of the converted graph
     (`_with_weights_as_inputs`), named ``kla_weight_<i>`` after the index of
-    the variable: `_name_weight_inputs` and `_save_with_weights` turn them into
+    the variable: `_name_weight_inputs` and `_onnx_publish.save_with_weights` turn them into
     initializers. Without, tf2onnx freezes whatever the function reads.
 
     ``fast=False`` converts with tf2onnx's per-pass graph copies (what a failed fast
@@ -542,15 +468,20 @@ def export_onnx(
     `LinearCausalLM.generate` runs, converted to an ONNX Loop (opset >= 18).
     `keras_linattn.export.OnnxGenerator` runs both.
 
-    The graphs are published as a set: all are converted and written in
-    full to staging directories first, then the step and generate graphs
-    are renamed into place and the model last. All carry the same
-    ``export_id`` in their metadata, and the model names its companion
-    files, so `check_pair` (and ``keras-linattn verify``) tell a complete
-    set from a companion that is missing or left from another export (a
-    process killed between the renames). A killed export never leaves a
-    partial file; its staging directory is removed by the next export into
-    the same place.
+    The graphs are published as a set (`_onnx_publish`): all are
+    converted and written in full to staging directories first (the
+    external data, then the generate, step and model graphs, each
+    recording the size and sha256 of the files it names), then renamed
+    into place in that order under a lock on each target directory, and
+    the data files of earlier exports of the model are removed last. All
+    carry the same ``export_id``; the data file's name is unique to the
+    export, so an old graph never reads new weights. `check_pair` (and
+    ``keras-linattn verify``) and the runtime front ends at load tell a
+    complete set from a file that is missing, damaged or left from another
+    export (a process killed between the renames). Two exports into the
+    same place publish one after the other: the last one wins, whole. A
+    killed export never leaves a partial file; its staging directory and
+    orphaned data file are removed by the next export into the same place.
 
     Args:
         model: a built `keras.Model`.
@@ -566,7 +497,7 @@ def export_onnx(
         external_data: ``"auto"`` (default) keeps the weights inside each
             file unless they pass `EXTERNAL_DATA_THRESHOLD` bytes (1 GiB;
             a protobuf cannot pass 2 GiB), ``True`` always writes them to
-            ``<file>.data`` beside the graphs (one file per directory,
+            ``<file>.<export id>.data`` beside the graphs (one file per directory,
             shared by the graphs there), ``False`` never does.
         overwrite: replace files that already exist at the paths; without
             it an existing file is an error, as for `export_saved_model`.
@@ -612,7 +543,7 @@ def export_onnx(
         say(f"converting the {kind} graph to ONNX (opset {graph_opset})")
         protos[kind] = _convert(fn, signature, graph_opset, meta, variables=variables)
         used[kind] = _name_weight_inputs(protos[kind], names)
-    return _publish(protos, used, targets, variables, names, external, export_id, say)
+    return _onnx_publish.publish(protos, used, targets, variables, names, external, export_id, say)
 
 
 def _check_targets(path, companions, overwrite):
@@ -658,63 +589,6 @@ def _graph_jobs(specs, path, companions, opset, description, export_id, weights_
     return jobs
 
 
-def _publish(protos, used, targets, variables, names, external, export_id, say):
-    """Stages every graph (and its external data) beside its target, then publishes them, the model last.
-
-    Returns:
-        `targets`, plus ``"data"`` (the external data files) with `external`.
-    """
-    written = dict(targets)
-    with contextlib.ExitStack() as stack:
-        staging = {}  # parent directory -> staging directory
-        for kind in targets:
-            parent = _parent(targets[kind])
-            if parent not in staging:
-                staging[parent] = stack.enter_context(_atomic.staging_dir(parent))
-        layouts = {}
-        if external:
-            layouts, data_files = _stage_external_data(staging, targets, used, variables, names, export_id, say)
-            for staged, target in data_files.values():
-                _atomic.publish(staged, target)
-            written["data"] = [target for _, target in data_files.values()]
-        # The model is staged first and published last; each companion is published as soon as it is staged.
-        staged_files = {}
-        for kind in protos:
-            parent = _parent(targets[kind])
-            staged_files[kind] = os.path.join(staging[parent], f"{kind}.onnx")
-            _save_with_weights(protos[kind], staged_files[kind], used[kind], variables, names, layouts.get(parent))
-            _atomic.fault_point(f"onnx:{kind}_staged")
-            if kind != "model":
-                _atomic.publish(staged_files[kind], targets[kind])
-                _atomic.fault_point(f"onnx:{kind}_published")
-        protos.clear()
-        _atomic.publish(staged_files["model"], targets["model"])
-        _atomic.fault_point("onnx:model_published")
-    return written
-
-
-def _stage_external_data(staging, targets, used, variables, names, export_id, say):
-    """Writes one external data file per directory (the weights its graphs use) into its staging directory.
-
-    Returns:
-        ``layouts``: ``{directory: the layout `_weight_tensor` points into}``;
-        ``data_files``: ``{directory: (staged file, target file)}``.
-    """
-    layouts, data_files = {}, {}
-    for parent, tmp in staging.items():
-        kinds = [kind for kind in used if _parent(targets[kind]) == parent]
-        owner = "model" if "model" in kinds else kinds[0]
-        data_name = os.path.basename(targets[owner]) + ".data"
-        union = sorted(set().union(*(used[kind] for kind in kinds)))
-        say(f"writing {len(union)} weights to {os.path.join(parent, data_name)}")
-        offsets = _write_external_data(os.path.join(tmp, data_name), variables, union, export_id)
-        layout = {"__file__": data_name, "__index__": {names[i]: offsets[i] for i in union}}
-        layouts[parent] = layout
-        data_files[parent] = (os.path.join(tmp, data_name), os.path.join(parent, data_name))
-        _atomic.fault_point("onnx:data_staged")
-    return layouts, data_files
-
-
 def _relative(target, origin):
     """`target`'s path relative to the directory of `origin`, with forward slashes."""
     return os.path.relpath(os.path.abspath(target), _parent(origin)).replace(os.sep, "/")
@@ -724,25 +598,31 @@ def _parent(path):
     return os.path.dirname(os.path.abspath(path))
 
 
-def check_pair(model_path, step_path=None):
-    """Checks that an exported ONNX model and its companion graphs belong together.
+def check_pair(model_path, step_path=None, verify="full"):
+    """Checks that an exported ONNX model, its companion graphs and its external data belong together.
 
     The companions are the step graph and the generate graph that the
-    model's metadata names (``step_file``, ``generate_file``).
+    model's metadata names (``step_file``, ``generate_file``); the external
+    data is the ``data_file`` each graph names (`_onnx_files`).
 
     Args:
         model_path: the model ``.onnx`` file.
         step_path: its step graph; default: the ``step_file`` the model's
             metadata names (models without a step graph need none).
+        verify: ``"full"`` (default) also compares the sha256 of the data
+            file and of the companions with the ones recorded at export;
+            ``"fast"`` checks export ids, headers and sizes only.
 
     Returns:
         The step path that was checked, or None for a model without a step graph.
 
     Raises:
-        ValueError: naming the file, when the model or a companion is
-            unreadable or missing, or when they carry different export ids
-            (one of them is left from another export).
+        ValueError: naming the file, when the model, a companion or a data
+            file is unreadable, missing, truncated or altered, or when they
+            carry different export ids (one of them is left from another
+            export).
     """
+    verify = _onnx_files.check_verify(verify)
     model_meta = _read_metadata(model_path)
     checked = {}
     for kind in ("step", "generate"):
@@ -752,58 +632,12 @@ def check_pair(model_path, step_path=None):
             if expected is None:
                 continue
             path = os.path.join(_parent(model_path), *expected.split("/"))
-        _check_companion(model_path, model_meta, kind, expected, path)
-        checked[kind] = path
-    if model_meta.get("external_data"):
-        for path in (model_path, *checked.values()):
-            _check_external_data(path, model_meta.get("export_id"))
-    return checked.get("step")
-
-
-def _check_external_data(path, export_id):
-    """The external data files a graph reads exist and come from its export."""
-    import onnx
-
-    proto = onnx.load(os.fspath(path), load_external_data=False)
-    locations = {
-        entry.value
-        for tensor in proto.graph.initializer
-        if tensor.data_location == onnx.TensorProto.EXTERNAL
-        for entry in tensor.external_data
-        if entry.key == "location"
-    }
-    for location in sorted(locations):
-        data = os.path.join(_parent(path), location)
-        if not os.path.isfile(data):
-            raise ValueError(
-                f"The ONNX graph {path!r} keeps its weights in {location!r}, which is missing (a killed or "
-                f"partly copied export?): export again, or copy the .data file beside the graph. "
-                f"Received: path={path!r}"
-            )
-        found = _read_data_header(data)
-        if found != export_id:
-            raise ValueError(
-                f"The external data {data!r} comes from another export than the graph {path!r} (export ids "
-                f"{found} and {export_id}): an export was interrupted or files were mixed; export again. "
-                f"Received: path={path!r}"
-            )
-
-
-def _check_companion(model_path, model_meta, kind, expected, path):
-    if not os.path.isfile(path):
-        raise ValueError(
-            f"The ONNX {kind} graph is missing: the model {model_path!r} was exported with its {kind} graph "
-            f"{expected or os.path.basename(path)!r}, which is not there (a killed export?); "
-            f"export again. Received: path={path!r}"
-        )
-    meta = _read_metadata(path)
-    model_id, companion_id = model_meta.get("export_id"), meta.get("export_id")
-    if model_id != companion_id:
-        raise ValueError(
-            f"The ONNX {kind} graph {path!r} comes from another export than the model {model_path!r} "
-            f"(export ids {companion_id} and {model_id}): an export was interrupted between the files; "
-            f"export again. Received: path={path!r}"
-        )
+        path = os.fspath(path)
+        checked[kind] = (path, _onnx_files.check_companion(model_path, model_meta, kind, path, verify))
+    _onnx_files.check_graph(model_path, verify, model_meta)
+    for path, meta in checked.values():
+        _onnx_files.check_graph(path, verify, meta)
+    return checked["step"][0] if "step" in checked else None
 
 
 def _read_metadata(path):

@@ -7,7 +7,7 @@ import numpy as np
 
 from keras_linattn import _sampler_settings, generation
 from keras_linattn import samplers as samplers_lib
-from keras_linattn.export import _specs, onnx_export
+from keras_linattn.export import _onnx_files, _specs
 from keras_linattn.export.onnx_predictor import OnnxPredictor
 
 __all__ = ["OnnxGenerator"]
@@ -37,8 +37,11 @@ class OnnxGenerator:
             named in the step graph's metadata.
         **predictor_options: the session options of `OnnxPredictor`
             (`device`, `use_tensorrt`, `use_io_binding`,
-            `intra_op_num_threads`, `allow_spinning`, `session_options`),
-            passed through unchanged.
+            `intra_op_num_threads`, `allow_spinning`, `session_options`,
+            `verify`), passed through unchanged. At load (and when the
+            generate graph's session is created) the generate graph must
+            carry the step graph's export id; ``verify="full"`` also
+            compares its sha256 with the one the step graph recorded.
 
     Call arguments (`generate`):
         prompt_ids: ``[B, P]`` integer token ids, ``P >= 1``.
@@ -91,7 +94,8 @@ class OnnxGenerator:
                 f"`new_state_<i>`. Received: inputs={names}, outputs={self.predictor.output_names}"
             )
         self.num_states = sum(1 for n in names if n.startswith("state_"))
-        self.metadata = onnx_export._read_metadata(step_path)
+        self.metadata = self.predictor.metadata
+        self._step_path, self._verify = self.predictor.path, self.predictor.verify  # kept if `predictor` is freed
         self._initial = self.metadata.get("initial_state")
         if generate_path is None and self.metadata.get("generate_file"):
             generate_path = os.path.join(
@@ -102,6 +106,7 @@ class OnnxGenerator:
         # `generate` may be called from several threads: the generate graph's
         # session is created once, by the first caller, under this lock.
         self._generate_lock = threading.Lock()
+        self._check_generate_graph()
 
     @property
     def provider(self):
@@ -198,6 +203,21 @@ class OnnxGenerator:
                     "missing): export the model again, or drive `step` yourself. "
                     f"Received: generate_path={self.generate_path!r}"
                 )
+            self._check_generate_graph()
             options = dict(self._predictor_options, use_io_binding=False)
-            self._generate_predictor = OnnxPredictor(self.generate_path, **options)
+            predictor = OnnxPredictor(self.generate_path, **options)
+            found, own = predictor.metadata.get("export_id"), self.metadata.get("export_id")
+            if own is not None and found != own:  # replaced since `__init__` checked it
+                raise ValueError(
+                    f"The ONNX generate graph {self.generate_path!r} comes from another export than the step graph "
+                    f"{self._step_path!r} (export ids {found} and {own}): another export replaced it; load "
+                    f"again. Received: generate_path={self.generate_path!r}"
+                )
+            self._generate_predictor = predictor
         return self._generate_predictor
+
+    def _check_generate_graph(self):
+        """The generate graph, when present, comes from the step graph's export (a mixed pair is refused)."""
+        if self.generate_path is None or not os.path.isfile(self.generate_path) or "export_id" not in self.metadata:
+            return
+        _onnx_files.check_companion(self._step_path, self.metadata, "generate", self.generate_path, self._verify)

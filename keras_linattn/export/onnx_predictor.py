@@ -1,12 +1,13 @@
 """OnnxPredictor: an onnxruntime session with input checks and GPU I/O binding."""
 
+import json
 import os
 
 import numpy as np
 
 from keras_linattn import _validation
 from keras_linattn._validation import check_non_negative_int
-from keras_linattn.export import _providers
+from keras_linattn.export import _onnx_files, _providers
 
 __all__ = ["OnnxPredictor"]
 
@@ -61,6 +62,11 @@ class OnnxPredictor:
             peak, at the same decode speed). Ignored when
             `session_options` is given.
         session_options: optional `onnxruntime.SessionOptions` (used as is).
+        verify: what is checked at load, for graphs written by
+            `export_onnx` with external data: ``"fast"`` (default) the data
+            file exists, its header names the graph's export and its size
+            is the one recorded; ``"full"`` also its sha256 (one read of
+            the file). A mismatch is a ValueError naming the file.
 
     Call arguments:
         inputs: a dict of input name -> array, a list in input order, or a
@@ -100,6 +106,7 @@ class OnnxPredictor:
         allow_spinning=False,
         session_options=None,
         prepacking=True,
+        verify="fast",
     ):
         import onnxruntime as ort
 
@@ -107,6 +114,8 @@ class OnnxPredictor:
         if not os.path.isfile(path):
             raise ValueError(f"`path` must be an existing .onnx file. Received: path={path!r}")
         self.path = path
+        self.verify = _onnx_files.check_verify(verify)
+        self._metadata = _onnx_files.check_graph(path, self.verify)  # before the session: its errors are cryptic
         self.device = device
         self.use_tensorrt = use_tensorrt
         self.requested_providers = _providers.select_providers(device, use_tensorrt=use_tensorrt)
@@ -128,10 +137,12 @@ class OnnxPredictor:
         try:
             self.session = ort.InferenceSession(path, sess_options=options, providers=self.requested_providers)
         except Exception as e:  # onnxruntime raises its own classes (InvalidProtobuf, Fail, ...)
+            _onnx_files.check_graph(path, "fast")  # a data file replaced while loading is named
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ValueError(
                 f"`path` is not a loadable ONNX model ({type(e).__name__}: {reason}). Received: path={path!r}"
             ) from e
+        _check_loaded(self.session, self._metadata, path)
         self.providers = self.session.get_providers()
         self.on_gpu = self.providers[0] in (_providers.CUDA, _providers.TENSORRT)
         self.use_io_binding = self.on_gpu if use_io_binding is None else bool(use_io_binding)
@@ -139,7 +150,6 @@ class OnnxPredictor:
         self.inputs = {i.name: (_ORT_TO_NUMPY.get(i.type), list(i.shape)) for i in self.session.get_inputs()}
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
-        self._metadata = None
 
     @property
     def provider(self):
@@ -149,10 +159,6 @@ class OnnxPredictor:
     @property
     def metadata(self):
         """The keras_linattn description stored in the graph by `export_onnx` ({} for other graphs)."""
-        if self._metadata is None:
-            from keras_linattn.export import onnx_export
-
-            self._metadata = onnx_export._read_metadata(self.path)
         return self._metadata
 
     # --------------------------------------------------------- validation
@@ -245,6 +251,17 @@ class OnnxPredictor:
 
     def __repr__(self):
         return f"OnnxPredictor(path={self.path!r}, provider={self.provider!r}, io_binding={self.use_io_binding})"
+
+
+def _check_loaded(session, metadata, path):
+    """The graph the session loaded is the one checked before (not a file another export put there since)."""
+    loaded = session.get_modelmeta().custom_metadata_map.get(_onnx_files.METADATA_KEY)
+    found = json.loads(loaded).get("export_id") if loaded else None
+    if found != metadata.get("export_id"):
+        raise ValueError(
+            f"{path!r} was replaced while it loaded (export ids {metadata.get('export_id')} checked, {found} "
+            f"loaded): another export wrote it; load again. Received: path={path!r}"
+        )
 
 
 def _is_ort_value(value):

@@ -5,15 +5,19 @@ a sharded save over an unsharded one leaves the old ``model.weights.h5``,
 which the loader prefers; a flipped weight bit or an edited ``config.json``
 loads silently. Here:
 
-- every save (`saving`) first removes the weight files an earlier save left
-  (``model.weights.h5``, ``model.weights.json``, ``model_*.weights.h5``,
-  ``task.weights.h5``), then writes ``linattn_manifest.json``: the sha256 and
-  size of every preset file (the top-level ``.json`` / ``.h5`` files and
-  everything under ``assets/``);
+- every save (`saving`) writes into a staging copy beside the preset, from
+  which the weight files an earlier save left (``model.weights.h5``,
+  ``model.weights.json``, ``model_*.weights.h5``, ``task.weights.h5``) are
+  left out, writes ``linattn_manifest.json`` there last (the sha256 and
+  size of every preset file: the top-level ``.json`` / ``.h5`` files and
+  everything under ``assets/``), then replaces the preset in one rename: a
+  killed save leaves the previous preset whole;
 - every load from a local directory (`verify`) checks those digests and
-  refuses, naming the file, one that changed, is missing, or a weight file
-  the manifest does not list. A preset without a manifest (saved before this
-  check existed, or written by keras-hub's own saver) loads with a warning.
+  refuses, naming the file, one that changed, is missing, is truncated, or
+  a weight file the manifest does not list. A preset without a manifest
+  (saved before this check existed, or written by keras-hub's own saver)
+  loads with a warning, unless it is partial (no ``config.json``, no
+  weights file, or one that cannot be read): that is refused as partial.
 - `check_weights_consumed` makes a weights load into a model with fewer
   layers than the file loud (Keras ignores the file's extra entries).
 - `check_tokenizer_fits` refuses a tokenizer with more ids than the
@@ -22,13 +26,13 @@ loads silently. Here:
 
 import contextlib
 import contextvars
-import glob
 import hashlib
 import json
 import os
+import shutil
 import warnings
 
-from keras_linattn import _compat
+from keras_linattn import _atomic, _compat
 
 __all__ = []
 
@@ -70,15 +74,6 @@ def _sha256(path):
     return digest.hexdigest()
 
 
-def _remove_stale_weights(preset_dir):
-    stale = [os.path.join(preset_dir, name) for name in ("model.weights.h5", "model.weights.json", "task.weights.h5")]
-    stale += glob.glob(os.path.join(preset_dir, "model_*.weights.h5"))
-    stale.append(os.path.join(preset_dir, MANIFEST_FILE))
-    for path in stale:
-        if os.path.isfile(path):
-            os.remove(path)
-
-
 def write_manifest(preset_dir):
     """Writes ``linattn_manifest.json``: sha256 and size of every preset file now in `preset_dir`."""
     files = {}
@@ -89,24 +84,93 @@ def write_manifest(preset_dir):
         json.dump({"format": _FORMAT, "files": files}, f, indent=2, sort_keys=True)
 
 
+def _seed(preset_dir, target, clean):
+    """Fills the staging copy `target` with what `preset_dir` holds now, less what a save replaces.
+
+    Files the save does not write stay (a preprocessor saved beside a
+    model's files keeps them). With `clean`, the weight files of an earlier
+    save and the manifest are left out; without, the weight files (which a
+    preprocessor's save never writes) are hard links where possible.
+    """
+    if not os.path.exists(preset_dir):
+        os.makedirs(target)
+        return
+    if not os.path.isdir(preset_dir):
+        raise ValueError(f"`preset_dir` must be a directory, not a file. Received: preset_dir={str(preset_dir)!r}")
+
+    def ignore(directory, names):
+        if os.path.abspath(directory) != os.path.abspath(preset_dir):
+            return []
+        return [n for n in names if n == MANIFEST_FILE or (clean and _is_stale_weights(n))]
+
+    def copy(src, dst):
+        if not clean and _is_weights(os.path.basename(src)):
+            try:
+                return os.link(src, dst)
+            except OSError:
+                pass
+        return shutil.copy2(src, dst)
+
+    shutil.copytree(preset_dir, target, ignore=ignore, copy_function=copy)
+
+
+def _is_stale_weights(name):
+    return name in ("model.weights.h5", "model.weights.json", "task.weights.h5") or (
+        name.startswith("model_") and name.endswith(".weights.h5")
+    )
+
+
 @contextlib.contextmanager
 def saving(preset_dir, clean=True):
-    """Around a `save_to_preset`: stale weight files removed first (`clean`), the manifest written last.
+    """Around a `save_to_preset`: yields the directory to save into, a staging copy published whole.
+
+    The save writes into ``<parent>/.tmp-<random>/<name>`` (seeded with the
+    files of the existing preset that the save does not replace; stale
+    weight files left out with `clean`), the manifest is written there last,
+    and the directory then replaces `preset_dir` in one rename
+    (`keras_linattn._atomic.replace_dir`). A save killed or failing at any
+    point leaves the previous preset whole; its staging directory is removed
+    by the next save into the same parent.
 
     Nested saves (a task saves its backbone and preprocessor) run inside the
-    outermost one, which alone cleans and writes the manifest.
+    outermost one, into its staging directory.
     """
     if _saving.get():
-        yield
+        yield preset_dir
         return
     token = _saving.set(True)
     try:
-        if clean and os.path.isdir(preset_dir):
-            _remove_stale_weights(preset_dir)
-        yield
-        write_manifest(preset_dir)
+        preset_dir = os.fspath(preset_dir)
+        parent = os.path.dirname(os.path.abspath(preset_dir))
+        with _atomic.staging_dir(parent) as tmp:
+            target = os.path.join(tmp, os.path.basename(os.path.abspath(preset_dir)))
+            _seed(preset_dir, target, clean)
+            yield target
+            _atomic.fault_point("preset:staged")
+            write_manifest(target)
+            _atomic.fault_point("preset:manifest_written")
+            _atomic.replace_dir(target, preset_dir)
+            _atomic.fault_point("preset:published")
     finally:
         _saving.reset(token)
+
+
+def _partial(preset_dir, weights):
+    """Why a preset without a manifest looks like an unfinished save or copy (None when it does not)."""
+    if not weights:
+        return None
+    if not os.path.isfile(os.path.join(preset_dir, "config.json")):
+        return "config.json is missing"
+    files = [r for r in _preset_files(preset_dir) if _is_weights(r)]
+    if not files:
+        return "it has no weights file (model.weights.h5)"
+    for relative in files:
+        try:
+            _stored_groups(os.path.join(preset_dir, relative))
+        except Exception as e:  # h5py: "truncated file", "bad object header", ...; json: a cut file
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            return f"{relative} cannot be read ({type(e).__name__}: {reason})"
+    return None
 
 
 def verify(preset, weights=True):
@@ -128,6 +192,14 @@ def verify(preset, weights=True):
         return
     manifest_path = os.path.join(preset_dir, MANIFEST_FILE)
     if not os.path.isfile(manifest_path):
+        reason = _partial(preset_dir, weights)
+        if reason is not None:
+            raise ValueError(
+                f"Preset {str(preset)!r} is partial: {reason}, and it has no {MANIFEST_FILE} (which a complete "
+                "`save_to_preset` writes last): a save killed before it finished (saves before keras_linattn "
+                "wrote presets atomically) or an interrupted copy. Save the preset again from the model, or copy "
+                f"it again. Received: preset={str(preset)!r}"
+            )
         warnings.warn(
             f"Preset {str(preset)!r} has no {MANIFEST_FILE} (saved before keras_linattn wrote digests, or by "
             "keras-hub's own saver): its files load unverified. Save it again with `save_to_preset` to add one.",

@@ -592,8 +592,8 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
     # Presets: stale weight files removed and a sha256 manifest written at save, checked at load
     # (`keras_linattn.models._presets`).
     def save_to_preset(self, preset_dir, max_shard_size=10):
-        with _presets.saving(preset_dir):
-            super().save_to_preset(preset_dir, max_shard_size=max_shard_size)
+        with _presets.saving(preset_dir) as target:  # a staging copy, published whole
+            super().save_to_preset(target, max_shard_size=max_shard_size)
 
     @classmethod
     def from_preset(cls, preset, load_weights=True, **kwargs):

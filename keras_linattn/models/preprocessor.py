@@ -91,8 +91,8 @@ class LinearCausalLMPreprocessor(keras_hub.models.CausalLMPreprocessor):
 
     # Presets: a manifest of digests written at save, checked at load (`keras_linattn.models._presets`).
     def save_to_preset(self, preset_dir):
-        with _presets.saving(preset_dir, clean=False):  # beside a model's files: they stay
-            super().save_to_preset(preset_dir)
+        with _presets.saving(preset_dir, clean=False) as target:  # beside a model's files: they stay
+            super().save_to_preset(target)
 
     @classmethod
     def from_preset(cls, preset, *args, **kwargs):

@@ -78,17 +78,18 @@ def external_export(tmp_path_factory):
 
 def test_external_data_keeps_the_weights_in_one_file_beside_the_graphs(external_export):
     model, out, paths = external_export
-    assert paths["data"] == [str(out / "lm.onnx.data")]
-    assert sorted(os.listdir(out)) == ["lm.onnx", "lm.onnx.data", "lm_generate.onnx", "lm_step.onnx"]
+    export_id = onnx_export._read_metadata(paths["model"])["export_id"]
+    data_name = f"lm.onnx.{export_id[:16]}.data"  # a name per export: an old graph never reads new weights
+    assert paths["data"] == [str(out / data_name)]
+    assert sorted(os.listdir(out)) == ["lm.onnx", data_name, "lm_generate.onnx", "lm_step.onnx"]
     weight_bytes = sum(v.nbytes for v in _weights(model).values())
-    assert os.path.getsize(out / "lm.onnx.data") >= weight_bytes
+    assert os.path.getsize(out / data_name) >= weight_bytes
     for kind in ("model", "step", "generate"):
         proto = onnx.load(paths[kind], load_external_data=False)
         external = [t for t in proto.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
         assert external and all(t.name in _weights(model) for t in external), kind
         assert not any(name in _weights(model) for name, _, _ in _all_tensors(proto.graph)), kind
-    export_id = onnx_export._read_metadata(paths["model"])["export_id"]
-    assert onnx_export._read_data_header(out / "lm.onnx.data") == export_id
+    assert onnx_export._read_data_header(out / data_name) == export_id
 
 
 def test_external_data_computes_what_inline_weights_compute(external_export):
@@ -113,10 +114,10 @@ def test_verify_passes_on_external_data(external_export):
 
 
 def test_a_missing_or_foreign_data_file_is_named(external_export, tmp_path):
-    _, out, _ = external_export
+    _, out, paths = external_export
     copy = tmp_path / "copy"
     shutil.copytree(out, copy)
-    data = copy / "lm.onnx.data"
+    data = copy / os.path.basename(paths["data"][0])
     raw = bytearray(data.read_bytes())
     raw[40:72] = b"0" * 32  # another export id in the header
     data.write_bytes(bytes(raw))
@@ -172,14 +173,14 @@ def test_verify_fails_on_a_damaged_step_graph(tmp_path):
 
 
 def test_verify_fails_on_damaged_external_data(external_export, tmp_path):
-    model, out, _ = external_export
+    model, out, paths = external_export
     copy = tmp_path / "copy"
     shutil.copytree(out, copy)
     name = _embedding_name(model)
     proto = onnx.load(copy / "lm.onnx", load_external_data=False)
     tensor = next(t for t in proto.graph.initializer if t.name == name)
     info = {e.key: e.value for e in tensor.external_data}
-    with open(copy / "lm.onnx.data", "r+b") as f:
+    with open(copy / os.path.basename(paths["data"][0]), "r+b") as f:
         f.seek(int(info["offset"]) + 4)
         value = np.frombuffer(f.read(4), np.float32)[0]
         f.seek(int(info["offset"]) + 4)
@@ -195,10 +196,11 @@ def test_the_size_threshold_picks_external_data(monkeypatch, tmp_path):
     model = _shared_exports.built_limited_lm()
     monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_THRESHOLD", 100)
     paths = export.export_onnx(model, tmp_path / "m.onnx", include_step=False)
-    assert paths["data"] == [str(tmp_path / "m.onnx.data")]
+    export_id = onnx_export._read_metadata(paths["model"])["export_id"]
+    assert paths["data"] == [str(tmp_path / f"m.onnx.{export_id[:16]}.data")]
     monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_THRESHOLD", 1 << 40)
     paths = export.export_onnx(model, tmp_path / "n.onnx", include_step=False)
-    assert "data" not in paths and not os.path.exists(tmp_path / "n.onnx.data")
+    assert "data" not in paths and not [n for n in os.listdir(tmp_path) if n.startswith("n.onnx.")]
     with pytest.raises(ValueError, match="external_data"):
         export.export_onnx(model, tmp_path / "o.onnx", external_data="yes")
 
