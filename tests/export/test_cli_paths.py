@@ -25,6 +25,20 @@ def model_file(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def exported(model_file, tmp_path_factory):
+    """An export directory with model "a" in both formats (copied by each test that writes to it)."""
+    out = tmp_path_factory.mktemp("cli_paths_out") / "out"
+    assert cli.main(["export", model_file, "--out", str(out), "--name", "a", "--no-warmup"]) == 0
+    return out
+
+
+def _copy(exported, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(exported, out)
+    return out
+
+
 def _files(root):
     return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, files in os.walk(root) for f in files)
 
@@ -50,14 +64,15 @@ def test_a_name_that_is_not_one_path_component_is_refused_before_anything_is_wri
 def test_the_name_taken_from_the_file_stem_is_checked_too(tmp_path, model_file, capsys):
     path = tmp_path / "onnx.keras"
     shutil.copy(model_file, path)
-    assert cli.main(["export", str(path), "--out", str(tmp_path / "out"), "--no-warmup"]) == 2
+    with pytest.MonkeyPatch.context() as patch:  # refused before the model is loaded
+        patch.setattr(cli, "_load_model", None)
+        assert cli.main(["export", str(path), "--out", str(tmp_path / "out"), "--no-warmup"]) == 2
     assert "Received: --name='onnx'" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
-def test_a_bad_opset_is_refused_before_anything_is_written(tmp_path, model_file, capsys):
-    out = tmp_path / "out"
-    assert cli.main(["export", model_file, "--out", str(out), "--name", "a", "--no-warmup"]) == 0
+def test_a_bad_opset_is_refused_before_anything_is_written(tmp_path, model_file, exported, capsys):
+    out = _copy(exported, tmp_path)
     before = _files(out)
     for opset in ("-1", "0", "x"):
         with pytest.raises(SystemExit):
@@ -68,9 +83,8 @@ def test_a_bad_opset_is_refused_before_anything_is_written(tmp_path, model_file,
     assert _files(out) == before
 
 
-def test_a_failed_onnx_conversion_takes_back_the_saved_model_version(tmp_path, model_file, capsys):
-    out = tmp_path / "out"
-    assert cli.main(["export", model_file, "--out", str(out), "--name", "a", "--no-warmup"]) == 0
+def test_a_failed_onnx_conversion_takes_back_the_saved_model_version(tmp_path, model_file, exported, capsys):
+    out = _copy(exported, tmp_path)
     before = _files(out)
     # An opset the converter accepts but the model's ops do not exist in: the conversion fails after the
     # SavedModel version was published.
@@ -81,9 +95,8 @@ def test_a_failed_onnx_conversion_takes_back_the_saved_model_version(tmp_path, m
     assert cli.main(["verify", str(out), "--shapes", "1x3"]) == 0
 
 
-def test_a_reexport_with_fewer_formats_removes_the_old_ones(tmp_path, model_file, capsys):
-    out = tmp_path / "out"
-    assert cli.main(["export", model_file, "--out", str(out), "--name", "a", "--no-warmup"]) == 0
+def test_a_reexport_with_fewer_formats_removes_the_old_ones(tmp_path, model_file, exported, capsys):
+    out = _copy(exported, tmp_path)
     assert os.path.isdir(out / "a" / "1") and os.path.isfile(out / "onnx" / "a.onnx")
     # ONNX only: the old SavedModel (which TF Serving would keep serving) goes.
     assert cli.main(["export", model_file, "--out", str(out), "--name", "a", "--format", "onnx"]) == 0
@@ -100,9 +113,8 @@ def test_a_reexport_with_fewer_formats_removes_the_old_ones(tmp_path, model_file
     assert "a: 2/2 checks passed" in capsys.readouterr().out
 
 
-def test_verify_checks_every_served_folder(tmp_path, model_file, capsys):
-    out = tmp_path / "out"
-    assert cli.main(["export", model_file, "--out", str(out), "--name", "a", "--no-warmup"]) == 0
+def test_verify_checks_every_served_folder(tmp_path, exported, capsys):
+    out = _copy(exported, tmp_path)
     capsys.readouterr()
     # A folder of versions no manifest entry records (a foreign or failed export).
     shutil.copytree(out / "a", out / "ghost")
@@ -117,7 +129,7 @@ def test_verify_checks_every_served_folder(tmp_path, model_file, capsys):
     assert cli.main(["verify", str(out), "--name", "a", "--shapes", "1x3"]) == 2
     assert "'a' has no SavedModel in manifest.json" in capsys.readouterr().err
     # A higher version than the one recorded: TF Serving serves it.
-    assert cli.main(["export", model_file, "--out", str(out), "--name", "a", "--no-warmup"]) == 0
+    out = _copy(exported, tmp_path / "again")
     shutil.copytree(out / "a" / "1", out / "a" / "7")
     capsys.readouterr()
     assert cli.main(["verify", str(out), "--shapes", "1x3"]) == 2
