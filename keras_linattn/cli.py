@@ -18,7 +18,15 @@ directory TF Serving mounts):
       onnx/<name>_step.onnx      ONNX decode step (causal LMs)
 
 Exporting a name again adds the next SavedModel version and replaces its
-ONNX files.
+ONNX files; a format the new export does not write is removed (the
+``<name>/`` folder, or the ONNX files the manifest recorded), so TF Serving
+never serves the previous model beside a manifest that no longer lists it.
+``--name`` is one path component (no separator, no leading ``.``, not
+``keras`` or ``onnx``): every file stays inside ``--out``. Options are
+checked before the model loads, and a failed export removes the SavedModel
+version it published. `verify` also checks every folder TF Serving would
+serve: each must be a name of the manifest whose highest version is the
+recorded one.
 
 Every file is published atomically (written in a ``.tmp-*`` staging
 directory, then renamed), the ONNX model and step graph as a pair with one
