@@ -142,7 +142,8 @@ def _cmd_export(args):
         _check_opset(args.opset)
     if "saved_model" in args.format and not args.no_warmup:
         _check_warmup_writer()  # before anything is loaded or written
-    _read_manifest(os.path.join(out, _MANIFEST), missing_ok=True)  # a damaged manifest stops here
+    manifest = _read_manifest(os.path.join(out, _MANIFEST), missing_ok=True)  # a damaged manifest stops here
+    _check_onnx_names(name, manifest.get("models", {}))
     steps = 1 + len(args.format)
     t0 = time.perf_counter()
     _log(f"[1/{steps}] loading {args.model}")
@@ -182,6 +183,18 @@ def _check_opset(opset):
             f"--opset must be an ONNX opset the converter supports (1 to {highest} with this tf2onnx and onnx). "
             f"Received: --opset={opset}"
         )
+
+
+def _check_onnx_names(name, models):
+    """Refuses a name whose ONNX files would be another model's (``a_step`` beside ``a``: ``onnx/a_step.onnx``)."""
+    mine = {name, f"{name}_step", f"{name}_generate"}
+    for other in sorted(models):
+        if other != name and mine & {other, f"{other}_step", f"{other}_generate"}:
+            raise ValueError(
+                f"--name {name!r} would share an ONNX file with model {other!r} in onnx/ (a model's graphs are "
+                f"<name>.onnx, <name>_step.onnx and <name>_generate.onnx): choose another name. "
+                f"Received: --name={name!r}"
+            )
 
 
 def _remove_stale(out, name, old_entry, entry):
