@@ -86,16 +86,16 @@ def test_zero_length_sequences_get_one_clear_error(lm, predictor):
         predictor({"token_ids": empty})
 
 
-@pytest.mark.parametrize("weight", [3e38, 1e20, 2.0**63 * 1.01, 1e-30, float("inf"), 0.0])
-def test_a_linear_weight_outside_float32s_safe_range_is_refused(weight):
+@pytest.mark.parametrize("weight", [3e38, 1e20, 2.0**63 * 1.01, float("inf"), 0.0])
+def test_a_linear_weight_whose_products_overflow_float32_is_refused(weight):
     with pytest.raises(
         ValueError,
-        match=r"`linear_weight` .* \[2\*\*-63, 2\*\*63\].*Received: linear_weight=" + re.escape(repr(weight)),
+        match=r"`linear_weight` .* \(0, 2\*\*63\].*Received: linear_weight=" + re.escape(repr(weight)),
     ):
         LinearAttention(2, 4, window_size=2, linear_weight=weight)
 
 
-@pytest.mark.parametrize("weight", [2.0**63, 2.0**-63, 1e-3])
+@pytest.mark.parametrize("weight", [2.0**63, 1e-30, 1e-3])
 def test_a_linear_weight_inside_the_range_gives_finite_outputs(weight):
     x = np.random.default_rng(0).normal(size=(2, 6, 8)).astype("float32")
     layer = LinearAttention(2, 4, window_size=2, linear_weight=weight, feature_map="elu")
