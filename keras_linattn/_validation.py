@@ -312,18 +312,20 @@ def graph_assert(x, condition, message):
         return tf.identity(x)
 
 
-# Integer dtypes whose every value an int32 holds: a cast to int32 keeps them.
-_NARROW_INTS = ("int8", "int16", "int32", "uint8", "uint16")
+# Integer dtypes with values an int32 does not hold: a cast to int32 would wrap them.
+_WIDE_INTS = ("int64", "uint32", "uint64")
 
 
 def check_wide_ids(token_ids, name, vocabulary_size, concrete):
-    """Token ids of any integer dtype as int32, their range checked before the cast.
+    """Wide integer token ids (int64, uint32, uint64) as int32, their range checked before the cast.
 
     A model's id input is int32, and a cast of wider ids (int64, uint32,
     uint64) keeps the low bits: ``2**32 + 3`` became 3, a valid id, and an
     error reported the wrapped value. Narrow ids are returned unchanged (the
-    model's own range check sees their true values). Wide ids are checked in
-    their own dtype:
+    model's own range check sees their true values), and so is anything
+    that is not an integer array (the caller's form checks name it). Wide
+    ids are checked in their own dtype, before any conversion (a NumPy
+    array too: JAX's conversion would wrap it):
 
     - concrete ids (`concrete` True) outside ``[0, vocabulary_size)`` raise;
     - in a TensorFlow graph, a run-time assertion prints the smallest and
@@ -338,7 +340,7 @@ def check_wide_ids(token_ids, name, vocabulary_size, concrete):
         concrete: whether `token_ids` holds values (eager), not a traced tensor.
 
     Returns:
-        The ids as int32.
+        Wide ids as int32; anything else unchanged.
 
     Raises:
         ValueError: "`name` must be in [0, V). Received: min=..., max=... (name.dtype=int64)".
@@ -346,12 +348,14 @@ def check_wide_ids(token_ids, name, vocabulary_size, concrete):
     import keras
     from keras import ops
 
+    if not hasattr(token_ids, "dtype"):
+        return token_ids
     dtype = keras.backend.standardize_dtype(token_ids.dtype)
-    if dtype in _NARROW_INTS:
+    if dtype not in _WIDE_INTS:
         return token_ids
     if concrete:
-        if int(ops.size(token_ids)):
-            values = ops.convert_to_numpy(token_ids)
+        values = ops.convert_to_numpy(token_ids)
+        if values.size:
             low, high = int(values.min()), int(values.max())
             if low < 0 or high >= vocabulary_size:
                 received = f"min={low}, max={high} ({name}.dtype={dtype})"
