@@ -47,6 +47,54 @@ def _parse_formats(text):
     return formats
 
 
+# Entries of an export directory that are not model names: a model by one of these names would share them.
+RESERVED_NAMES = ("keras", "onnx", "manifest.json")
+
+
+def check_name(name, option="--name"):
+    """`name` if it is one plain path component that names a model in an export directory.
+
+    A model's files go to ``<out>/<name>/``, ``<out>/onnx/<name>.onnx`` and
+    ``<out>/keras/<name>.keras``: a separator or ``..`` would put them
+    outside ``--out`` (``../x``) or in nested folders (``a/b``).
+
+    Raises:
+        ValueError: naming the option and the value received.
+    """
+    problem = None
+    if not name:
+        problem = "is empty"
+    elif any(c in name for c in "/\\\0") or (os.altsep and os.altsep in name):
+        problem = "holds a path separator or NUL"
+    elif name in (".", "..") or name.startswith("."):
+        problem = "starts with '.' (the current or parent directory, or a hidden or staging entry)"
+    elif name in RESERVED_NAMES:
+        problem = f"is one of the export directory's own entries {RESERVED_NAMES}"
+    if problem:
+        raise ValueError(
+            f"{option} must be one plain name, a single path component inside --out: it {problem}. "
+            f"Received: {option}={name!r}"
+        )
+    return name
+
+
+def _parse_name(text):
+    try:
+        return check_name(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _parse_opset(text):
+    try:
+        opset = int(text)
+    except ValueError:
+        opset = None
+    if opset is None or opset < 1:
+        raise argparse.ArgumentTypeError(f"--opset must be a positive integer (an ONNX opset). Received: {text!r}")
+    return opset
+
+
 def _parse_shapes(text):
     shapes = []
     for item in text.split(","):
@@ -82,9 +130,14 @@ def build_parser():
     p.add_argument("model", metavar="MODEL.keras", help="a model saved with model.save('....keras')")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--format", type=_parse_formats, default=list(FORMATS), help="saved_model,onnx (default both)")
-    p.add_argument("--name", default=None, help="model name (TF Serving); default: the file's stem")
+    p.add_argument(
+        "--name",
+        type=_parse_name,
+        default=None,
+        help="model name (TF Serving; one path component); default: the file's stem",
+    )
     p.add_argument("--version", type=int, default=None, help="SavedModel version; default: next free")
-    p.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
+    p.add_argument("--opset", type=_parse_opset, default=17, help="ONNX opset (default 17)")
     p.add_argument("--no-warmup", action="store_true", help="do not write TF Serving warmup requests")
     p.add_argument(
         "--no-generate", action="store_true", help="causal LMs: skip generate signatures and the ONNX step graph"
@@ -94,7 +147,9 @@ def build_parser():
         "verify", help="compare an export directory's artifacts with its Keras model", parents=[verbosity]
     )
     v.add_argument("dir", metavar="DIR", help="directory written by `keras-linattn export`")
-    v.add_argument("--name", default=None, help="verify only this model (default: every model in DIR)")
+    v.add_argument(
+        "--name", type=_parse_name, default=None, help="verify only this model (default: every model in DIR)"
+    )
     v.add_argument(
         "--shapes",
         type=_parse_shapes,

@@ -48,6 +48,7 @@ __all__ = [
     "check_rate",
     "check_seed",
     "check_same_batch",
+    "check_wide_ids",
     "graph_assert",
     "refuse_attention_scores",
 ]
@@ -309,3 +310,65 @@ def graph_assert(x, condition, message):
     check = tf.debugging.Assert(condition, [message])
     with tf.control_dependencies([check]):
         return tf.identity(x)
+
+
+# Integer dtypes with values an int32 does not hold: a cast to int32 would wrap them.
+_WIDE_INTS = ("int64", "uint32", "uint64")
+
+
+def check_wide_ids(token_ids, name, vocabulary_size, concrete):
+    """Wide integer token ids (int64, uint32, uint64) as int32, their range checked before the cast.
+
+    A model's id input is int32, and a cast of wider ids (int64, uint32,
+    uint64) keeps the low bits: ``2**32 + 3`` became 3, a valid id, and an
+    error reported the wrapped value. Narrow ids are returned unchanged (the
+    model's own range check sees their true values), and so is anything
+    that is not an integer array (the caller's form checks name it). Wide
+    ids are checked in their own dtype, before any conversion (a NumPy
+    array too: JAX's conversion would wrap it):
+
+    - concrete ids (`concrete` True) outside ``[0, vocabulary_size)`` raise;
+    - in a TensorFlow graph, a run-time assertion prints the smallest and
+      largest id received; where assertions are dropped (XLA), an id
+      outside the range becomes -1, an id the model marks invalid (NaN
+      outputs), never another valid id.
+
+    Args:
+        token_ids: an integer tensor.
+        name: the argument's name, for the message.
+        vocabulary_size: V; valid ids are ``[0, V)``.
+        concrete: whether `token_ids` holds values (eager), not a traced tensor.
+
+    Returns:
+        Wide ids as int32; anything else unchanged.
+
+    Raises:
+        ValueError: "`name` must be in [0, V). Received: min=..., max=... (name.dtype=int64)".
+    """
+    import keras
+    from keras import ops
+
+    if not hasattr(token_ids, "dtype"):
+        return token_ids
+    dtype = keras.backend.standardize_dtype(token_ids.dtype)
+    if dtype not in _WIDE_INTS:
+        return token_ids
+    if concrete:
+        values = ops.convert_to_numpy(token_ids)
+        if values.size:
+            low, high = int(values.min()), int(values.max())
+            if low < 0 or high >= vocabulary_size:
+                received = f"min={low}, max={high} ({name}.dtype={dtype})"
+                raise ValueError(f"`{name}` must be in [0, {vocabulary_size}). Received: {received}")
+        return ops.cast(token_ids, "int32")
+    ok = ops.logical_and(token_ids >= 0, token_ids < vocabulary_size)  # the ids' shape, compared in their dtype
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        if not tf.executing_eagerly():
+            # The values as the assertion's data: a formatted string would not compile under XLA.
+            message = f"`{name}` must be in [0, {vocabulary_size}) ({name}.dtype={dtype}). Received: min, max ="
+            data = [message, tf.reduce_min(token_ids), tf.reduce_max(token_ids)]
+            with tf.control_dependencies([tf.debugging.Assert(tf.reduce_all(ok), data)]):
+                token_ids = tf.identity(token_ids)
+    return ops.cast(ops.where(ok, token_ids, -1), "int32")

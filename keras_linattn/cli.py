@@ -18,7 +18,15 @@ directory TF Serving mounts):
       onnx/<name>_step.onnx      ONNX decode step (causal LMs)
 
 Exporting a name again adds the next SavedModel version and replaces its
-ONNX files.
+ONNX files; a format the new export does not write is removed (the
+``<name>/`` folder, or the ONNX files the manifest recorded), so TF Serving
+never serves the previous model beside a manifest that no longer lists it.
+``--name`` is one path component (no separator, no leading ``.``, not
+``keras`` or ``onnx``): every file stays inside ``--out``. Options are
+checked before the model loads, and a failed export removes the SavedModel
+version it published. `verify` also checks every folder TF Serving would
+serve: each must be a name of the manifest whose highest version is the
+recorded one.
 
 Every file is published atomically (written in a ``.tmp-*`` staging
 directory, then renamed), the ONNX model and step graph as a pair with one
@@ -45,7 +53,7 @@ import sys
 import time
 import zipfile
 
-from keras_linattn_cli import CommandError, build_parser, main
+from keras_linattn_cli import CommandError, build_parser, check_name, main
 from keras_linattn_cli import log as _log
 
 __all__ = ["build_parser", "main", "run"]
@@ -129,9 +137,13 @@ def _cmd_export(args):
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"--out must be a directory. Received: --out={out!r} (a file)")
     name = args.name or re.sub(r"[^A-Za-z0-9_-]", "_", os.path.splitext(os.path.basename(args.model))[0])
+    check_name(name)  # the default (the file stem) too: "keras.keras" would be the folder keras/
+    if "onnx" in args.format:
+        _check_opset(args.opset)
     if "saved_model" in args.format and not args.no_warmup:
         _check_warmup_writer()  # before anything is loaded or written
-    _read_manifest(os.path.join(out, _MANIFEST), missing_ok=True)  # a damaged manifest stops here
+    manifest = _read_manifest(os.path.join(out, _MANIFEST), missing_ok=True)  # a damaged manifest stops here
+    _check_onnx_names(name, manifest.get("models", {}))
     steps = 1 + len(args.format)
     t0 = time.perf_counter()
     _log(f"[1/{steps}] loading {args.model}")
@@ -139,9 +151,14 @@ def _cmd_export(args):
     # The folders this export creates; a failed export removes those it left empty.
     folders = (out, os.path.join(out, name), os.path.join(out, "onnx"), os.path.join(out, "keras"))
     created = [folder for folder in folders if not os.path.exists(folder)]
+    done = {"version_dir": None, "manifest": False}
     try:
-        return _export(args, model, out, name, steps, t0)
+        return _export(args, model, out, name, steps, t0, done)
     except BaseException:
+        if done["version_dir"] and not done["manifest"]:
+            # The SavedModel version this export published, which no manifest records: TF Serving would
+            # serve it (the highest version) while `verify` checks the previous one.
+            shutil.rmtree(done["version_dir"], ignore_errors=True)
         if out in created and not os.path.exists(os.path.join(out, _MANIFEST)):
             # A folder this export created, where no export finished: what it holds (a SavedModel
             # version published before the ONNX step failed) is no export `verify` could check.
@@ -152,6 +169,59 @@ def _cmd_export(args):
             except OSError:
                 pass
         raise
+
+
+def _check_opset(opset):
+    """An opset the ONNX converter cannot write stops `export` before anything is loaded or written."""
+    try:
+        from tf2onnx import schemas
+    except ImportError:  # the conversion names the missing package
+        return
+    highest = schemas.get_max_supported_opset_version()
+    if not 1 <= opset <= highest:
+        raise ValueError(
+            f"--opset must be an ONNX opset the converter supports (1 to {highest} with this tf2onnx and onnx). "
+            f"Received: --opset={opset}"
+        )
+
+
+def _check_onnx_names(name, models):
+    """Refuses a name whose ONNX files would be another model's (``a_step`` beside ``a``: ``onnx/a_step.onnx``)."""
+    mine = {name, f"{name}_step", f"{name}_generate"}
+    for other in sorted(models):
+        if other != name and mine & {other, f"{other}_step", f"{other}_generate"}:
+            raise ValueError(
+                f"--name {name!r} would share an ONNX file with model {other!r} in onnx/ (a model's graphs are "
+                f"<name>.onnx, <name>_step.onnx and <name>_generate.onnx): choose another name. "
+                f"Received: --name={name!r}"
+            )
+
+
+def _remove_stale(out, name, old_entry, entry):
+    """Removes what `name`'s previous export published in a format this export does not write.
+
+    A ``--format onnx`` export after a SavedModel one would otherwise leave the old model's
+    versions in ``<out>/<name>/``, which TF Serving serves; a ``--format saved_model`` (or
+    ``--no-generate``) export, the old model's ONNX graphs. Only files the previous manifest
+    entry records (inside ``<out>``) are removed, and the SavedModel folder of this name.
+    """
+    from keras_linattn import _atomic
+
+    base = os.path.join(out, name)
+    if "saved_model" not in entry and os.path.isdir(base):
+        with _atomic.staging_dir(out) as tmp:  # one rename takes every version away at once
+            os.rename(base, os.path.join(tmp, "stale"))
+    if not isinstance(old_entry, dict):
+        return
+    kept = {rel.replace(os.sep, "/") for rel in list(entry.get("files", {})) + list(entry.get("onnx", {}).values())}
+    recorded = list(old_entry.get("files", {})) + list(old_entry.get("onnx", {}).values())
+    root = os.path.realpath(out)
+    for rel in recorded:
+        path = os.path.realpath(os.path.join(out, str(rel)))
+        if str(rel).replace(os.sep, "/") in kept or os.path.commonpath([root, path]) != root:
+            continue
+        if os.path.isfile(path):
+            os.remove(path)
 
 
 def _check_warmup_writer():
@@ -168,8 +238,11 @@ def _check_warmup_writer():
         ) from e
 
 
-def _export(args, model, out, name, steps, t0):
-    """The writing half of `export`, once the model is loaded."""
+def _export(args, model, out, name, steps, t0, done):
+    """The writing half of `export`, once the model is loaded.
+
+    `done` records what was published (``version_dir``) and whether the manifest was (``manifest``).
+    """
     from keras_linattn import _atomic, export
 
     os.makedirs(out, exist_ok=True)
@@ -189,6 +262,7 @@ def _export(args, model, out, name, steps, t0):
             model_name=name,
             progress=lambda message: _log(f"      {message}"),
         )
+        done["version_dir"] = version_dir
         description = export.read_description(version_dir)
         entry["saved_model"] = os.path.relpath(version_dir, out)
         entry["saved_model_export_id"] = description["export_id"]
@@ -237,7 +311,9 @@ def _export(args, model, out, name, steps, t0):
     os.makedirs(os.path.join(out, "keras"), exist_ok=True)
     _atomic.copy_atomic(args.model, os.path.join(out, entry["keras_model"]))
     _atomic.fault_point("cli:keras_copied")
+    _remove_stale(out, name, _read_manifest(os.path.join(out, _MANIFEST), missing_ok=True)["models"].get(name), entry)
     _update_manifest(out, name, entry)  # last: the manifest is what `verify` trusts
+    done["manifest"] = True
     _atomic.fault_point("cli:manifest_published")
     _log("")
     from keras_linattn.export._verify_report import _format_table
@@ -319,6 +395,44 @@ def _check_saved_model(out_dir, entry):
     return path
 
 
+def _check_model_directories(out_dir, models):
+    """Every folder of `out_dir` that TF Serving would serve holds what the manifest records.
+
+    A folder with SavedModel versions (numbered folders) must be a name of
+    the manifest with a SavedModel entry, and its highest version (the one
+    TF Serving serves) the version the manifest records.
+
+    Raises:
+        ValueError: naming the folder, for the first one that breaks this.
+    """
+    from keras_linattn import _atomic
+    from keras_linattn.export import saved_model
+
+    for folder in sorted(os.listdir(out_dir)):
+        path = os.path.join(out_dir, folder)
+        if folder in ("keras", "onnx") or _atomic.is_temporary(folder) or not os.path.isdir(path):
+            continue
+        versions = saved_model._existing_versions(path)
+        if not versions:
+            continue
+        entry = models.get(folder)
+        recorded = entry.get("saved_model") if isinstance(entry, dict) else None
+        if recorded is None:
+            what = "is not a model" if entry is None else "has no SavedModel"
+            raise ValueError(
+                f"{folder}/ holds SavedModel versions {versions} (TF Serving serves version {versions[-1]}), but "
+                f"{folder!r} {what} in {_MANIFEST}: a failed or older export; remove the folder or export "
+                f"that name again. Received: path={path!r}"
+            )
+        served = os.path.join(folder, str(versions[-1]))
+        if os.path.normpath(recorded) != served:
+            raise ValueError(
+                f"TF Serving serves {served} (the highest version), but {_MANIFEST} records {recorded}: an export "
+                f"that did not finish, or a version numbered below an older one; remove {served} or export "
+                f"again. Received: path={path!r}"
+            )
+
+
 class _CheckStatus:
     """Where `verify` is while it runs, without printing its results twice (the table gives them once).
 
@@ -362,6 +476,7 @@ def _cmd_verify(args):
     unknown = [n for n in names if n not in models]
     if unknown or not names:
         raise ValueError(f"Unknown model name. Received: --name={args.name!r}. Exported: {sorted(models)}")
+    _check_model_directories(args.dir, models)
     any_failed = any_unverified = False
     for name in names:
         entry = models[name]

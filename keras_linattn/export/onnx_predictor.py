@@ -73,7 +73,9 @@ class OnnxPredictor:
             single array for single-input graphs. Arrays are checked against
             the graph's rank, fixed dims and dtype kind (an integer input
             refuses floats and vice versa; float64 is cast to float32, int64
-            to int32).
+            to int32, after a check that the integers fit: ids >= 2**31 are
+            refused, not wrapped). A model graph's sequence inputs must
+            hold at least one token per row.
 
     Returns:
         dict of output name -> numpy array.
@@ -150,6 +152,7 @@ class OnnxPredictor:
         self.inputs = {i.name: (_ORT_TO_NUMPY.get(i.type), list(i.shape)) for i in self.session.get_inputs()}
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
+        self._model_inputs = _model_graph_inputs(self.session)
 
     @property
     def provider(self):
@@ -207,12 +210,18 @@ class OnnxPredictor:
                         f"Input {name!r} must have shape {expected}; axis {axis} must be {want}. "
                         f"Received: {name}.shape={value.shape}"
                     )
+            if self._model_inputs is not None and name in self._model_inputs and 0 in value.shape[1:]:
+                raise ValueError(
+                    f"Input {name!r} of the model graph must hold at least one element per row "
+                    f"(a sequence of length >= 1). Received: {name}.shape={value.shape}"
+                )
             if dtype is not None:
                 if _kind(value.dtype) != _kind(dtype):
                     raise ValueError(
                         f"Input {name!r} must be {_kind(dtype)} ({np.dtype(dtype).name}). "
                         f"Received: {name}.dtype={value.dtype}"
                     )
+                _check_fits(name, value, dtype)
                 value = value.astype(dtype, copy=False)
             feeds[name] = value
         return feeds
@@ -262,6 +271,41 @@ def _check_loaded(session, metadata, path):
             f"{path!r} was replaced while it loaded (export ids {metadata.get('export_id')} checked, {found} "
             f"loaded): another export wrote it; load again. Received: path={path!r}"
         )
+
+
+def _check_fits(name, value, dtype):
+    """Integers that the cast to the graph's `dtype` would wrap (int64 ids >= 2**31 as int32) are refused.
+
+    Raises:
+        ValueError: naming the input and the smallest and largest values received.
+    """
+    if _kind(value.dtype) != "integer" or np.can_cast(value.dtype, dtype, "safe") or not value.size:
+        return
+    info = np.iinfo(dtype)
+    low, high = int(value.min()), int(value.max())
+    if low < info.min or high > info.max:
+        raise ValueError(
+            f"Input {name!r} holds integers outside the graph's {np.dtype(dtype).name} range "
+            f"[{info.min}, {info.max}]: a cast would wrap them to other values. "
+            f"Received: {name}.dtype={value.dtype}, min={low}, max={high}"
+        )
+
+
+def _model_graph_inputs(session):
+    """The input names of a keras_linattn model graph (its ``serving_default``), or None for other graphs.
+
+    Those are sequences: a zero-length one fails inside the runtime (a layer norm's mean over no token).
+    The generate graph defines its answer to an empty prompt (-1 ids) and is not one of them.
+    """
+    import json
+
+    try:
+        meta = json.loads(session.get_modelmeta().custom_metadata_map.get("keras_linattn", "{}"))
+    except ValueError:  # damaged metadata: `metadata` names it when it is read
+        return None
+    if not isinstance(meta, dict) or meta.get("graph") != "serving_default":
+        return None
+    return {entry.get("name") for entry in meta.get("inputs", []) if isinstance(entry, dict)}
 
 
 def _is_ort_value(value):

@@ -83,7 +83,7 @@ MECHANISM_ARGS_DOC = """\
             attention). With `recurrence`, pass ``gamma=`` in the window
             recurrence's config instead. With `cache_size`, it weighs the
             cache's softmax terms too. Keyword-only.
-        linear_weight: None (default: 1) or a number > 0, with
+        linear_weight: None (default: 1) or a number in (0, 2**63], with
             `window_size` only: the initial value of a learned per-head
             weight ``exp(l)`` of the linear terms (numerator and
             normalizer). Each softmax term is at most 1, while the linear

@@ -253,6 +253,83 @@ def _check_first_batch(teacher, x):
             )
 
 
+# Marks the assertions of `_checked_batches` in the error that fit raises.
+_BATCH_CHECK = "keras_linattn batch check:"
+
+
+def _teacher_limits(teacher):
+    """``(vocabulary_size, max_sequence_length)`` of the teacher (or its ``backbone``); None where it has none."""
+    backbone = getattr(teacher, "backbone", teacher)
+    vocabulary = getattr(backbone, "vocabulary_size", None)
+    limit = getattr(backbone, "max_sequence_length", None)
+    return (vocabulary if isinstance(vocabulary, int) else None), (limit if isinstance(limit, int) else None)
+
+
+def _checked_batches(dataset, teacher, what):
+    """`dataset`, each batch's token ids and length checked as tf.data reads it.
+
+    The check runs in the input pipeline, outside the training step, so it
+    holds under XLA too (which drops assertions and clamps an out-of-range
+    gather index to the table's last row). A batch that fails it stops
+    `fit` with an ``InvalidArgumentError`` marked with `_BATCH_CHECK`, which
+    `attention_transfer` raises as a ValueError naming the batch (counted
+    from 0 within one pass of `dataset`).
+    """
+    import tensorflow as tf
+
+    vocabulary, limit = _teacher_limits(teacher)
+    if vocabulary is None and limit is None:
+        return dataset
+
+    def check(index, element):
+        x = element[0] if isinstance(element, tuple) else element
+        ids = x.get("token_ids") if isinstance(x, dict) else x
+        if not isinstance(ids, tf.Tensor) or not ids.dtype.is_integer or ids.shape.rank != 2:
+            return element
+        prefix = f"{_BATCH_CHECK} `{what}` batch"
+        checks = []
+        if vocabulary is not None:
+            inside = tf.reduce_all(tf.logical_and(ids >= 0, ids < vocabulary))
+            data = [
+                prefix,
+                index,
+                f"(counted from 0) holds token ids outside the teacher's vocabulary_size={vocabulary}: map them "
+                "into it (or use the teacher's tokenizer). Received: ids min",
+                tf.reduce_min(ids),
+                "max",
+                tf.reduce_max(ids),
+            ]
+            checks.append(tf.debugging.Assert(inside, data))
+        if limit is not None:
+            length = tf.shape(ids)[1]
+            data = [
+                prefix,
+                index,
+                f"(counted from 0) holds rows longer than the teacher's max_sequence_length={limit}: cut them to "
+                f"at most {limit} tokens. Received: rows of",
+                length,
+                "tokens",
+            ]
+            checks.append(tf.debugging.Assert(length <= limit, data))
+        with tf.control_dependencies(checks):
+            return tf.nest.map_structure(tf.identity, element)
+
+    return dataset.enumerate().map(check)
+
+
+def _batch_error(error):
+    """The ValueError of a failed `_checked_batches` assertion (None for any other error)."""
+    import re
+
+    text = str(error)
+    start = text.find(_BATCH_CHECK)
+    if start < 0:
+        return None
+    line = text[start:].splitlines()[0]
+    message = " ".join(re.findall(r"\[([^\[\]]*)\]", "[" + line))
+    return ValueError(message.replace(_BATCH_CHECK, "").replace("\\'", "'").strip())
+
+
 def attention_transfer(
     student,
     teacher,
@@ -377,14 +454,23 @@ def attention_transfer(
     trainer.compile(
         optimizer=keras.optimizers.Adam(learning_rate) if optimizer is None else optimizer, jit_compile=jit_compile
     )
-    history = trainer.fit(
-        dataset.repeat(),
-        epochs=epochs,
-        steps_per_epoch=steps,
-        callbacks=callbacks,
-        validation_data=validation,
-        validation_steps=validation_steps,
-        verbose=verbose,
-        shuffle=False,
-    )
+    dataset = _checked_batches(dataset, teacher, "data")
+    if validation is not None:
+        validation = _checked_batches(validation, teacher, "validation_data")
+    try:
+        history = trainer.fit(
+            dataset.repeat(),
+            epochs=epochs,
+            steps_per_epoch=steps,
+            callbacks=callbacks,
+            validation_data=validation,
+            validation_steps=validation_steps,
+            verbose=verbose,
+            shuffle=False,
+        )
+    except Exception as e:  # TensorFlow's InvalidArgumentError, from a batch check of the input pipeline
+        refused = _batch_error(e)
+        if refused is None:
+            raise
+        raise refused from None
     return student, history

@@ -582,8 +582,13 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
 
     def call(self, inputs, padding_mask=None, training=None):
         token_ids, padding_mask = _unpack_inputs(inputs, padding_mask)
-        # Checked before the graph converts them (a float id would be cast silently).
+        # Checked before the graph converts them (a float id would be cast silently, an int64 id wrapped).
+        token_ids = _validation.check_wide_ids(token_ids, "token_ids", self.vocabulary_size, _is_concrete(token_ids))
         token_ids = _check_ids_form(token_ids, "token_ids", 2, self.max_sequence_length)
+        if token_ids.shape[1] == 0:  # no token to embed: the layer norms and the head would fail inside
+            raise ValueError(
+                f"`token_ids` must hold at least one token per row. Received: token_ids.shape={tuple(token_ids.shape)}"
+            )
         if padding_mask is not None:
             # Nonzero is real, in any dtype: the graph's int32 input would truncate a float mask (0.5 -> 0).
             padding_mask = ops.cast(ops.cast(ops.convert_to_tensor(padding_mask), "bool"), "int32")

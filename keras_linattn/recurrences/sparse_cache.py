@@ -48,7 +48,7 @@ class SparseCacheRecurrence(WindowRecurrence):
         gamma: None (default) or the initial value, in (0, 1), of a learned
             per-head weight ``sigmoid(g)`` of the softmax terms (window and
             cache), as `WindowRecurrence`'s (weight ``window_gamma_logit [H]``).
-        linear_weight: None (default) or the initial value, > 0, of a learned
+        linear_weight: None (default) or the initial value, in (0, 2**63], of a learned
             per-head weight of the linear terms, as `WindowRecurrence`'s
             (weight ``window_linear_weight_log [H]``). The self-recall error
             that picks the cached pairs does not depend on it.

@@ -19,6 +19,13 @@ from keras_linattn.recurrences.registry import register
 __all__ = ["WindowRecurrence"]
 
 
+# The largest accepted initial `linear_weight`: the square root of float32's largest number (about 2**128), so
+# that the weight times a float32 feature or sum of up to the same size does not overflow. At 3e38 the weighted
+# numerator and normalizer overflow to inf (NaN in every row). Small weights are accepted: one that underflows
+# the linear terms toward 0 leaves the window's softmax, which is what a tiny weight asks for.
+LINEAR_WEIGHT_MAX = 2.0**63
+
+
 @register("window")
 class WindowRecurrence(Recurrence):
     """Softmax attention over the last `window_size` tokens plus linear attention over every older token.
@@ -35,7 +42,7 @@ class WindowRecurrence(Recurrence):
             weight ``window_gamma_logit [H]`` (g, float32) is trainable; with
             ``W >= T`` gamma cancels and the output is exact softmax attention.
         linear_weight: None (default: the linear terms weigh 1) or the
-            initial value, > 0, of a learned per-head weight
+            initial value, in (0, 2**63], of a learned per-head weight
             ``lambda = exp(l)`` of the linear terms (in the numerator and
             the normalizer; the weight ``window_linear_weight_log [H]``,
             float32, trainable). It is applied to the query features, so it
@@ -87,11 +94,13 @@ class WindowRecurrence(Recurrence):
             )
         self.gamma = None if gamma is None else float(gamma)
         if linear_weight is not None and (
-            not _validation._is_real(linear_weight) or not 0.0 < linear_weight < math.inf
+            not _validation._is_real(linear_weight) or not 0.0 < linear_weight <= LINEAR_WEIGHT_MAX
         ):
             raise ValueError(
-                "`linear_weight` (the initial weight of the linear terms, exp of a learned log) must be None "
-                f"or a finite number > 0. Received: linear_weight={linear_weight!r}"
+                "`linear_weight` (the initial weight of the linear terms, exp of a learned float32 log) must be "
+                "None or a number in (0, 2**63]: it multiplies float32 features and sums, and a weight above the "
+                "square root of float32's largest number overflows them (NaN outputs). "
+                f"Received: linear_weight={linear_weight!r}"
             )
         self.linear_weight = None if linear_weight is None else float(linear_weight)
         self.linear_rope = _validation.check_bool("linear_rope", linear_rope)

@@ -489,6 +489,12 @@ ROWS = [
     ("LinearAttention/dropout=1.0", lambda e: LinearAttention(2, 4, dropout=1.0), V, ["dropout=1.0"]),
     ("LinearAttention/epsilon=-1", lambda e: LinearAttention(2, 4, epsilon=-1), V, ["epsilon=-1"]),
     (
+        "LinearAttention/linear_weight=3e38",
+        lambda e: LinearAttention(2, 4, window_size=2, linear_weight=3e38),
+        V,
+        ["linear_weight=3e+38", "(0, 2**63]"],
+    ),
+    (
         "LinearAttention/output_shape=(4, 4)",
         lambda e: LinearAttention(2, 4, output_shape=(4, 4)),
         V,
@@ -842,6 +848,18 @@ ROWS = [
         lambda e: e.lm(np.array([[1, 16]], "int32")),
         V,
         ["token_ids", "max=16"],
+    ),
+    (
+        "LinearCausalLM.call/int64 id 2**32 + 3 (wraps to 3 in int32)",
+        lambda e: e.lm(np.array([[1, 2**32 + 3]], "int64")),
+        V,
+        ["token_ids", "[0, 16)", "max=4294967299", "int64"],
+    ),
+    (
+        "LinearCausalLM.call/zero-length rows",
+        lambda e: e.lm(np.zeros((2, 0), "int32")),
+        V,
+        ["token_ids", "token_ids.shape=(2, 0)"],
     ),
     (
         "LinearAttention.call/query dim differs from build",
