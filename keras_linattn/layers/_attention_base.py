@@ -18,6 +18,7 @@ from keras import ops
 from keras_linattn import _compat, _validation
 from keras_linattn._docstrings import fill
 from keras_linattn._tracking import CheckpointTracked
+from keras_linattn.layers import _quantized_projection
 
 # The projection arguments every attention layer takes, documented once.
 PROJECTION_ARGS_DOC = """\
@@ -89,22 +90,6 @@ def _check_output_shape(output_shape):
 _STEP_FORMS = {"btd,dhk->bthk": "input", "bthk,hkd->btd": "output"}
 
 
-def _int_product(x, kernel, form):
-    """``einsum(equation, x, kernel)`` of a projection as one 2-D product (int8 operands: int32 result).
-
-    ``form`` is ``"input"`` (``btd,dhk->bthk``: ``[B, T, dim] x [dim, H, K]``)
-    or ``"output"`` (``bthk,hkd->btd``: ``[B, T, H, K] x [H, K, dim]``).
-    """
-    shape = ops.shape(x)
-    if form == "input":
-        dim, heads, size = kernel.shape
-        y = ops.matmul(ops.reshape(x, (-1, dim)), ops.reshape(kernel, (dim, heads * size)))  # [B * T, H * K]
-        return ops.reshape(y, (shape[0], shape[1], heads, size))  # [B, T, H, K]
-    heads, size, dim = kernel.shape
-    y = ops.matmul(ops.reshape(x, (-1, heads * size)), ops.reshape(kernel, (heads * size, dim)))  # [B * T, dim]
-    return ops.reshape(y, (shape[0], shape[1], dim))  # [B, T, dim]
-
-
 class _ProjectionDense(keras.layers.EinsumDense):
     """An `EinsumDense` that consumes the Keras mask of its input.
 
@@ -163,44 +148,11 @@ class _ProjectionDense(keras.layers.EinsumDense):
         super().quantize(mode, type_check=False, config=config)
 
     def _int8_call(self, inputs, training=None):
-        """Keras' int8 call, with the contraction written as one 2-D int8 x int8 -> int32 product.
-
-        Keras' einsum on int8 operands takes an int32 product only where
-        every dim but the batch is static; the time axis of these equations
-        is not, so it would multiply the int8 values as floats (and an
-        exported graph would hold a float product). Here the inputs and the
-        kernel are reshaped to 2-D, as `step_call` does, and multiplied by
-        `ops.matmul`, which gives int8 operands an int32 product (a
-        `MatMulInteger` in ONNX). Scales, LoRA, bias and the gradient are
-        Keras' own.
-        """
+        # Keras' int8 call with the product as one 2-D int8 x int8 -> int32 matmul (`_quantized_projection`).
         form = _STEP_FORMS.get(self.equation)
         if form is None or not self.inputs_quantizer:
             return super()._int8_call(inputs, training=training)
-
-        @ops.custom_gradient
-        def product(inputs, kernel, kernel_scale):
-            def grad_fn(*args, upstream=None):
-                if upstream is None:
-                    (upstream,) = args
-                scale = self._adjust_scale_for_dequant(kernel_scale)
-                float_kernel = ops.divide(ops.cast(kernel, self.compute_dtype), scale)
-                return ops.einsum(self._custom_gradient_equation, upstream, float_kernel), None, None
-
-            quantized, inputs_scale = self.inputs_quantizer(inputs, axis=self.quantization_axis)
-            inputs_scale = self._adjust_scale_for_quant(inputs_scale, "input")
-            x = ops.cast(_int_product(quantized, kernel, form), self.compute_dtype)
-            return ops.divide(x, ops.multiply(inputs_scale, kernel_scale)), grad_fn
-
-        x = product(inputs, ops.convert_to_tensor(self._kernel), ops.convert_to_tensor(self.kernel_scale))
-        if self.lora_enabled:
-            lora_x = ops.matmul(ops.einsum(self.equation, inputs, self.lora_kernel_a), self.lora_kernel_b)
-            x = ops.cast(ops.add(x, (self.lora_alpha / self.lora_rank) * lora_x), self.compute_dtype)
-        if self.bias is not None:
-            x = ops.add(x, self.bias)
-        if self.activation is not None:
-            x = self.activation(x)
-        return x
+        return _quantized_projection.int8_call(self, inputs, form)
 
     def step_call(self, x):
         """This projection at one token, without the time axis.
