@@ -12,8 +12,9 @@ Stages (each recorded in the JSON, an exception as its ``error``, the others sti
     attention  `benchmarks.bench_attention` (XLA, time only) beside Model Garden's KernelAttention and softmax
                MultiHeadAttention at N = 8k-64k; Model Garden is skipped (and said so) where it is not installed
     onnx       GPT-2 base exported in float16 and int8 (`Model.quantize`): onnxruntime's CUDA provider
-               (CPU on a dry run) against Keras (`verify`), and decode ms/token at batch 1 in Keras and
-               through `OnnxGenerator`
+               (CPU on a dry run): logits against Keras within the error model's bound, and decode ms/token at
+               batch 1 (prefill apart) in Keras and
+               through `OnnxGenerator`, with the greedy tokens' agreement
     jax        the fit stage again under ``KERAS_BACKEND=jax`` (a child process: the backend is chosen at import)
 
 The JSON names the device (GPU name from TensorFlow, else the CPU) and the shapes of each stage.
@@ -34,7 +35,7 @@ GPT2_BASE = dict(vocabulary_size=50257, num_layers=12, hidden_dim=768, num_heads
 TINY = dict(vocabulary_size=256, num_layers=1, hidden_dim=64, num_heads=4, intermediate_dim=128)
 REAL = dict(model=GPT2_BASE, fit_batch=8, fit_length=1024, fit_steps=5, attention_ns=(8192, 16384, 32768, 65536))
 DRY = dict(model=TINY, fit_batch=2, fit_length=64, fit_steps=2, attention_ns=(256,))
-DECODE_PROMPT, DECODE_TOKENS = 8, 16
+DECODE_PROMPT, DECODE_TOKENS = 8, 32
 
 
 def parse_args(argv=None):
@@ -119,16 +120,46 @@ def stage_attention(plan, gpu):
     return {"ns": list(plan["attention_ns"]), "impls": impls.split(","), "results": results}
 
 
-def _decode_ms_per_token(generate, prompt):
-    """ms per generated token at batch 1, prefill apart: (time to P + N tokens - time to P + 1) / (N - 1)."""
-    generate(prompt, DECODE_PROMPT + 2)  # trace / warm up
-    start = time.perf_counter()
+def _decode_ms_per_token(generate, prompt, repeats=3):
+    """ms per generated token at batch 1, prefill apart: (time to P + N tokens - time to P + 1) / (N - 1).
+
+    Each length is traced first (a new `max_length` may retrace), then timed `repeats` times; the fastest
+    of each is taken (on a shared machine the others measure the neighbours).
+    """
+
+    def fastest(length):
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            tokens = generate(prompt, length)
+            times.append(time.perf_counter() - start)
+        return min(times), tokens
+
     generate(prompt, DECODE_PROMPT + 1)
-    one = time.perf_counter() - start
-    start = time.perf_counter()
-    tokens = generate(prompt, DECODE_PROMPT + DECODE_TOKENS)
-    many = time.perf_counter() - start
+    generate(prompt, DECODE_PROMPT + DECODE_TOKENS)
+    one, _ = fastest(DECODE_PROMPT + 1)
+    many, tokens = fastest(DECODE_PROMPT + DECODE_TOKENS)
     return 1000.0 * (many - one) / (DECODE_TOKENS - 1), tokens
+
+
+def _parity(lm, model_path, precision, device, vocabulary_size):
+    """onnxruntime's logits against Keras' on one batch, with the error model's bound (None where vacuous)."""
+    import numpy as np
+
+    from keras_linattn import _tolerance
+    from keras_linattn.export import _verify_bounds
+    from keras_linattn.export.onnx_predictor import OnnxPredictor
+
+    ids = np.random.RandomState(2).randint(0, vocabulary_size, (2, 16)).astype("int32")
+    expected = np.asarray(lm(ids), np.float64)
+    got = np.asarray(OnnxPredictor(model_path, device=device).predict({"token_ids": ids})["logits"], np.float64)
+    rel = float(np.abs(got - expected).max() / np.abs(expected).max())
+    n = _verify_bounds._reduction_length(lm, ids.shape[1])
+    eps = _tolerance.eps("float16" if precision == "float16" else "float32")
+    bound = 2 * _tolerance.C_ROUND * eps * n**0.5  # paths=2, conditioning 1 (elu features are positive)
+    bound += _verify_bounds.quantized_term(bound, *_verify_bounds.quantized_reduction(lm))
+    bound = None if bound >= _tolerance.VACUOUS else bound
+    return {"max_rel": rel, "bound": bound, "ok": None if bound is None else rel <= bound}
 
 
 def _onnx_precision(plan, precision, device, base):
@@ -143,10 +174,9 @@ def _onnx_precision(plan, precision, device, base):
     start = time.perf_counter()
     paths = export.export_onnx(lm, os.path.join(base, f"{precision}.onnx"))
     export_s = time.perf_counter() - start
-    report = export.verify(
-        lm, onnx_path=paths["model"], shapes=[(1, 16)], decode_steps=4, onnx_device=device, raise_on_failure=False
-    )
-    prompt = np.random.RandomState(1).randint(0, plan["model"]["vocabulary_size"], (1, DECODE_PROMPT)).astype("int32")
+    vocabulary_size = plan["model"]["vocabulary_size"]
+    parity = _parity(lm, paths["model"], precision, device, vocabulary_size)
+    prompt = np.random.RandomState(1).randint(0, vocabulary_size, (1, DECODE_PROMPT)).astype("int32")
     keras_ms, keras_ids = _decode_ms_per_token(
         lambda p, n: np.asarray(lm.generate(p, max_length=n, sampler="greedy")), prompt
     )
@@ -158,8 +188,7 @@ def _onnx_precision(plan, precision, device, base):
     return {
         "export_s": export_s,
         "file_bytes": sum(os.path.getsize(p) for p in files),
-        "verify_ok": bool(report.ok),
-        "verify": [r.as_dict() for r in report.rows],
+        "parity": parity,
         "keras_ms_per_token": keras_ms,
         "onnx_ms_per_token": onnx_ms,
         "tokens_agree": float(np.mean(np.asarray(keras_ids) == np.asarray(onnx_ids))),
@@ -179,19 +208,24 @@ def stage_onnx(plan, gpu):
     return out
 
 
-def stage_jax(args):
-    """The fit stage in a child process under ``KERAS_BACKEND=jax``."""
-    with tempfile.TemporaryDirectory() as base:
-        out = os.path.join(base, "fit.json")
-        argv = [sys.executable, "-m", "benchmarks.device_check", "--child-fit", out]
-        if args.dry_run:
-            argv.append("--dry-run")
-        env = {**os.environ, "KERAS_BACKEND": "jax"}
-        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1200)
-        if done.returncode != 0:
-            raise RuntimeError(f"the JAX child exited {done.returncode}: {done.stderr[-2000:]}")
-        with open(out) as f:
-            return json.load(f)
+def start_jax(args, base):
+    """Starts the fit stage in a child process under ``KERAS_BACKEND=jax`` (it runs beside the other stages)."""
+    out = os.path.join(base, "jax_fit.json")
+    argv = [sys.executable, "-m", "benchmarks.device_check", "--child-fit", out]
+    if args.dry_run:
+        argv.append("--dry-run")
+    env = {**os.environ, "KERAS_BACKEND": "jax"}
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), out
+
+
+def finish_jax(child):
+    """The JAX child's fit figures (waits for it)."""
+    process, out = child
+    _, stderr = process.communicate(timeout=1200)
+    if process.returncode != 0:
+        raise RuntimeError(f"the JAX child exited {process.returncode}: {stderr[-2000:]}")
+    with open(out) as f:
+        return json.load(f)
 
 
 def _errors(value):
@@ -206,20 +240,23 @@ def run(args):
     device = describe_device()
     gpu = device["kind"] == "GPU" and not args.dry_run
     results = {"device": device, "dry_run": bool(args.dry_run), "plan": plan, "stages": {}}
-    for stage in args.stages:
-        start = time.perf_counter()
-        try:
-            if stage == "jax":
-                value = stage_jax(args)
-            else:
-                value = {"fit": stage_fit, "attention": stage_attention, "onnx": stage_onnx}[stage](plan, gpu)
-            value = {"ok": not _errors(value), **value}
-        except Exception as e:
-            value = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-        value["wall_s"] = time.perf_counter() - start
-        results["stages"][stage] = value
-        status = "ok" if value["ok"] else "FAILED: " + "; ".join(_errors(value))
-        print(f"[device-check] {stage}: {status} ({value['wall_s']:.0f} s)")
+    with tempfile.TemporaryDirectory() as base:
+        # The JAX stage is a child process: on a dry run it overlaps the others (they wait on one core each).
+        child = start_jax(args, base) if "jax" in args.stages else None
+        for stage in args.stages:
+            start = time.perf_counter()
+            try:
+                if stage == "jax":
+                    value = finish_jax(child)
+                else:
+                    value = {"fit": stage_fit, "attention": stage_attention, "onnx": stage_onnx}[stage](plan, gpu)
+                value = {"ok": not _errors(value), **value}
+            except Exception as e:
+                value = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            value["wall_s"] = time.perf_counter() - start
+            results["stages"][stage] = value
+            status = "ok" if value["ok"] else "FAILED: " + "; ".join(_errors(value))
+            print(f"[device-check] {stage}: {status} ({value['wall_s']:.0f} s)")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1, default=str)
