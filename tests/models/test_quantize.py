@@ -182,3 +182,34 @@ def test_bfloat16_weights_keep_a_float32_decode_state():
     float_prefill = [s for s in prefill_state if "int" not in keras.backend.standardize_dtype(s.dtype)]
     assert {keras.backend.standardize_dtype(s.dtype) for s in float_prefill} == {"float32"}
     assert np.isfinite(stepped).all() and all(np.isfinite(np.asarray(s)).all() for s in float_prefill)
+
+
+def test_student_of_a_bfloat16_keras_hub_teacher_keeps_bfloat16_weights_and_a_float32_state():
+    import keras_hub
+
+    import keras_linattn
+
+    _seed()
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=VOCAB,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        max_sequence_length=32,
+        dtype="bfloat16",
+    )
+    teacher = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
+    student = keras_linattn.linearize(teacher, window_size=4)
+    assert {str(p.kernel.dtype) for p in _projections(student)} == {"bfloat16"}
+    # Weights copied as they are: bfloat16 in, bfloat16 out (no float32 round trip that could change a value).
+    teacher_kernel = np.asarray(
+        keras.ops.cast(teacher.backbone.transformer_layers[0]._self_attention_layer._query_dense.kernel, "float32")
+    )
+    query = min((p for p in _projections(student) if p.name == "query"), key=lambda p: p.path)  # block 0's
+    student_kernel = np.asarray(keras.ops.cast(query.kernel, "float32"))
+    np.testing.assert_array_equal(student_kernel, teacher_kernel)
+    tokens = np.random.RandomState(4).randint(0, VOCAB, (2, T)).astype("int32")
+    _, state = _step_logits(student, tokens)
+    floats = {keras.backend.standardize_dtype(s.dtype) for s in state}
+    assert floats == {"float32", "int32"}  # S, z, the window ring: float32; the position: int32
