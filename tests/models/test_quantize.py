@@ -213,3 +213,33 @@ def test_student_of_a_bfloat16_keras_hub_teacher_keeps_bfloat16_weights_and_a_fl
     _, state = _step_logits(student, tokens)
     floats = {keras.backend.standardize_dtype(s.dtype) for s in state}
     assert floats == {"float32", "int32"}  # S, z, the window ring: float32; the position: int32
+
+
+def test_quantized_model_saves_and_loads_bit_for_bit(tmp_path):
+    lm = _lm()
+    lm.quantize("int8")
+    tokens = np.random.RandomState(5).randint(0, VOCAB, (2, T)).astype("int32")
+    path = str(tmp_path / "int8.keras")
+    lm.save(path)
+    loaded = keras.saving.load_model(path)
+    assert {p.quantization_mode for p in _projections(loaded)} == {"int8"}
+    np.testing.assert_array_equal(np.asarray(loaded(tokens)), np.asarray(lm(tokens)))
+
+
+def test_lora_adapters_stay_float_beside_int8_kernels():
+    from keras_linattn.linearization import enable_lora
+
+    lm = _lm()
+    enable_lora(lm, rank=2, alpha=4)
+    for projection in _projections(lm):  # B = 0 at init: give the adapters a term of their own
+        shape = projection.lora_kernel_b.shape
+        projection.lora_kernel_b.assign(0.05 * np.random.RandomState(6).standard_normal(shape).astype("float32"))
+    lm.quantize("int8")
+    projection = _projections(lm)[0]
+    assert str(projection._kernel.dtype) == "int8" and str(projection.lora_kernel_a.dtype) == "float32"
+    tokens = np.random.RandomState(7).randint(0, VOCAB, (2, T)).astype("int32")
+    parallel = np.asarray(lm(tokens))
+    stepped, _ = _step_logits(lm, tokens)
+    float_bound = bound("float32", _verify_bounds._reduction_length(lm, T), paths=2)
+    term = _verify_bounds.quantized_term(float_bound, *_verify_bounds.quantized_reduction(lm))
+    assert np.abs(stepped - parallel).max() / np.abs(parallel).max() <= float_bound + term
