@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-slow test-onednn-off test-jax lint format docs dist dist-check bench install clean
+.PHONY: demo test test-fast test-slow test-onednn-off test-jax lint format docs dist dist-check bench device-check install clean
 
 $(STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -90,6 +90,13 @@ dist-check: dist
 
 bench: $(STAMP)
 	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m benchmarks.bench_attention
+
+# The GPU figures in one run (benchmarks/device_check.py): fit, attention beside Model Garden, onnxruntime
+# CUDA parity and decode in float16 and int8, the JAX fit; writes benchmarks/results/device_check.json.
+# `make device-check DRY_RUN=1` runs every stage at tiny shapes on CPU; ARGS passes more options.
+DRY_RUN ?=
+device-check: $(STAMP)
+	TF_CPP_MIN_LOG_LEVEL=2 $(PY) -m benchmarks.device_check $(if $(DRY_RUN),--dry-run) $(ARGS)
 
 clean:
 	rm -rf $(VENV) build dist site *.egg-info .pytest_cache

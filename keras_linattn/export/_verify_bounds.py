@@ -146,17 +146,81 @@ def _row_conditioning(records, batch):
     return conditioning
 
 
-class _Bound:
-    """The error model's bound per batch row, or one fixed tolerance for every row."""
+# The step of an abs-max integer grid relative to the row's abs max (Keras' `AbsMaxQuantizer`:
+# int8 rounds to [-127, 127], int4 to [-8, 7] with the max at 7). The quantization error model
+# (docs/dev/testing.md) treats it as the epsilon of the quantized format.
+QUANTIZED_EPS = {"int8": 1.0 / 127.0, "int4": 1.0 / 7.0}
 
-    def __init__(self, n, conditioning, fixed=None):
+
+def quantized_reduction(model):
+    """``(n_q, eps_q)``: the contracted length of the model's quantized products and their step.
+
+    ``n_q`` sums the fan-in of every integer kernel (the reductions whose
+    inputs are rounded to an integer grid), ``eps_q`` is the coarsest step
+    among their modes (`QUANTIZED_EPS`). ``(0, 0.0)`` for a model without
+    quantized layers.
+    """
+    n_q, eps_q = 0, 0.0
+    for layer in _leaf_layers(model):
+        mode = getattr(layer, "quantization_mode", None)
+        if mode not in QUANTIZED_EPS:
+            continue
+        eps_q = max(eps_q, QUANTIZED_EPS[mode])
+        if isinstance(getattr(layer, "equation", None), str) and hasattr(layer, "_kernel_reduced_axes"):
+            shape = getattr(layer, "original_kernel_shape", None) or layer._kernel.shape
+            n_q += int(np.prod([int(shape[a]) for a in layer._kernel_reduced_axes]))
+        elif hasattr(layer, "output_dim"):  # an embedding: its tied output projection sums over the width
+            n_q += int(layer.output_dim)
+        else:  # Dense: the kernel's input dim ([in, out], or int4's packed [in, out / 2])
+            n_q += int(layer._kernel.shape[0])
+    return n_q, eps_q
+
+
+def quantized_term(float_bound, n_q, eps_q):
+    """The bound on two evaluations of one quantized model beyond their float rounding.
+
+    Each evaluation rounds the inputs of its quantized products to the grid
+    of their row (step ``eps_q`` relative to the row's abs max). Inputs that
+    differ by the float bound relative to the row's max land on different
+    grid points only where a grid boundary lies between them: with
+    probability at most ``float_bound / eps_q`` per element, and then one
+    step apart. Over the ``n_q`` rounded elements that is at most
+    ``F = n_q * float_bound / eps_q`` such steps expected (and at least one
+    must be allowed: a single one is possible at any F > 0), independent
+    in sign: a random walk of ``max(1, F)`` steps of relative size
+    ``eps_q``, held to ``C_ROUND`` standard deviations as the float model is.
+
+    Args:
+        float_bound: the float model's relative bound for the same comparison.
+        n_q: `quantized_reduction`'s length (0: no quantized product).
+        eps_q: `quantized_reduction`'s step.
+
+    Returns:
+        ``C_ROUND * eps_q * sqrt(max(1, F))``, or 0.0 when ``n_q`` is 0.
+    """
+    if not n_q:
+        return 0.0
+    steps = max(1.0, n_q * float_bound / eps_q)
+    return _tolerance.C_ROUND * eps_q * math.sqrt(steps)
+
+
+class _Bound:
+    """The error model's bound per batch row, or one fixed tolerance for every row.
+
+    ``quantized``: `quantized_reduction`'s ``(n_q, eps_q)`` of a quantized
+    model, whose bound adds `quantized_term` to the float one.
+    """
+
+    def __init__(self, n, conditioning, fixed=None, quantized=(0, 0.0)):
         self.n, self.conditioning, self.fixed = n, np.asarray(conditioning, np.float64), fixed
+        self.quantized = quantized
 
     def row(self, b):
         """Row b's bound; None where it would pass an all-zero output (not a test)."""
         if self.fixed is not None:
             return float(self.fixed)
         value = 2 * _tolerance.C_ROUND * _tolerance.eps("float32") * math.sqrt(self.n) * self.conditioning[b]
+        value += quantized_term(value, *self.quantized)
         return None if value >= _tolerance.VACUOUS else value
 
 

@@ -15,7 +15,13 @@ import numpy as np
 
 from keras_linattn import generation
 from keras_linattn.export import _specs
-from keras_linattn.export._verify_bounds import _Bound, _compare, _recording_features, _reduction_length
+from keras_linattn.export._verify_bounds import (
+    _Bound,
+    _compare,
+    _recording_features,
+    _reduction_length,
+    quantized_reduction,
+)
 from keras_linattn.export._verify_report import _Check
 
 # The sampler of the `generate_sampled` / ONNX generate check.
@@ -110,6 +116,7 @@ class _KerasDecoding:
             model(self.tokens, training=False)
         self.step_conditioning = run.row_conditioning(records, batch)
         self.step_n = _reduction_length(model, steps)
+        self.quantized = quantized_reduction(model)
 
         self.prompt = self.tokens[:, : min(2, steps)]
         prompt_length = self.prompt.shape[1]
@@ -121,12 +128,14 @@ class _KerasDecoding:
         )
         with _recording_features(model) as records:
             self.greedy_logits = np.asarray(model(self.greedy_ids, training=False))  # what chose each greedy token
-        self.generate_bound = _Bound(_reduction_length(model, self.max_length), run.row_conditioning(records, batch))
+        self.generate_bound = _Bound(
+            _reduction_length(model, self.max_length), run.row_conditioning(records, batch), quantized=self.quantized
+        )
 
     def check_steps(self, run, backend, got, fixed):
         """The row of a backend's step logits ``[B, T, V]`` against Keras `step`'s."""
         batch, steps = self.batch, self.steps
-        bound = _Bound(self.step_n, self.step_conditioning, fixed)
+        bound = _Bound(self.step_n, self.step_conditioning, fixed, self.quantized)
         row = run.report.add(_compare(backend, f"{_specs.STEP}:logits", (batch, steps), got, self.step_logits, bound))
         run.say(f"{backend:12s} step {batch}x{steps}: rel {row.max_rel:.2e} (bound {row.tolerance:.1e}) {row.status}")
 

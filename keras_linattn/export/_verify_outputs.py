@@ -3,7 +3,13 @@
 import numpy as np
 
 from keras_linattn.export import _specs
-from keras_linattn.export._verify_bounds import _Bound, _compare, _recording_features, _reduction_length
+from keras_linattn.export._verify_bounds import (
+    _Bound,
+    _compare,
+    _recording_features,
+    _reduction_length,
+    quantized_reduction,
+)
 
 
 def _keras_outputs(specs, feeds, row_conditioning):
@@ -33,6 +39,7 @@ def check_outputs(run, inputs, shapes, runner, predictor, saved_model_tolerance,
         feeds = _specs.example_inputs(inputs, batch, length, specs.vocabulary_size, seed=run.seed + k)
         expected, conditioning = _keras_outputs(specs, feeds, run.row_conditioning)
         n = _reduction_length(specs.model, length)
+        quantized = quantized_reduction(specs.model)
         for backend, predict, fixed in (
             ("saved_model", runner and (lambda f: runner.run(_specs.SERVING_DEFAULT, f)), saved_model_tolerance),
             ("onnx", predictor and (lambda f: predictor.predict(f)), onnx_tolerance),
@@ -43,7 +50,9 @@ def check_outputs(run, inputs, shapes, runner, predictor, saved_model_tolerance,
             for name, ref in expected.items():
                 signature = f"{_specs.SERVING_DEFAULT}:{name}"
                 row = run.report.add(
-                    _compare(backend, signature, (batch, length), got[name], ref, _Bound(n, conditioning, fixed))
+                    _compare(
+                        backend, signature, (batch, length), got[name], ref, _Bound(n, conditioning, fixed, quantized)
+                    )
                 )
                 run.say(
                     f"{backend:12s} {row.signature} {batch}x{length}: rel {row.max_rel:.2e} "

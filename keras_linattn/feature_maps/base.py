@@ -100,6 +100,25 @@ class FeatureMap(CheckpointTracked, keras.layers.Layer):
         kwargs.setdefault("dtype", "float32")
         super().__init__(**kwargs)
 
+    def quantize(self, mode=None, type_check=True, config=None):
+        """Keeps the map's weights as they are: feature maps stay float under `Model.quantize`.
+
+        A map's weights are small (``[H, D, C]`` per layer, against the
+        projections' ``[dim, H, D]``), and its features feed the float32
+        state, the normalizer and, for hedgehog and favor+, an ``exp``: a
+        rounding error of half an int8 step in ``W x`` would multiply a
+        feature by up to ``exp(step / 2)`` (DESIGN.md, Numerics: features,
+        S, z and the normalizer stay float32). `keras.Model.quantize` calls
+        this on every leaf layer; without it Keras warns that the map has no
+        `quantize` method.
+
+        Args:
+            mode: the quantization mode (``"int8"``, ``"int4"``...), ignored.
+            type_check: Keras' argument, ignored.
+            config: Keras' `QuantizationConfig`, ignored.
+        """
+        del mode, type_check, config
+
     def feature_dim(self, input_dim):
         """The output feature dim ``C`` for input dim ``D``."""
         raise TypeError(

@@ -18,6 +18,7 @@ from keras import ops
 from keras_linattn import _compat, _validation
 from keras_linattn._docstrings import fill
 from keras_linattn._tracking import CheckpointTracked
+from keras_linattn.layers import _quantized_projection
 
 # The projection arguments every attention layer takes, documented once.
 PROJECTION_ARGS_DOC = """\
@@ -127,6 +128,31 @@ class _ProjectionDense(keras.layers.EinsumDense):
             store["1"] = self.bias
         store["lora_kernel_a"] = self.lora_kernel_a
         store["lora_kernel_b"] = self.lora_kernel_b
+
+    def quantize(self, mode=None, type_check=True, config=None):
+        """Quantizes the kernel with Keras' `EinsumDense.quantize` (``"int8"``, ``"int4"``, ...).
+
+        Keras' `EinsumDense.quantize` refuses subclasses (their calls may
+        differ); this one's call is `EinsumDense`'s, so its machinery applies
+        as it is: per-output-channel scales over the kernel's contracted axes
+        (``d`` of ``[dim, H, D]``, ``h, k`` of ``[H, M, dim]``), inputs
+        quantized per token, LoRA adapters kept in float beside the
+        quantized kernel.
+
+        Args:
+            mode: a Keras quantization mode (``keras.quantizers``).
+            type_check: Keras' subclass check; not applied here.
+            config: optional `keras.quantizers.QuantizationConfig`.
+        """
+        del type_check
+        super().quantize(mode, type_check=False, config=config)
+
+    def _int8_call(self, inputs, training=None):
+        # Keras' int8 call with the product as one 2-D int8 x int8 -> int32 matmul (`_quantized_projection`).
+        form = _STEP_FORMS.get(self.equation)
+        if form is None or not self.inputs_quantizer:
+            return super()._int8_call(inputs, training=training)
+        return _quantized_projection.int8_call(self, inputs, form)
 
     def step_call(self, x):
         """This projection at one token, without the time axis.
