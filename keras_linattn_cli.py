@@ -27,7 +27,7 @@ import sys
 import tempfile
 import traceback
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "check_paths", "main"]
 
 FORMATS = ("saved_model", "onnx")
 _ERROR_STATUS = 2
@@ -116,7 +116,26 @@ def build_parser():
     )
     v.add_argument("--onnx-tolerance", type=float, default=None, help="likewise for onnxruntime")
     v.add_argument("--device", default="cpu", choices=("cpu", "auto", "gpu"), help="onnxruntime device (default cpu)")
+    v.add_argument("-q", "--quiet", action="store_true", help="no line per check while the checks run (the table only)")
     return parser
+
+
+def check_paths(args):
+    """The paths the command reads or writes exist where they must: before TensorFlow loads (seconds).
+
+    Raises:
+        CommandError: naming the argument and the path received.
+    """
+    if args.command == "export":
+        if os.path.exists(args.out) and not os.path.isdir(args.out):
+            raise CommandError(f"--out must be a directory. Received: --out={args.out!r} (a file)")
+        if not os.path.isfile(args.model):
+            what = "a directory" if os.path.isdir(args.model) else "no such file"
+            raise CommandError(f"MODEL must be an existing .keras file ({what}). Received: MODEL={args.model!r}")
+    elif args.command == "verify" and not os.path.isfile(os.path.join(args.dir, "manifest.json")):
+        raise CommandError(
+            f"DIR must be a directory written by `keras-linattn export` (no manifest.json). Received: DIR={args.dir!r}"
+        )
 
 
 def log(message="", stream=None):
@@ -191,6 +210,7 @@ def main(argv=None):
     """Runs ``keras-linattn`` with `argv` (default ``sys.argv[1:]``); returns the exit status."""
     args = build_parser().parse_args(argv)  # --help and bad arguments end here (exit status 0 / 2)
     try:
+        check_paths(args)  # a mistyped path answers at once, not after TensorFlow's start
         cli = _load_commands(args.verbose)
         return cli.run(args)
     except KeyboardInterrupt:
