@@ -9,6 +9,12 @@ TensorFlow (seconds), while this module needs only the standard library until
 the arguments are parsed. ``keras-linattn --help`` and a bad argument answer
 at once; TensorFlow is loaded only to run a command.
 
+Backend: both commands run Keras on TensorFlow (export traces `tf.function`s).
+Under ``KERAS_BACKEND=jax`` (or torch) the variable is replaced before Keras
+loads; where Keras already runs another backend (`main` called from a JAX
+session), the command runs again in a subprocess with
+``KERAS_BACKEND=tensorflow``.
+
 Output: without ``--verbose`` TensorFlow's native log lines (oneDNN and CUDA
 notices, ``failed call to cuInit`` on machines without a GPU, ignored Assert
 ops) are kept out: ``TF_CPP_MIN_LOG_LEVEL=3`` is set before TensorFlow loads,
@@ -23,6 +29,7 @@ import argparse
 import contextlib
 import os
 import re
+import subprocess
 import sys
 import tempfile
 import traceback
@@ -166,6 +173,28 @@ def _stderr_held_back():
             os.close(saved)
 
 
+def _tensorflow_backend(argv):
+    """Keras on TensorFlow for the commands (export traces `tf.function`s), whatever KERAS_BACKEND says.
+
+    Returns None when Keras will run on TensorFlow in this process; else
+    (Keras already imported on another backend: `main` called from a JAX
+    session) the exit status of the command run again in a subprocess
+    with ``KERAS_BACKEND=tensorflow``.
+    """
+    backend = os.environ.get("KERAS_BACKEND", "tensorflow")
+    if backend == "tensorflow":
+        return None
+    keras = sys.modules.get("keras")
+    if keras is None or not hasattr(keras, "backend"):  # Keras not imported yet: it reads the variable on import
+        os.environ["KERAS_BACKEND"] = "tensorflow"
+        return None
+    if keras.backend.backend() == "tensorflow":
+        return None
+    env = dict(os.environ, KERAS_BACKEND="tensorflow")
+    args = list(sys.argv[1:] if argv is None else argv)
+    return subprocess.run([sys.executable, "-m", "keras_linattn_cli", *args], env=env, check=False).returncode
+
+
 def _load_commands(verbose):
     """`keras_linattn.cli`, with TensorFlow's start-up lines kept out of the output unless `verbose`."""
     os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -211,6 +240,9 @@ def main(argv=None):
     args = build_parser().parse_args(argv)  # --help and bad arguments end here (exit status 0 / 2)
     try:
         check_paths(args)  # a mistyped path answers at once, not after TensorFlow's start
+        status = _tensorflow_backend(argv)
+        if status is not None:
+            return status
         cli = _load_commands(args.verbose)
         return cli.run(args)
     except KeyboardInterrupt:

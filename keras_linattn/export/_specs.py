@@ -47,6 +47,20 @@ def new_state_name(i):
     return f"new_state_{i}"
 
 
+def require_tensorflow_backend():
+    """Raises a one-line ValueError unless Keras runs on TensorFlow (the exporters trace `tf.function`s).
+
+    Raises:
+        ValueError: naming the backend received and the fix.
+    """
+    backend = keras.backend.backend()
+    if backend != "tensorflow":
+        raise ValueError(
+            f"export needs the TensorFlow backend: run without KERAS_BACKEND={backend} (the `keras-linattn export` "
+            f"command switches to TensorFlow by itself). Received: backend={backend!r}"
+        )
+
+
 def _clean_name(name):
     name = re.sub(r"[^A-Za-z0-9_]", "_", str(name))
     if not name or not name[0].isalpha():

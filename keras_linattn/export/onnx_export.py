@@ -584,6 +584,7 @@ def export_onnx(
         weights are stored outside the graphs.
     """
 
+    _specs.require_tensorflow_backend()
     path = _check_path(path)
     if external_data not in ("auto", True, False):
         raise ValueError(f"`external_data` must be 'auto', True or False. Received: external_data={external_data!r}")
