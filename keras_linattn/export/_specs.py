@@ -15,11 +15,14 @@ tensors, so that TF Serving signatures and ONNX graphs carry the same names:
 
 import re
 
-import keras
 import numpy as np
-import tensorflow as tf
 
-from keras_linattn import _compat
+from keras_linattn import _lazy
+
+# Loaded on first use: OnnxGenerator (numpy and onnxruntime only) reads this module's names.
+keras = _lazy.module("keras")
+tf = _lazy.module("tensorflow")
+_compat = _lazy.module("keras_linattn._compat")
 
 SERVING_DEFAULT = "serving_default"
 STEP = "step"

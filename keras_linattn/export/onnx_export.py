@@ -35,10 +35,11 @@ import threading
 import uuid
 
 import numpy as np
-import tensorflow as tf
 
-from keras_linattn import _atomic
+from keras_linattn import _atomic, _lazy
 from keras_linattn.export import _specs
+
+tf = _lazy.module("tensorflow")  # loaded on first use: OnnxGenerator reads `_read_metadata` without it
 
 __all__ = ["check_pair", "export_onnx"]
 
