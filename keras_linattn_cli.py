@@ -26,12 +26,10 @@ with exit status 2 (``--verbose`` adds the traceback); see
 """
 
 import argparse
-import contextlib
 import os
 import re
 import subprocess
 import sys
-import tempfile
 import traceback
 
 __all__ = ["build_parser", "check_paths", "main"]
@@ -150,29 +148,6 @@ def log(message="", stream=None):
     print(message, file=stream or sys.stdout, flush=True)
 
 
-@contextlib.contextmanager
-def _stderr_held_back():
-    """File descriptor 2 goes to a temporary file for the block; its text is replayed only on an exception."""
-    try:
-        sys.stderr.flush()
-        saved = os.dup(2)
-    except (OSError, ValueError, AttributeError):  # no real stderr (embedded interpreters): nothing to hold back
-        yield
-        return
-    with tempfile.TemporaryFile() as held:
-        os.dup2(held.fileno(), 2)
-        try:
-            yield
-        except BaseException:
-            os.dup2(saved, 2)
-            held.seek(0)
-            sys.stderr.write(held.read().decode("utf-8", "replace"))
-            raise
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-
-
 def _tensorflow_backend(argv):
     """Keras on TensorFlow for the commands (export traces `tf.function`s), whatever KERAS_BACKEND says.
 
@@ -207,14 +182,11 @@ def _load_commands(verbose):
 
         return cli
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"  # read when TensorFlow's native library loads: set it first
-    with _stderr_held_back():
-        from keras_linattn import cli
-    try:  # TensorFlow's Python side logs through absl: warnings and errors stay, its notices go
-        from absl import logging as absl_logging
+    from keras_linattn import quiet  # the package's import is light: TensorFlow loads in `quiet`
 
-        absl_logging.set_verbosity(absl_logging.ERROR)
-    except ImportError:  # pragma: no cover - absl comes with TensorFlow
-        pass
+    quiet()  # TensorFlow imported with its start-up lines held back; its Python loggers at ERROR
+    from keras_linattn import cli
+
     return cli
 
 

@@ -40,8 +40,9 @@ def quiet():
     ``TF_CPP_MIN_LOG_LEVEL`` once, when its native library loads, and prints
     its start-up lines while it loads, so `quiet` imports it (when it is
     installed and not imported yet) with those lines held back. A
-    ``TF_CPP_MIN_LOG_LEVEL`` the user set already is kept. Safe to call more
-    than once.
+    ``TF_CPP_MIN_LOG_LEVEL`` the user set already is kept (2 shows
+    TensorFlow's native errors, which 3 hides with the rest). Safe to call
+    more than once.
 
     Returns:
         None.

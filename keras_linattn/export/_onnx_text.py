@@ -103,9 +103,7 @@ def check_step_graph(path, metadata):
     else:
         stem = os.path.splitext(os.path.basename(os.fspath(path)))[0]
         hint = f"pass the step graph written beside it (``<model>_step.onnx``, e.g. {stem.rsplit('_', 1)[0]}_step.onnx)"
-    raise ValueError(
-        f"OnnxGenerator takes the step graph; this file is the {graph!r} graph: {hint}. Received: {path!r}"
-    )
+    raise ValueError(f"Not a step graph: this file is the {graph!r} graph; {hint}. Received: path={path!r}")
 
 
 def is_text(prompts):
