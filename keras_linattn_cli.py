@@ -4,10 +4,10 @@
     keras-linattn verify exported
 
 The console script enters here, not in `keras_linattn.cli` (the commands):
-importing anything inside the `keras_linattn` package imports Keras and
-TensorFlow (seconds), while this module needs only the standard library until
-the arguments are parsed. ``keras-linattn --help`` and a bad argument answer
-at once; TensorFlow is loaded only to run a command.
+this module needs only the standard library until the arguments are parsed
+and the paths checked. ``keras-linattn --help``, a bad argument and a missing
+MODEL, ``--out`` file or DIR answer at once; TensorFlow is loaded only to run
+a command.
 
 Backend: both commands run Keras on TensorFlow (export traces `tf.function`s).
 Under ``KERAS_BACKEND=jax`` (or torch) the variable is replaced before Keras
@@ -17,10 +17,10 @@ session), the command runs again in a subprocess with
 
 Output: without ``--verbose`` TensorFlow's native log lines (oneDNN and CUDA
 notices, ``failed call to cuInit`` on machines without a GPU, ignored Assert
-ops) are kept out: ``TF_CPP_MIN_LOG_LEVEL=3`` is set before TensorFlow loads,
-and what TensorFlow writes to stderr while it loads (lines printed before its
-logging is set up, which no variable turns off) is held back, and shown only
-if the import fails. Every error is one line, ``error: <what and the fix>``,
+ops) are kept out by `keras_linattn.quiet`: ``TF_CPP_MIN_LOG_LEVEL=3`` is set
+before TensorFlow loads, and what TensorFlow writes to stderr while it loads
+(lines printed before its logging is set up, which no variable turns off) is
+held back, and shown only if the import fails. Every error is one line, ``error: <what and the fix>``,
 with exit status 2 (``--verbose`` adds the traceback); see
 `keras_linattn.cli` for the exit status of ``verify``.
 """
