@@ -4,30 +4,35 @@
     keras-linattn verify exported
 
 The console script enters here, not in `keras_linattn.cli` (the commands):
-importing anything inside the `keras_linattn` package imports Keras and
-TensorFlow (seconds), while this module needs only the standard library until
-the arguments are parsed. ``keras-linattn --help`` and a bad argument answer
-at once; TensorFlow is loaded only to run a command.
+this module needs only the standard library until the arguments are parsed
+and the paths checked. ``keras-linattn --help``, a bad argument and a missing
+MODEL, ``--out`` file or DIR answer at once; TensorFlow is loaded only to run
+a command.
+
+Backend: both commands run Keras on TensorFlow (export traces `tf.function`s).
+Under ``KERAS_BACKEND=jax`` (or torch) the variable is replaced before Keras
+loads; where Keras already runs another backend (`main` called from a JAX
+session), the command runs again in a subprocess with
+``KERAS_BACKEND=tensorflow``.
 
 Output: without ``--verbose`` TensorFlow's native log lines (oneDNN and CUDA
 notices, ``failed call to cuInit`` on machines without a GPU, ignored Assert
-ops) are kept out: ``TF_CPP_MIN_LOG_LEVEL=3`` is set before TensorFlow loads,
-and what TensorFlow writes to stderr while it loads (lines printed before its
-logging is set up, which no variable turns off) is held back, and shown only
-if the import fails. Every error is one line, ``error: <what and the fix>``,
+ops) are kept out by `keras_linattn.quiet`: ``TF_CPP_MIN_LOG_LEVEL=3`` is set
+before TensorFlow loads, and what TensorFlow writes to stderr while it loads
+(lines printed before its logging is set up, which no variable turns off) is
+held back, and shown only if the import fails. Every error is one line, ``error: <what and the fix>``,
 with exit status 2 (``--verbose`` adds the traceback); see
 `keras_linattn.cli` for the exit status of ``verify``.
 """
 
 import argparse
-import contextlib
 import os
 import re
+import subprocess
 import sys
-import tempfile
 import traceback
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "check_paths", "main"]
 
 FORMATS = ("saved_model", "onnx")
 _ERROR_STATUS = 2
@@ -171,7 +176,26 @@ def build_parser():
     )
     v.add_argument("--onnx-tolerance", type=float, default=None, help="likewise for onnxruntime")
     v.add_argument("--device", default="cpu", choices=("cpu", "auto", "gpu"), help="onnxruntime device (default cpu)")
+    v.add_argument("-q", "--quiet", action="store_true", help="no line per check while the checks run (the table only)")
     return parser
+
+
+def check_paths(args):
+    """The paths the command reads or writes exist where they must: before TensorFlow loads (seconds).
+
+    Raises:
+        CommandError: naming the argument and the path received.
+    """
+    if args.command == "export":
+        if os.path.exists(args.out) and not os.path.isdir(args.out):
+            raise CommandError(f"--out must be a directory. Received: --out={args.out!r} (a file)")
+        if not os.path.isfile(args.model):
+            what = "a directory" if os.path.isdir(args.model) else "no such file"
+            raise CommandError(f"MODEL must be an existing .keras file ({what}). Received: MODEL={args.model!r}")
+    elif args.command == "verify" and not os.path.isfile(os.path.join(args.dir, "manifest.json")):
+        raise CommandError(
+            f"DIR must be a directory written by `keras-linattn export` (no manifest.json). Received: DIR={args.dir!r}"
+        )
 
 
 def log(message="", stream=None):
@@ -179,27 +203,26 @@ def log(message="", stream=None):
     print(message, file=stream or sys.stdout, flush=True)
 
 
-@contextlib.contextmanager
-def _stderr_held_back():
-    """File descriptor 2 goes to a temporary file for the block; its text is replayed only on an exception."""
-    try:
-        sys.stderr.flush()
-        saved = os.dup(2)
-    except (OSError, ValueError, AttributeError):  # no real stderr (embedded interpreters): nothing to hold back
-        yield
-        return
-    with tempfile.TemporaryFile() as held:
-        os.dup2(held.fileno(), 2)
-        try:
-            yield
-        except BaseException:
-            os.dup2(saved, 2)
-            held.seek(0)
-            sys.stderr.write(held.read().decode("utf-8", "replace"))
-            raise
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
+def _tensorflow_backend(argv):
+    """Keras on TensorFlow for the commands (export traces `tf.function`s), whatever KERAS_BACKEND says.
+
+    Returns None when Keras will run on TensorFlow in this process; else
+    (Keras already imported on another backend: `main` called from a JAX
+    session) the exit status of the command run again in a subprocess
+    with ``KERAS_BACKEND=tensorflow``.
+    """
+    backend = os.environ.get("KERAS_BACKEND", "tensorflow")
+    if backend == "tensorflow":
+        return None
+    keras = sys.modules.get("keras")
+    if keras is None or not hasattr(keras, "backend"):  # Keras not imported yet: it reads the variable on import
+        os.environ["KERAS_BACKEND"] = "tensorflow"
+        return None
+    if keras.backend.backend() == "tensorflow":
+        return None
+    env = dict(os.environ, KERAS_BACKEND="tensorflow")
+    args = list(sys.argv[1:] if argv is None else argv)
+    return subprocess.run([sys.executable, "-m", "keras_linattn_cli", *args], env=env, check=False).returncode
 
 
 def _load_commands(verbose):
@@ -214,14 +237,11 @@ def _load_commands(verbose):
 
         return cli
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"  # read when TensorFlow's native library loads: set it first
-    with _stderr_held_back():
-        from keras_linattn import cli
-    try:  # TensorFlow's Python side logs through absl: warnings and errors stay, its notices go
-        from absl import logging as absl_logging
+    from keras_linattn import quiet  # the package's import is light: TensorFlow loads in `quiet`
 
-        absl_logging.set_verbosity(absl_logging.ERROR)
-    except ImportError:  # pragma: no cover - absl comes with TensorFlow
-        pass
+    quiet()  # TensorFlow imported with its start-up lines held back; its Python loggers at ERROR
+    from keras_linattn import cli
+
     return cli
 
 
@@ -246,6 +266,10 @@ def main(argv=None):
     """Runs ``keras-linattn`` with `argv` (default ``sys.argv[1:]``); returns the exit status."""
     args = build_parser().parse_args(argv)  # --help and bad arguments end here (exit status 0 / 2)
     try:
+        check_paths(args)  # a mistyped path answers at once, not after TensorFlow's start
+        status = _tensorflow_backend(argv)
+        if status is not None:
+            return status
         cli = _load_commands(args.verbose)
         return cli.run(args)
     except KeyboardInterrupt:

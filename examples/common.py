@@ -12,7 +12,10 @@ Shape legend: B batch, T sequence length, E model width (hidden_dim).
 import os
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras_linattn  # noqa: E402 - a light import: TensorFlow loads in `quiet`
+
+keras_linattn.quiet()  # TensorFlow's start-up lines and known-harmless warnings stay out of stderr
 
 import statistics  # noqa: E402
 import time  # noqa: E402

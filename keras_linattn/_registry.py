@@ -7,7 +7,9 @@ instance) with errors that name the argument, and deserializes the Keras
 configs of its classes, refusing any other class.
 """
 
-import keras
+from keras_linattn import _lazy
+
+keras = _lazy.module("keras")  # loaded on first use: samplers are read without Keras (keras_linattn.serving)
 
 
 class NameRegistry:
@@ -35,7 +37,9 @@ class NameRegistry:
                 raise TypeError(f"{cls.__name__} must subclass {self.base.__name__} to be registered.")
             self._classes[name] = cls
             cls.registry_name = name
-            return keras.saving.register_keras_serializable(package="keras_linattn")(cls)
+            # With Keras: now if it is imported, else when it is (`keras_linattn.serving` runs without it).
+            _lazy.after_import("keras", lambda: keras.saving.register_keras_serializable(package="keras_linattn")(cls))
+            return cls
 
         return decorator
 

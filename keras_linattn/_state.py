@@ -11,7 +11,9 @@ in one place: the layer's ``state_spec()``.
 import collections
 import math
 
-from keras import ops
+from keras_linattn import _lazy
+
+ops = _lazy.module("keras.ops")  # loaded on first use (keras_linattn.serving imports this module without Keras)
 
 StateSpec = collections.namedtuple("StateSpec", ["name", "shape", "dtype"])
 StateSpec.__doc__ = """One tensor of a recurrent state: ``name``, per-example ``shape`` (no batch dim), ``dtype``."""

@@ -436,31 +436,22 @@ def _check_model_directories(out_dir, models):
 class _CheckStatus:
     """Where `verify` is while it runs, without printing its results twice (the table gives them once).
 
-    ``--verbose``: every check's line as it completes. On a terminal: one
-    status line, rewritten in place and erased before the table. Otherwise
-    (a pipe, a log file): nothing until the table.
+    Default: one line per check as it completes, naming the check (its
+    result is in the table). ``--verbose``: every check's full line.
+    ``--quiet``: nothing until the table.
     """
 
-    def __init__(self, verbose):
+    def __init__(self, verbose, quiet=False):
         self.verbose = verbose
-        self.live = not verbose and sys.stdout.isatty()
+        self.quiet = quiet and not verbose
         self.count = 0
-        self.width = 0
 
     def show(self, line):
         self.count += 1
         if self.verbose:
             _log("  " + line)
-        elif self.live:
-            text = f"  {self.count} checks done; last: {line.split(': ')[0].strip()}"[:100]
-            sys.stdout.write("\r" + text.ljust(self.width))
-            sys.stdout.flush()
-            self.width = len(text)
-
-    def clear(self):
-        if self.live and self.width:
-            sys.stdout.write("\r" + " " * self.width + "\r")
-            sys.stdout.flush()
+        elif not self.quiet:
+            _log(f"  check {self.count} done: {line.split(': ')[0].strip()}")
 
 
 def _cmd_verify(args):
@@ -492,7 +483,7 @@ def _cmd_verify(args):
             f"verifying {name!r}: saved_model={saved_model_dir}, onnx={onnx_path}, step={step_path}, "
             f"generate={generate_path}"
         )
-        status = _CheckStatus(args.verbose)
+        status = _CheckStatus(args.verbose, getattr(args, "quiet", False))
         try:
             report = export.verify(
                 model,
@@ -513,8 +504,6 @@ def _cmd_verify(args):
             raise ValueError(
                 f"{name!r} could not be run ({type(e).__name__}: {reason}). Received: DIR={args.dir!r}"
             ) from e
-        finally:
-            status.clear()
         _log("")
         _log(report.table())
         passed = sum(r.ok for r in report.rows)

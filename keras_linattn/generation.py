@@ -42,10 +42,11 @@ state checks and the exported signatures are all derived from it.
 """
 
 import numpy as np
-from keras import ops
 
-from keras_linattn import _state
+from keras_linattn import _lazy, _state
 from keras_linattn.samplers import INVALID_TOKEN, nonfinite_rows
+
+ops = _lazy.module("keras.ops")  # loaded on first use: the argument checks are numpy only (keras_linattn.serving)
 
 # The state contract lives in keras_linattn._state; re-exported here because
 # the decode contract is where models meet it.

@@ -39,13 +39,15 @@ Names (`available()`): ``greedy``, ``random`` (temperature sampling),
 ``top_k``, ``top_p``.
 """
 
-import keras
 import numpy as np
-from keras import ops
 
+from keras_linattn import _lazy, _validation
 from keras_linattn import _sampler_settings as rules
-from keras_linattn import _validation
 from keras_linattn._registry import NameRegistry
+
+# Loaded on first use: the exported graphs' sampler arguments are read without Keras (keras_linattn.serving).
+keras = _lazy.module("keras")
+ops = _lazy.module("keras.ops")
 
 __all__ = [
     "INVALID_TOKEN",

@@ -15,28 +15,63 @@
 >>> export.verify(model, saved_model_dir=version_dir, onnx_path=paths["model"]).ok
 True
 
-tf2onnx, onnx and onnxruntime are imported lazily, inside the functions that
-need them. Each submodule declares its public names in its ``__all__``; this
-package re-exports exactly those (``export.verify`` is the function of the
-``verify`` module of the same name).
+Each submodule declares its public names in its ``__all__``; this package
+re-exports exactly those (``export.verify`` is the function of the
+``verify`` module of the same name). Each name loads its submodule on first
+use: `OnnxGenerator` and `OnnxPredictor` need numpy and onnxruntime only
+(no TensorFlow), and tf2onnx, onnx and onnxruntime are imported only inside
+the functions that need them.
 """
 
-from keras_linattn.export import onnx_export, onnx_generator, onnx_predictor, saved_model, saved_model_runner, warmup
-from keras_linattn.export import verify as _verify_module
-from keras_linattn.export.onnx_export import check_pair, export_onnx
-from keras_linattn.export.onnx_generator import OnnxGenerator
-from keras_linattn.export.onnx_predictor import OnnxPredictor
-from keras_linattn.export.saved_model import check_integrity, export_saved_model, latest_version_dir, read_description
-from keras_linattn.export.saved_model_runner import SavedModelRunner
-from keras_linattn.export.verify import VerificationError, VerificationReport, differences, verify
-from keras_linattn.export.warmup import read_warmup_requests, write_warmup_requests
+import importlib
+import sys
+import types
 
-__all__ = [
-    *onnx_export.__all__,
-    *onnx_generator.__all__,
-    *onnx_predictor.__all__,
-    *saved_model.__all__,
-    *saved_model_runner.__all__,
-    *_verify_module.__all__,
-    *warmup.__all__,
-]
+# name -> the submodule that declares it (in its `__all__`; tests/contracts/test_public_api.py checks both ways).
+_NAMES = {
+    "check_pair": "onnx_export",
+    "export_onnx": "onnx_export",
+    "OnnxGenerator": "onnx_generator",
+    "OnnxPredictor": "onnx_predictor",
+    "check_integrity": "saved_model",
+    "export_saved_model": "saved_model",
+    "latest_version_dir": "saved_model",
+    "read_description": "saved_model",
+    "SavedModelRunner": "saved_model_runner",
+    "VerificationError": "verify",
+    "VerificationReport": "verify",
+    "differences": "verify",
+    "verify": "verify",
+    "read_warmup_requests": "warmup",
+    "write_warmup_requests": "warmup",
+}
+_SUBMODULES = ("onnx_export", "onnx_generator", "onnx_predictor", "saved_model", "saved_model_runner", "warmup")
+
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name):
+    if name in _NAMES:
+        value = getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_NAMES) | set(_SUBMODULES))
+
+
+class _Package(types.ModuleType):
+    """`export.verify` stays the function when its module is imported (which sets the attribute to the module)."""
+
+    def __setattr__(self, name, value):
+        if name == "verify" and isinstance(value, types.ModuleType):
+            value = value.verify
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

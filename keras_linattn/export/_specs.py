@@ -15,11 +15,14 @@ tensors, so that TF Serving signatures and ONNX graphs carry the same names:
 
 import re
 
-import keras
 import numpy as np
-import tensorflow as tf
 
-from keras_linattn import _compat, generation, samplers
+from keras_linattn import _lazy, generation, samplers
+
+# Loaded on first use: OnnxGenerator (numpy and onnxruntime only) reads this module's names.
+keras = _lazy.module("keras")
+tf = _lazy.module("tensorflow")
+_compat = _lazy.module("keras_linattn._compat")
 
 SERVING_DEFAULT = "serving_default"
 STEP = "step"
@@ -45,6 +48,20 @@ def state_name(i):
 
 def new_state_name(i):
     return f"new_state_{i}"
+
+
+def require_tensorflow_backend():
+    """Raises a one-line ValueError unless Keras runs on TensorFlow (the exporters trace `tf.function`s).
+
+    Raises:
+        ValueError: naming the backend received and the fix.
+    """
+    backend = keras.backend.backend()
+    if backend != "tensorflow":
+        raise ValueError(
+            f"export needs the TensorFlow backend: run without KERAS_BACKEND={backend} (the `keras-linattn export` "
+            f"command switches to TensorFlow by itself). Received: backend={backend!r}"
+        )
 
 
 def _clean_name(name):

@@ -37,10 +37,11 @@ import threading
 import uuid
 
 import numpy as np
-import tensorflow as tf
 
-from keras_linattn import _atomic
-from keras_linattn.export import _onnx_files, _onnx_publish, _specs
+from keras_linattn import _atomic, _lazy
+from keras_linattn.export import _onnx_files, _onnx_publish, _onnx_text, _specs
+
+tf = _lazy.module("tensorflow")  # loaded on first use: OnnxGenerator reads `_read_metadata` without it
 
 __all__ = ["check_pair", "export_onnx"]
 
@@ -466,7 +467,10 @@ def export_onnx(
     ``top_k``, ``top_p``, ``seed`` -> ``output_ids``) to `generate_path`:
     the decode contract of `keras_linattn.generation`, the loop that
     `LinearCausalLM.generate` runs, converted to an ONNX Loop (opset >= 18).
-    `keras_linattn.export.OnnxGenerator` runs both.
+    `keras_linattn.export.OnnxGenerator` runs both. A causal LM with a
+    preprocessor also gets its tokenizer beside the step graph, in
+    ``<path stem>_tokenizer/`` (keras-hub's assets plus ``tokenizer.json``):
+    `OnnxGenerator.generate` then takes and returns text.
 
     The graphs are published as a set (`_onnx_publish`): all are
     converted and written in full to staging directories first (the
@@ -509,12 +513,17 @@ def export_onnx(
     Keras path (``variable.path``); the graphs read no weight that is not
     one of these (module docstring).
 
+    Raises:
+        ValueError: on a Keras backend other than TensorFlow, for a path
+            that exists (without `overwrite`) or graphs that would share a path.
+
     Returns:
         dict: ``{"model": path}`` plus ``"step"`` and ``"generate"`` for
         causal LMs, and ``"data"`` (a list of external data files) when the
         weights are stored outside the graphs.
     """
 
+    _specs.require_tensorflow_backend()
     path = _check_path(path)
     if external_data not in ("auto", True, False):
         raise ValueError(f"`external_data` must be 'auto', True or False. Received: external_data={external_data!r}")
@@ -525,6 +534,9 @@ def export_onnx(
     if generate_path is not None:
         _check_path(generate_path, "generate_path")
     description = specs.describe()
+    tokenizer_dir = _onnx_text.tokenizer_dir_name(model, path) if specs.causal_lm and include_step else None
+    if tokenizer_dir:
+        description["tokenizer"] = tokenizer_dir  # beside the step graph: OnnxGenerator takes text
     export_id = uuid.uuid4().hex
     companions = {}  # kind -> path
     if specs.causal_lm and include_step:
@@ -543,6 +555,9 @@ def export_onnx(
         say(f"converting the {kind} graph to ONNX (opset {graph_opset})")
         protos[kind] = _convert(fn, signature, graph_opset, meta, variables=variables)
         used[kind] = _name_weight_inputs(protos[kind], names)
+    if tokenizer_dir:
+        say(f"writing the tokenizer ({tokenizer_dir})")
+        _onnx_text.write_tokenizer(model, os.path.join(_parent(targets["step"]), tokenizer_dir))
     return _onnx_publish.publish(protos, used, targets, variables, names, external, export_id, say)
 
 

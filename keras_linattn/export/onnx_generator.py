@@ -7,7 +7,7 @@ import numpy as np
 
 from keras_linattn import _sampler_settings, generation
 from keras_linattn import samplers as samplers_lib
-from keras_linattn.export import _onnx_files, _specs
+from keras_linattn.export import _onnx_files, _onnx_text, _specs
 from keras_linattn.export.onnx_predictor import OnnxPredictor
 
 __all__ = ["OnnxGenerator"]
@@ -44,7 +44,11 @@ class OnnxGenerator:
             compares its sha256 with the one the step graph recorded.
 
     Call arguments (`generate`):
-        prompt_ids: ``[B, P]`` integer token ids, ``P >= 1``.
+        prompt_ids: ``[B, P]`` integer token ids, ``P >= 1``; or a string
+            or a list of strings when the export carries the model's
+            tokenizer (``<model>_tokenizer/``, written for a model with a
+            preprocessor): then `generate` returns text (prompt and
+            completion, up to the end token), as Keras' `generate` does.
         max_length: total length of the returned sequences, prompt
             included, ``>= P``.
         sampler: a `keras_linattn.samplers` name or built-in `Sampler`
@@ -85,6 +89,7 @@ class OnnxGenerator:
     """
 
     def __init__(self, step_path, generate_path=None, **predictor_options):
+        _onnx_text.check_step_graph(step_path, _onnx_files.read_metadata(step_path))  # names the file to pass
         self.predictor = OnnxPredictor(step_path, **predictor_options)
         self._predictor_options = predictor_options
         names = self.predictor.input_names
@@ -144,6 +149,9 @@ class OnnxGenerator:
         return logits, new_state
 
     def generate(self, prompt_ids, max_length, sampler=None, seed=None, padding_mask=None, temperature=None):
+        if _onnx_text.is_text(prompt_ids):  # strings: through the tokenizer exported beside the graphs, and back
+            options = dict(sampler=sampler, seed=seed, padding_mask=padding_mask, temperature=temperature)
+            return _onnx_text.generate_text(self, prompt_ids, max_length, **options)
         if temperature is not None:
             if sampler is not None:
                 raise ValueError(

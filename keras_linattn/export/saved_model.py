@@ -206,6 +206,7 @@ def export_saved_model(
     Returns:
         The path of the version directory.
     """
+    _specs.require_tensorflow_backend()
     base_dir = _check_base_dir(base_dir)
     specs = _specs.ModelSpecs(model, input_signature=input_signature)
     if version is not None:

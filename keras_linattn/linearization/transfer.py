@@ -330,6 +330,39 @@ def _batch_error(error):
     return ValueError(message.replace(_BATCH_CHECK, "").replace("\\'", "'").strip())
 
 
+def _is_text(data):
+    """True for a list / tuple / numpy array of Python strings (or bytes)."""
+    if isinstance(data, (list, tuple)) and data:
+        return all(isinstance(item, (str, bytes)) for item in data)
+    return isinstance(data, np.ndarray) and data.dtype.kind in "USO" and data.size > 0 and data.ndim == 1
+
+
+def _tokenized(data, teacher, student, argument):
+    """Strings through the teacher's preprocessor (else the student's): ``{"token_ids", "padding_mask"}`` arrays.
+
+    Args:
+        data: what the caller passed; returned unchanged unless it is text.
+        teacher, student: the models; the first with a ``preprocessor`` tokenizes.
+        argument: the argument's name, for the error.
+
+    Returns:
+        `data`, or a dict of numpy arrays ``[N, sequence_length]``.
+
+    Raises:
+        ValueError: text for models without a preprocessor.
+    """
+    if not _is_text(data):
+        return data
+    preprocessor = getattr(teacher, "preprocessor", None) or getattr(student, "preprocessor", None)
+    if preprocessor is None:
+        raise ValueError(
+            f"`{argument}` holds strings, but neither the teacher nor the student has a preprocessor to tokenize "
+            f"them: pass token ids ({{'token_ids', 'padding_mask'}} arrays). Received: {argument}={list(data)[:2]!r}..."
+        )
+    x, _, _ = keras.utils.unpack_x_y_sample_weight(preprocessor(list(data) if isinstance(data, tuple) else data))
+    return {key: np.asarray(value) for key, value in x.items()}
+
+
 def attention_transfer(
     student,
     teacher,
@@ -365,7 +398,8 @@ def attention_transfer(
         teacher: the softmax model it was made from.
         data: a `tf.data.Dataset` of batches (``x`` or ``(x, y[, w])``;
             labels are ignored), repeated as needed, or arrays / a dict of
-            arrays batched with `batch_size`.
+            arrays batched with `batch_size`, or a list of strings, which
+            the teacher's preprocessor (else the student's) tokenizes.
         steps: training steps per epoch (keyword-only).
         learning_rate: learning rate of the default Adam optimizer. Default
             1e-2 (LoLCATs').
@@ -425,6 +459,8 @@ def attention_transfer(
             f"Received: the same model {student.name!r} twice"
         )
     pairs = attention_pairs(teacher, student) if pairs is None else _check_pairs(pairs, teacher, student)
+    data = _tokenized(data, teacher, student, "data")
+    validation_data = _tokenized(validation_data, teacher, student, "validation_data")
     dataset = _as_dataset(data, batch_size)
     validation = None if validation_data is None else _as_dataset(validation_data, batch_size)
     first = next(iter(dataset), None)

@@ -4,12 +4,34 @@
 `LinearCausalLM` (head, `generate`, samplers) and
 `LinearCausalLMPreprocessor` (any keras-hub tokenizer, left padding)
 subclass keras-hub's `Backbone`, `CausalLM` and `CausalLMPreprocessor`.
-This is the one part of the package that imports keras_hub.
+This is the one part of the package that imports keras_hub: each name loads
+its module on first use (the decode contract, `keras_linattn.generation`,
+runs without it). Once keras_hub is imported (by these modules or by
+the user), keras-hub's `from_preset` finds the three classes.
 """
 
-from keras_linattn.models import backbone, causal_lm, preprocessor
-from keras_linattn.models.backbone import LinearBackbone
-from keras_linattn.models.causal_lm import LinearCausalLM
-from keras_linattn.models.preprocessor import LinearCausalLMPreprocessor
+import importlib
 
-__all__ = [*backbone.__all__, *causal_lm.__all__, *preprocessor.__all__]
+_NAMES = {
+    "LinearBackbone": "backbone",
+    "LinearCausalLM": "causal_lm",
+    "LinearCausalLMPreprocessor": "preprocessor",
+}
+_SUBMODULES = ("backbone", "causal_lm", "preprocessor")
+
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name):
+    if name in _NAMES:
+        value = getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_NAMES) | set(_SUBMODULES))
