@@ -120,9 +120,12 @@ def test_unknown_attention_argument_is_named():
 
 @pytest.mark.parametrize("cls", [LinearAttention, LinearTransformerDecoder, LinearCausalLM])
 def test_recurrence_and_shorthand_arguments_are_not_mixed(cls):
-    args = {LinearAttention: (2, 8), LinearTransformerDecoder: (2, 32), LinearCausalLM: (20, 1, 16, 2, 32)}[cls]
+    lm = dict(vocabulary_size=20, num_layers=1, hidden_dim=16, num_heads=2, intermediate_dim=32)
+    args, kwargs = {LinearAttention: ((2, 8), {}), LinearTransformerDecoder: ((2, 32), {}), LinearCausalLM: ((), lm)}[
+        cls
+    ]
     with pytest.raises(ValueError, match="Pass either `recurrence` or the shorthand arguments"):
-        cls(*args, recurrence="additive", window_size=4)
+        cls(*args, recurrence="additive", window_size=4, **kwargs)
 
 
 def test_the_encoder_refuses_a_causal_recurrence_by_name_or_spec():
