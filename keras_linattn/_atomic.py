@@ -311,3 +311,12 @@ def check_digest(path, expected, what=None):
             f"{what} is corrupted (its sha256 differs from the one recorded when it was written). "
             f"Received: path={path!r}"
         )
+
+
+def file_sha256(path, chunk=1 << 20):
+    """The sha256 hex digest of the file at `path`, read `chunk` bytes at a time (memory: one chunk)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()

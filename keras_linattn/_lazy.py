@@ -137,3 +137,32 @@ class _AfterImportFinder(importlib.abc.MetaPathFinder):
 
 
 _FINDER = _AfterImportFinder()
+
+
+def package_attributes(package, names, submodules):
+    """`__getattr__` and `__dir__` of a package whose names load their modules on first use (PEP 562).
+
+    Args:
+        package: the package's dotted name (its ``__name__``).
+        names: ``{public name: submodule that defines it}``.
+        submodules: submodule names reachable as attributes.
+
+    Returns:
+        ``(__getattr__, __dir__)``, to assign at the package's top level.
+    """
+    namespace = sys.modules[package].__dict__
+
+    def __getattr__(name):
+        if name in names:
+            value = getattr(importlib.import_module(f"{package}.{names[name]}"), name)
+        elif name in submodules:
+            value = importlib.import_module(f"{package}.{name}")
+        else:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        namespace[name] = value
+        return value
+
+    def __dir__():
+        return sorted(set(namespace) | set(names) | set(submodules))
+
+    return __getattr__, __dir__

@@ -23,9 +23,10 @@ use: `OnnxGenerator` and `OnnxPredictor` need numpy and onnxruntime only
 the functions that need them.
 """
 
-import importlib
 import sys
 import types
+
+from keras_linattn import _lazy
 
 # name -> the submodule that declares it (in its `__all__`; tests/contracts/test_public_api.py checks both ways).
 _NAMES = {
@@ -50,19 +51,7 @@ _SUBMODULES = ("onnx_export", "onnx_generator", "onnx_predictor", "saved_model",
 __all__ = sorted(_NAMES)
 
 
-def __getattr__(name):
-    if name in _NAMES:
-        value = getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), name)
-    elif name in _SUBMODULES:
-        value = importlib.import_module(f"{__name__}.{name}")
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_NAMES) | set(_SUBMODULES))
+__getattr__, __dir__ = _lazy.package_attributes(__name__, _NAMES, _SUBMODULES)
 
 
 class _Package(types.ModuleType):

@@ -20,10 +20,11 @@ This module imports no TensorFlow or Keras: `OnnxPredictor` and
 `OnnxGenerator` load through it.
 """
 
-import hashlib
 import json
 import os
 import re
+
+from keras_linattn import _atomic
 
 __all__ = []
 
@@ -158,11 +159,8 @@ def read_data_header(path):
 
 
 def sha256(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(_CHUNK):
-            digest.update(block)
-    return digest.hexdigest()
+    """The sha256 hex digest of a file."""
+    return _atomic.file_sha256(path, _CHUNK)
 
 
 # ------------------------------------------------------------------ checks

@@ -10,7 +10,7 @@ runs without it). Once keras_hub is imported (by these modules or by
 the user), keras-hub's `from_preset` finds the three classes.
 """
 
-import importlib
+from keras_linattn import _lazy
 
 _NAMES = {
     "LinearBackbone": "backbone",
@@ -22,16 +22,4 @@ _SUBMODULES = ("backbone", "causal_lm", "preprocessor")
 __all__ = sorted(_NAMES)
 
 
-def __getattr__(name):
-    if name in _NAMES:
-        value = getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), name)
-    elif name in _SUBMODULES:
-        value = importlib.import_module(f"{__name__}.{name}")
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_NAMES) | set(_SUBMODULES))
+__getattr__, __dir__ = _lazy.package_attributes(__name__, _NAMES, _SUBMODULES)

@@ -26,7 +26,6 @@ loads silently. Here:
 
 import contextlib
 import contextvars
-import hashlib
 import json
 import os
 import shutil
@@ -39,7 +38,6 @@ __all__ = []
 MANIFEST_FILE = "linattn_manifest.json"
 _FORMAT = 1
 _WEIGHT_SUFFIXES = (".weights.h5", ".weights.json")
-_CHUNK = 1 << 24
 
 _saving = contextvars.ContextVar("keras_linattn_preset_saving", default=False)
 _verified = contextvars.ContextVar("keras_linattn_preset_verified", default=None)
@@ -66,20 +64,12 @@ def _preset_files(preset_dir):
     return sorted(out)
 
 
-def _sha256(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def write_manifest(preset_dir):
     """Writes ``linattn_manifest.json``: sha256 and size of every preset file now in `preset_dir`."""
     files = {}
     for relative in _preset_files(preset_dir):
         path = os.path.join(preset_dir, relative)
-        files[relative] = {"sha256": _sha256(path), "size": os.path.getsize(path)}
+        files[relative] = {"sha256": _atomic.file_sha256(path), "size": os.path.getsize(path)}
     with open(os.path.join(preset_dir, MANIFEST_FILE), "w") as f:
         json.dump({"format": _FORMAT, "files": files}, f, indent=2, sort_keys=True)
 
@@ -220,7 +210,7 @@ def verify(preset, weights=True):
                 f"Preset file {relative!r} listed in {MANIFEST_FILE} is missing. Received: preset={str(preset)!r}"
             )
         size = os.path.getsize(path)
-        digest = _sha256(path) if size == entry["size"] else None
+        digest = _atomic.file_sha256(path) if size == entry["size"] else None
         if digest != entry["sha256"]:
             raise ValueError(
                 f"Preset file {relative!r} changed since it was saved: its sha256 or size differs from "
