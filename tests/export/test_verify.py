@@ -174,6 +174,11 @@ def export_logits_graphs(model, path):
     return version_dir, export.export_onnx(model, path, include_step=False)
 
 
+# Slow: its own SavedModel and ONNX exports of a two-block LM, verified at the default lengths (70
+# among them, where the x6 export failed). The error-model tolerance stays in `make test`:
+# test_tolerance_is_the_error_model_of_the_tests (its bound) and tests/export/test_export.py (exports
+# of signed kernels within a bound that carries the normalizer's conditioning).
+@pytest.mark.slow
 def test_correct_trained_scale_favor_trig_export_passes(tmp_path_factory):
     lm, (version_dir, paths) = export_once(
         tmp_path_factory, trained_scale_favor_trig_lm, export_logits_graphs, "lm.onnx"
