@@ -65,7 +65,7 @@ over the entering pairs, and the window's band is blocked as in
 window and the cache. Cost per token: ``O((W + N)(D + M) + C M)`` for the
 readout, ``O((N + 1) C M)`` for the selection (each candidate reads ``S``).
 The loop makes the parallel form much slower than the window's
-(docs/recurrences.md has measurements); its results equal the step's up to
+(measured: docs/dev/history/recurrences.md); its results equal the step's up to
 float32 rounding.
 """
 
