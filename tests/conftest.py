@@ -45,8 +45,8 @@ def pytest_collection_finish(session):
     """Freezes the objects that exist once every test module is imported (TensorFlow, Keras, the package).
 
     Each test starts with `keras.utils.clear_session()`, whose garbage collection
-    walked those ~400k long-lived objects every time (~0.16 s a test, ~5 minutes
-    of a `make test` run). Frozen objects are never collected (they live for the
+    walked those ~400k long-lived objects every time, a cost paid by every test
+    (docs/dev/testing.md). Frozen objects are never collected (they live for the
     whole run anyway); everything a test creates is still collected.
     """
     gc.collect()
@@ -95,8 +95,8 @@ def _collect_garbage_per_module():
     """One full garbage collection after each test module.
 
     `clear_session()`'s own collection, run before every test, walked every object
-    the run had created so far: it grew to ~0.5 s a test late in a run (~40% of a
-    `make test`). Python's generational collector still runs as usual in between.
+    the run had created so far, so each test cost more than the one before it
+    (docs/dev/testing.md). Python's generational collector still runs as usual in between.
 
     Before collecting, it forgets the gradients that `tf.custom_gradient` registered
     while the module traced graphs (`_forget_custom_gradients`): without that, every

@@ -51,9 +51,8 @@ def _elu_plus_one(x):
     ``(exp(x) - 1) + 1`` loses ``e^-x`` ulps and is 0 below x ~ -17.
 
     The derivative is ``exp(x)`` for ``x < 0`` and 1 above, i.e.
-    ``min(phi, 1)``: one pass backward instead of autodiff's four (measured
-    fwd + bwd on [1, 2048, 8, 64], one CPU thread: 10.2 ms, against 6.5 ms
-    for ``elu(x) + 1`` and 20 ms for a `where` of the two branches).
+    ``min(phi, 1)``: one pass backward instead of autodiff's four (a `where`
+    of the two branches would compute both, forward and backward).
     """
     y = ops.exp(ops.minimum(x, 0.0)) + ops.relu(x)
 

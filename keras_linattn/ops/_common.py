@@ -149,9 +149,9 @@ def _matmul(a, b, transpose_a=False, transpose_b=False):
 
     On TensorFlow this is one ``BatchMatMulV2`` with its adjoint flags. A
     separate transpose before the matmul costs nothing in graph mode, but
-    XLA on CPU folds it into the dot's layout and ran the non-causal core
-    about 1.8x slower forward + backward (B=1, H=8, N=8192, 64 x 64; 96 vs
-    53 ms, `docs/dev/benchmarks.md`). Other backends transpose, then multiply.
+    XLA on CPU folds it into the dot's layout, which made the non-causal core
+    slower forward + backward (measured in `docs/dev/benchmarks.md`). Other
+    backends transpose, then multiply.
     """
     if keras.backend.backend() == "tensorflow" and a.dtype == b.dtype:
         import tensorflow as tf
@@ -189,9 +189,8 @@ def _normalize(q, num, den, eps, den_abs=None):
 
     Outside XLA the division goes through `_divide_rows`, whose hand-written
     gradient is the exact one in fewer passes over the ``[..., M]`` tensors;
-    XLA fuses the autodiff of a plain division by itself and was slower with
-    the custom gradient (core at N=8192, forward + backward, CPU: 65 vs 61 ms
-    non-causal, 118 vs 116 ms causal).
+    XLA fuses the autodiff of a plain division by itself, and a custom
+    gradient only keeps it from fusing.
     """
     if den_abs is None:
         guard = eps * ops.sum(ops.abs(q), axis=-1, keepdims=True) + _TINY  # [..., 1]

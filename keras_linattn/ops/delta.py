@@ -14,7 +14,7 @@ for ``k_t``, then writes only the correction. There is no normalizer.
 Shape legend: B batch, T length, H heads, C key (feature) dim, M value dim,
 L chunk length, N number of chunks.
 
-Chunked form (docs/recurrences.md). Inside a chunk, with ``g_i`` the
+Chunked form (docs/dev/recurrences_derivations.md). Inside a chunk, with ``g_i`` the
 cumulative log decay from the chunk start and ``S_0`` the entering state,
 the new values solve the unit lower-triangular system
 
@@ -105,8 +105,8 @@ def _solve_unit_lower_by_inverse(a, rhs):
 
 
 # How the chunk's unit lower-triangular system is solved. "inverse" (the
-# default) is about 1.6x faster forward + backward at N=8192 and about 1.9x per
-# XLA training step at T=256 than "substitution" (docs/recurrences.md).
+# default) runs its matmuls for all chunks at once, where "substitution" has
+# L - 1 dependent row updates: it trains faster (docs/dev/history/recurrences.md).
 SOLVERS = {"inverse": _solve_unit_lower_by_inverse, "substitution": _solve_unit_lower}
 
 

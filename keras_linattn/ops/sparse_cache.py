@@ -65,7 +65,7 @@ over the entering pairs, and the window's band is blocked as in
 window and the cache. Cost per token: ``O((W + N)(D + M) + C M)`` for the
 readout, ``O((N + 1) C M)`` for the selection (each candidate reads ``S``).
 The loop makes the parallel form much slower than the window's
-(docs/recurrences.md has measurements); its results equal the step's up to
+(measured: docs/dev/history/recurrences.md); its results equal the step's up to
 float32 rounding.
 """
 
@@ -229,8 +229,8 @@ def _selection(carry, xs, eps):
     """`_selection_loop`, run as one compiled function when TensorFlow executes eagerly.
 
     Eagerly, a ``tf.while_loop`` runs as a Python loop that dispatches every
-    op of every token one by one: a 2-layer model's forward pass at T = 512
-    took 21.5 s eagerly against 0.48 s as a function. Called eagerly (a
+    op of every token one by one from Python, which costs far more than the
+    ops themselves. Called eagerly (a
     model called outside ``fit``/``predict``, e.g. ``model(x)``), the loop
     is therefore traced once per shape and `eps` and run as a graph;
     gradients taken with a ``GradientTape`` go through it as through the

@@ -41,6 +41,7 @@ from keras_linattn.layers import (
 from keras_linattn.models import LinearCausalLM
 from keras_linattn.ops.core import _check_state, _zero_state
 from keras_linattn.regularizers import OrthogonalRegularizer
+from tests import _shared_exports
 
 F = np.float32
 
@@ -189,10 +190,10 @@ class Env:
 
     @cached_property
     def lm_step_onnx(self):
-        """The step graph of `lm` exported to ONNX (with its full graph)."""
-        full = self.path("lm.onnx")
-        export.export_onnx(self.lm, full)
-        return export.onnx_export._default_step_path(full)
+        """The step graph of the limited LM's ONNX export (`tests._shared_exports.limited_export`, built once
+        per run and read only here): the generator's input checks need any LM's step graph, not one more export."""
+        _, _, paths = _shared_exports.limited_export()
+        return paths["step"]
 
     @cached_property
     def generator(self):
@@ -213,8 +214,8 @@ class Env:
 
 @pytest.fixture(autouse=True)
 def _reset_keras_state():
-    """Overrides the conftest fixture: no `clear_session()` per row (0.5 s each
-    on this machine, x180 rows); a row builds nothing global that the next
+    """Overrides the conftest fixture: no `clear_session()` per row (a full garbage collection,
+    hundreds of times in this module); a row builds nothing global that the next
     could trip over, and the policy is still reset."""
     keras.config.set_dtype_policy("float32")
     yield

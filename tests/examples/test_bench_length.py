@@ -47,6 +47,9 @@ def test_arguments_are_checked():
     assert (args.sequence_length, args.eval_chars) == (B.QUICK["sequence_length"], B.QUICK["eval_chars"])
 
 
+# Slow: a teacher, three students and a scratch model, each trained and scored at two lengths; the
+# scoring and the arguments are checked above without a run.
+@pytest.mark.slow
 def test_a_tiny_run_writes_every_row(tmp_path):
     path = tmp_path / "length.json"
     argv = ["--quick", "--students", "window,unrotated_mean,cache_unrotated_mean", "--scratch", "delta_conv"]

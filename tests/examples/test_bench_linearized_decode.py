@@ -43,7 +43,8 @@ def test_a_tiny_build_and_serve_run_reports_both_models(tmp_path):
     assert serve["student"]["state_bytes_per_sequence"] > 0
 
 
-@pytest.mark.parametrize("in_place", [False, True])
+# The copy: `make test`; in place (the same stage, one model fewer): `make test-slow`.
+@pytest.mark.parametrize("in_place", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_the_merge_lora_stage_reports_each_step_of_the_recipe(tmp_path, in_place):
     out = tmp_path / "merge.json"
     argv = ["--family", "llama", "--size", "tiny", "--stages", "merge_lora", "--workdir", str(tmp_path / "w")]
@@ -56,6 +57,9 @@ def test_the_merge_lora_stage_reports_each_step_of_the_recipe(tmp_path, in_place
     assert stage["weights_gib"] > 0
 
 
+# Slow: a teacher and a student, each prefilled in pieces and decoded step by step; the decode
+# contract itself is in `make test` (tests/models/test_causal_lm.py, tests/export/test_generate_parity.py).
+@pytest.mark.slow
 def test_the_long_generate_stage_decodes_each_model_s_own_greedy_tokens(tmp_path):
     """A pieced prefill and greedy steps give the tokens of each model's own `generate`."""
     import keras
@@ -148,6 +152,8 @@ def test_the_chain_reads_every_matrix_of_the_model_once(family):
     assert sorted(counted) == sorted(int(np.prod(s)) for s in shapes)
 
 
+# Slow: a whole benchmark stage; the chain's reads are checked above without a run.
+@pytest.mark.slow
 def test_a_tiny_chain_run_reports_its_time_beside_the_floor(tmp_path):
     out = tmp_path / "chain.json"
     argv = ["--family", "gpt2", "--size", "tiny", "--stages", "chain", "--repeats", "1"]
@@ -161,6 +167,9 @@ def test_a_tiny_chain_run_reports_its_time_beside_the_floor(tmp_path):
     assert np.isclose(chain["numpy_chain_over_floor"], chain["numpy_chain_ms"] / chain["floor_ms"])
 
 
+# Slow: an ONNX export of a teacher and a student and two onnxruntime thread settings; the
+# stage's argument check is the next test, ONNX decoding is in tests/export/.
+@pytest.mark.slow
 def test_a_tiny_onnx_decode_run_times_both_thread_settings_beside_the_floor(tmp_path):
     out = tmp_path / "onnx.json"
     argv = ["--family", "gpt2", "--size", "tiny", "--stages", "build,export_onnx,onnx_decode", "--repeats", "1"]

@@ -174,6 +174,8 @@ def test_repeat_filler_is_one_pattern_at_a_random_phase():
     assert len(phases) > 1  # the phase varies
 
 
+# Slow: a subprocess that starts JAX and trains; the quick run above covers the benchmark on TensorFlow.
+@pytest.mark.slow
 def test_the_teacher_trains_and_is_scored_on_jax_without_tensorflow(tmp_path):
     # The teacher's training and scoring need neither TensorFlow nor this package (a GPU machine with
     # JAX alone can train it): a child process on the JAX backend where `import tensorflow` fails.

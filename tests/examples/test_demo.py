@@ -7,7 +7,7 @@ import pytest
 from examples import demo
 
 
-@pytest.mark.slow  # about 90 s alone on 2 cores (two exports and their verification); `make test-slow`
+@pytest.mark.slow  # two exports and their verification; `make test-slow`
 def test_demo_runs_end_to_end_and_verifies_its_exports(tmp_path, capsys):
     out = tmp_path / "demo"
     code = demo.main(

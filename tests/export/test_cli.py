@@ -160,7 +160,7 @@ def _run_console(args, **env):
 
 
 def test_help_and_bad_arguments_answer_without_importing_tensorflow():
-    # Asserted on the imports, not on a time: `--help` used to load TensorFlow first (12.8 s on a cold machine).
+    # Asserted on the imports, not on a time: `--help` used to load TensorFlow first (seconds, for a usage line).
     for args, status in ((["--help"], 0), (["export", "--help"], 0), (["verify", "d", "--shapes", "3by4"], 2)):
         result = _run_console(args)
         assert result.returncode == status, result.stderr

@@ -48,13 +48,21 @@ def limited_cli_export():
     return out
 
 
+@pytest.fixture(scope="module")
+def default_report(limited_export):
+    """`export.verify` of the limited export with its defaults (every graph, every signature), run once for
+    the two tests that read it."""
+    lm, (version_dir, paths) = limited_export
+    return export.verify(lm, saved_model_dir=version_dir, onnx_path=paths["model"])
+
+
 def signatures(report):
     return {(r.backend, r.signature) for r in report.rows}
 
 
-def test_model_limit_is_taken_and_every_position_row_is_reached(limited_export):
+def test_model_limit_is_taken_and_every_position_row_is_reached(limited_export, default_report):
     lm, (version_dir, paths) = limited_export
-    report = export.verify(lm, saved_model_dir=version_dir, onnx_path=paths["model"])
+    report = default_report
     assert report.ok
     lengths = {r.shape[1] for r in report.rows if r.signature.startswith("serving_default")}
     assert lengths == {7, 13, LIMIT}  # 70 is clipped to the limit, which reaches row LIMIT - 1
@@ -66,10 +74,8 @@ def test_model_limit_is_taken_and_every_position_row_is_reached(limited_export):
     assert {r.shape for r in report.rows if r.signature.startswith("serving_default")} == {(1, 5), (2, LIMIT)}
 
 
-def test_every_graph_and_signature_is_checked(limited_export):
-    lm, (version_dir, paths) = limited_export
-    report = export.verify(lm, saved_model_dir=version_dir, onnx_path=paths["model"], decode_steps=3)
-    assert signatures(report) >= {
+def test_every_graph_and_signature_is_checked(default_report):
+    assert signatures(default_report) >= {
         ("saved_model", "variables:weights"),
         ("saved_model", "serving_default:logits"),
         ("saved_model", "step:logits"),
@@ -175,6 +181,11 @@ def export_logits_graphs(model, path):
     return version_dir, export.export_onnx(model, path, include_step=False)
 
 
+# Slow: its own SavedModel and ONNX exports of a two-block LM, verified at the default lengths (70
+# among them, where the x6 export failed). The error-model tolerance stays in `make test`:
+# test_tolerance_is_the_error_model_of_the_tests (its bound) and tests/export/test_export.py (exports
+# of signed kernels within a bound that carries the normalizer's conditioning).
+@pytest.mark.slow
 def test_correct_trained_scale_favor_trig_export_passes(tmp_path_factory):
     lm, (version_dir, paths) = export_once(
         tmp_path_factory, trained_scale_favor_trig_lm, export_logits_graphs, "lm.onnx"

@@ -242,7 +242,7 @@ def test_maps_stay_float32_under_global_mixed_policy(rng):
 
 
 # oglu runs only with --runslow: its code paths are those of glu (full gate) and
-# aoglu (orthogonal filters), and each XLA compile costs ~15 s on a 2-core CPU.
+# aoglu (orthogonal filters), and each XLA compile is the costliest step of these tests.
 @pytest.mark.parametrize("name", ["ffn", "glu", pytest.param("oglu", marks=pytest.mark.slow), "aoglu"])
 def test_fit_with_xla(rng, name):
     keras.utils.set_random_seed(0)

@@ -34,7 +34,7 @@ def test_jax_data_parallel_model_parallel_and_resume(tmp_path):
         "JAX_PLATFORMS": "cpu",
         "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
         # Each run builds a new model, which JAX compiles anew; the same program under the same
-        # distribution compiles once with a (fresh, per-test) compilation cache: 33 -> 19 s of CPU.
+        # distribution compiles once with a (fresh, per-test) compilation cache.
         "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax_cache"),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
