@@ -1,0 +1,32 @@
+"""keras-hub decoder families without a family module yet, and what each is missing.
+
+`families.get` names the missing piece in its TypeError. A family module
+that registers one of these backbones takes precedence over its entry here.
+"""
+
+MISSING = {
+    "BloomBackbone": "ALiBi positions (a per-head decay) and the embedding LayerNorm are not mapped",
+    "FalconBackbone": "the parallel attention/MLP residual and ALiBi/rotary variants are not mapped",
+    "GPTNeoXBackbone": "the parallel residual and partial rotary (rotary_percentage) are not mapped",
+    "GemmaBackbone": (
+        "the embedding scale, query kernel laid out [H, dim, D], logit soft caps and sliding-window layers "
+        "are not mapped"
+    ),
+    "Gemma3Backbone": (
+        "per-head q/k RMSNorm, local/global layers with two RoPE bases, the embedding scale and the "
+        "[H, dim, D] query kernel are not mapped"
+    ),
+    "Gemma4Backbone": "per-layer embeddings and its local/global attention layers are not mapped",
+    "GptOssBackbone": "attention sinks, its mixture-of-experts feed-forward and YaRN RoPE are not mapped",
+    "MistralBackbone": "its sliding-window attention is not mapped",
+    "MixtralBackbone": "its mixture-of-experts feed-forward is not mapped",
+    "OPTBackbone": "learned positions with an offset of 2 and ReLU feed-forwards are not mapped",
+    "Phi3Backbone": "its fused qkv layout and su/longrope RoPE scaling are not mapped",
+    "QwenBackbone": "its q/k/v biases with GQA are not mapped",
+    "Qwen3Backbone": "per-head q/k RMSNorm before RoPE is not mapped",
+    "QwenMoeBackbone": "its mixture-of-experts feed-forward with a shared expert is not mapped",
+    "Qwen3MoeBackbone": "per-head q/k RMSNorm and its mixture-of-experts feed-forward are not mapped",
+    "Qwen3_5Backbone": "its Gated DeltaNet layers (the delta rule) and gated attention are not mapped",
+    "Qwen3_5MoeBackbone": "its Gated DeltaNet layers and its mixture-of-experts feed-forward are not mapped",
+    "SmolLM3Backbone": "its no-RoPE layers (rope on every fourth layer off) are not mapped",
+}
