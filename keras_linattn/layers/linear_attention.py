@@ -115,6 +115,7 @@ class LinearAttention(_projections.ProjectedAttention):
         self.num_key_value_heads = spec.num_key_value_heads
         self.rope_max_wavelength = spec.rope_max_wavelength
         self.rope_scaling_factor = spec.rope_scaling_factor
+        self.rope_frequency_adjustment = spec.rope_frequency_adjustment
         self.recurrence = spec.make_recurrence()
         self.conv_size = spec.conv_size
         self.short_conv = ShortConvolution(self.conv_size)
@@ -245,7 +246,7 @@ class LinearAttention(_projections.ProjectedAttention):
             query_positions = key_positions
         else:
             query_positions = start[:, None] + ops.arange(ops.shape(query)[1], dtype="float32")[None, :]  # [B, T]
-        rope = (self.rope_max_wavelength, self.rope_scaling_factor)
+        rope = (self.rope_max_wavelength, self.rope_scaling_factor, self.rope_frequency_adjustment)
         query = rotary_ops.rotary_embedding(query, query_positions, *rope)  # [B, T, H, D]
         key = rotary_ops.rotary_embedding(key, key_positions, *rope)  # [B, S, H, D]
         return query, key, end
@@ -353,7 +354,7 @@ class LinearAttention(_projections.ProjectedAttention):
         extra = {"unrotated": (q, k)} if self.recurrence.reads_unrotated else {}
         if self.rope_max_wavelength is not None:
             position = parts["position"]  # [B]
-            rope = (self.rope_max_wavelength, self.rope_scaling_factor)
+            rope = (self.rope_max_wavelength, self.rope_scaling_factor, self.rope_frequency_adjustment)
             q = rotary_ops.rotary_embedding(q, position, *rope)  # [B, H, D]
             k = rotary_ops.rotary_embedding(k, position, *rope)  # [B, H, D]
             new_parts["position"] = position + 1.0

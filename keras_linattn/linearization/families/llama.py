@@ -7,14 +7,9 @@ from keras_linattn.linearization.families._common import copy_rms_decoder
 def llama_config(config, backbone):
     """`LinearBackbone` arguments of a `LlamaBackbone` / `Llama3Backbone` config.
 
-    Raises:
-        TypeError: for Llama 3.1-style RoPE frequency adjustment (not mapped).
+    Llama 3.1-3.3's RoPE scaling (keras-hub's ``rope_frequency_adjustment_factor``
+    and its three companions) becomes ``rope_frequency_adjustment``.
     """
-    if config.get("rope_frequency_adjustment_factor") is not None:
-        raise TypeError(
-            "Llama 3.1-style RoPE frequency adjustment (rope_frequency_adjustment_factor) is not supported yet. "
-            f"Received: rope_frequency_adjustment_factor={config['rope_frequency_adjustment_factor']}"
-        )
     return dict(
         vocabulary_size=config["vocabulary_size"],
         num_layers=config["num_layers"],
@@ -35,7 +30,21 @@ def llama_config(config, backbone):
         rope_max_wavelength=config.get("rope_max_wavelength", 10000),
         # keras-hub's Llama rotary embedding does not apply `rope_position_scaling_factor`.
         rope_scaling_factor=1.0,
+        rope_frequency_adjustment=rope_frequency_adjustment(config),
     )
+
+
+def rope_frequency_adjustment(config):
+    """``(factor, low, high, pretraining length)`` of a keras-hub Llama-style config, or None without one."""
+    keys = (
+        "rope_frequency_adjustment_factor",
+        "rope_low_freq_factor",
+        "rope_high_freq_factor",
+        "rope_pretraining_sequence_length",
+    )
+    if config.get(keys[0]) is None:
+        return None
+    return tuple(config[key] for key in keys)
 
 
 def copy_llama(copy, student, backbone):

@@ -1,0 +1,104 @@
+"""keras-hub families loaded from local Hugging Face-format checkpoints (keras-hub's converter), linearized.
+
+Each checkpoint directory has a published `config.json` (fewer layers, a
+small width; every key kept) and random `safetensors` weights
+(`tests/linearization/_hf_checkpoints.py`). With a softmax window that
+covers the sequence the student computes the teacher's function: logits
+within the error model's bound, greedy tokens equal.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_linattn
+from keras_linattn.models import LinearCausalLM
+from tests.linearization import _hf_checkpoints as hf
+from tests.tolerance import assert_close
+
+pytestmark = pytest.mark.numeric
+
+T = 12  # prompt length of the logits check
+NEW = 6  # greedy tokens generated after a prompt of PROMPT tokens
+PROMPT = 5
+
+
+def _ids(vocab, length=T, batch=2, seed=0):
+    return np.random.default_rng(seed).integers(1, vocab, (batch, length)).astype("int32")
+
+
+def _teacher_logits(teacher, ids):
+    return np.asarray(teacher({"token_ids": ids, "padding_mask": np.ones_like(ids)}), "float64")
+
+
+def _teacher_greedy(teacher, prompt, max_length):
+    """keras-hub's own greedy `generate` from unpadded prompts ``[B, P]``: ``[B, max_length]`` ids."""
+    batch, length = prompt.shape
+    token_ids = np.zeros((batch, max_length), "int32")
+    token_ids[:, :length] = prompt
+    mask = np.zeros((batch, max_length), "int32")
+    mask[:, :length] = 1
+    teacher.compile(sampler="greedy", jit_compile=False)  # XLA would only add compile time here
+    out = teacher.generate({"token_ids": token_ids, "padding_mask": mask}, stop_token_ids=None)
+    return np.asarray(out["token_ids"])
+
+
+def _student_greedy(student, prompt, max_length):
+    """Greedy decoding through the student's decode path (`step`, eager: no compile): ``[B, max_length]`` ids."""
+    state = student.get_initial_state(prompt.shape[0])
+    tokens = [prompt[:, t] for t in range(prompt.shape[1])]
+    for t in range(max_length - 1):
+        logits, state = student.step(tokens[t], state)
+        if t + 1 >= len(tokens):
+            tokens.append(np.argmax(np.asarray(logits), axis=-1).astype("int32"))
+    return np.stack(tokens, axis=1)
+
+
+def _linearized(tmp_path_factory, name, causal_lm, config, **tensor_options):
+    keras.utils.set_random_seed(0)
+    directory = tmp_path_factory.mktemp(name.replace(".", "_"))
+    hf.write_checkpoint(directory, config, hf.llama_layout_tensors(config, **tensor_options))
+    teacher = hf.load(causal_lm, str(directory))
+    student = keras_linattn.linearize(teacher, window_size=16)
+    return teacher, student
+
+
+def _check_exact_and_greedy(teacher, student, config):
+    """The family's two claims: logits within the bound, greedy tokens equal to keras-hub's generate."""
+    assert type(student) is LinearCausalLM
+    ids = _ids(config["vocab_size"])
+    # Two float32 blocks at width hidden_size: the error model with the width as reduction length
+    # (as tests/linearization/test_keras_hub_teachers.py).
+    assert_close(np.asarray(student(ids)), _teacher_logits(teacher, ids), paths=8, n=config["hidden_size"])
+    prompt = _ids(config["vocab_size"], length=PROMPT, seed=1)
+    want = _teacher_greedy(teacher, prompt, PROMPT + NEW)
+    np.testing.assert_array_equal(_student_greedy(student, prompt, PROMPT + NEW), want)
+
+
+# ------------------------------------------------------------------ Llama 3.2 (RoPE scaling)
+@pytest.fixture(scope="module")
+def llama32(tmp_path_factory):
+    config = hf.small("Llama-3.2-1B")
+    return (*_linearized(tmp_path_factory, "llama32", "Llama3CausalLM", config), config)
+
+
+def test_llama_3_2_checkpoint_with_rope_scaling_linearizes_exactly(llama32):
+    teacher, student, config = llama32
+    scaling = config["rope_scaling"]
+    assert teacher.backbone.get_config()["rope_frequency_adjustment_factor"] == scaling["factor"]
+    attention = student.backbone.decoder_blocks[0].attention
+    assert attention.rope_frequency_adjustment == (
+        scaling["factor"],
+        scaling["low_freq_factor"],
+        scaling["high_freq_factor"],
+        scaling["original_max_position_embeddings"],
+    )
+    _check_exact_and_greedy(teacher, student, config)
+
+
+@pytest.mark.slow
+def test_llama_3_2_student_generate_gives_the_teachers_greedy_tokens(llama32):
+    teacher, student, config = llama32
+    prompt = _ids(config["vocab_size"], length=PROMPT, seed=2)
+    got = student.generate(prompt, max_length=PROMPT + NEW, sampler="greedy", stop_token_ids=None)
+    np.testing.assert_array_equal(np.asarray(got), _teacher_greedy(teacher, prompt, PROMPT + NEW))
