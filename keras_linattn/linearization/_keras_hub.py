@@ -99,9 +99,12 @@ def linearize_keras_hub(teacher, *, feature_map="hedgehog", window_size=64, **at
         student = _relinearize(backbone, feature_map, window_size, attention_kwargs)
     else:
         family = families.get(backbone)
-        config = family.config(backbone.get_config(), backbone)
+        config = family.config(backbone.get_config(), backbone, window_size)
+        # A teacher layer that is already local stays so, whatever the student's attention arguments.
+        local = {key: config[key] for key in ("window_size", "linear_weight") if key in config}
         config["dtype"] = backbone.dtype_policy.name
         config.update(attention_kwargs)  # a `dtype` there is the student's policy
+        config.update(local)
         config.setdefault("window_size", window_size)
         student = LinearBackbone(feature_map=feature_map, **config)
         copier = Copier(backbone)

@@ -45,6 +45,10 @@ class WindowRecurrence(Recurrence):
             about 16 and a sharp window match is lost. A small
             `linear_weight` (0.001 on `benchmarks/bench_recall.py`) lets a linearized student start close
             to its window's attention. With ``W >= T`` it cancels like gamma.
+            ``0`` removes the linear terms (no weight is learned): the
+            window alone, exact softmax attention over the last W tokens,
+            for a teacher layer that is already local (Mistral's sliding
+            window within the student's).
         linear_rope: True (default): with rotary embeddings on the layer,
             the linear part's features are those of the rotated queries and
             keys, as the window's softmax. False: the features of the
@@ -87,11 +91,11 @@ class WindowRecurrence(Recurrence):
             )
         self.gamma = None if gamma is None else float(gamma)
         if linear_weight is not None and (
-            not _validation._is_real(linear_weight) or not 0.0 < linear_weight < math.inf
+            not _validation._is_real(linear_weight) or not 0.0 <= linear_weight < math.inf
         ):
             raise ValueError(
-                "`linear_weight` (the initial weight of the linear terms, exp of a learned log) must be None "
-                f"or a finite number > 0. Received: linear_weight={linear_weight!r}"
+                "`linear_weight` (the initial weight of the linear terms, exp of a learned log) must be None, "
+                f"0 (the window alone) or a finite number > 0. Received: linear_weight={linear_weight!r}"
             )
         self.linear_weight = None if linear_weight is None else float(linear_weight)
         self.linear_rope = _validation.check_bool("linear_rope", linear_rope)
@@ -123,7 +127,7 @@ class WindowRecurrence(Recurrence):
                 "window_gamma_logit", (self.num_heads,), keras.initializers.Constant(logit)
             )  # [H]
         self.linear_weight_log = None
-        if self.linear_weight is not None:
+        if self.linear_weight:  # None: weight 1; 0: no linear terms, nothing learned
             self.linear_weight_log = self.add_weight(
                 "window_linear_weight_log",
                 (self.num_heads,),
@@ -133,6 +137,8 @@ class WindowRecurrence(Recurrence):
     def features(self, x, is_query, causal=True, training=None, key_mask=None):
         """``phi(x)``; a query's features times the linear weight ``exp(l) [H]`` when there is one."""
         f = super().features(x, is_query, causal, training, key_mask)
+        if is_query and self.linear_weight == 0.0:
+            return ops.zeros_like(f)  # the window alone: the linear terms add 0 to numerator and normalizer
         if not is_query or self.linear_weight_log is None:
             return f
         weight = ops.cast(ops.exp(self.linear_weight_log), f.dtype)  # [H]

@@ -19,7 +19,7 @@ from tests.tolerance import assert_close
 pytestmark = pytest.mark.numeric
 
 T = 12  # prompt length of the logits check
-NEW = 6  # greedy tokens generated after a prompt of PROMPT tokens
+NEW = 4  # greedy tokens generated after a prompt of PROMPT tokens
 PROMPT = 5
 
 
@@ -102,3 +102,42 @@ def test_llama_3_2_student_generate_gives_the_teachers_greedy_tokens(llama32):
     prompt = _ids(config["vocab_size"], length=PROMPT, seed=2)
     got = student.generate(prompt, max_length=PROMPT + NEW, sampler="greedy", stop_token_ids=None)
     np.testing.assert_array_equal(np.asarray(got), _teacher_greedy(teacher, prompt, PROMPT + NEW))
+
+
+# ------------------------------------------------------------------ Qwen 2.5 (q/k/v biases)
+@pytest.fixture(scope="module")
+def qwen25(tmp_path_factory):
+    config = hf.small("Qwen2.5-0.5B")
+    return (*_linearized(tmp_path_factory, "qwen25", "QwenCausalLM", config, attention_bias=True), config)
+
+
+def test_qwen_2_5_checkpoint_with_qkv_biases_linearizes_exactly(qwen25):
+    teacher, student, config = qwen25
+    attention = student.backbone.decoder_blocks[0].attention
+    np.testing.assert_array_equal(np.asarray(attention.output_dense.bias), 0.0)  # Qwen has no output bias
+    teacher_bias = teacher.backbone.get_layer("transformer_layer_0")._self_attention_layer._query_dense.bias
+    np.testing.assert_array_equal(np.asarray(attention.query_dense.bias), np.asarray(teacher_bias))
+    _check_exact_and_greedy(teacher, student, config)
+
+
+# ------------------------------------------------------------------ Mistral (global, and a local sliding window)
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    config = hf.small("Mistral-7B-v0.3")
+    return (*_linearized(tmp_path_factory, "mistral", "MistralCausalLM", config), config)
+
+
+def test_mistral_v0_3_checkpoint_linearizes_exactly(mistral):
+    teacher, student, config = mistral
+    assert not student.backbone.tie_embeddings  # Mistral's head is its own matrix
+    _check_exact_and_greedy(teacher, student, config)
+
+
+def test_mistral_sliding_window_within_the_students_stays_exact_softmax(tmp_path_factory):
+    # Mistral-7B-v0.1 published sliding_window 4096; here a window of 4 tokens, shorter than the T = 12
+    # of the check and than the student's 16, so the teacher's layers are local over the sequence.
+    config = hf.small("Mistral-7B-v0.3", sliding_window=4)
+    teacher, student = _linearized(tmp_path_factory, "mistral_local", "MistralCausalLM", config)
+    recurrence = student.backbone.decoder_blocks[0].attention.recurrence
+    assert (recurrence.window_size, recurrence.linear_weight) == (4, 0.0)
+    _check_exact_and_greedy(teacher, student, config)

@@ -6,7 +6,7 @@ functions and registers them::
     register(Family(
         name="llama",
         backbones=("LlamaBackbone", "Llama3Backbone"),
-        config=llama_config,     # (teacher config, teacher backbone) -> LinearBackbone kwargs
+        config=llama_config,     # (teacher config, teacher backbone, window) -> LinearBackbone kwargs
         weights=copy_llama,      # (copy, student, teacher backbone) -> None; copy(variable, "teacher/path")
     ))
 
@@ -32,10 +32,12 @@ class Family:
         name: short name (the module's), e.g. ``"llama"``.
         backbones: the keras-hub backbone class names it covers (a subclass
             of one of them is covered too).
-        config: ``config(teacher_config, teacher_backbone) -> dict``: the
-            `LinearBackbone` arguments of the architecture (the attention
-            arguments `linearize` adds itself). Raises TypeError for a
-            configuration the student cannot reproduce, naming the key.
+        config: ``config(teacher_config, teacher_backbone, window_size) ->
+            dict``: the `LinearBackbone` arguments of the architecture (the
+            attention arguments `linearize` adds itself; `window_size` is
+            the student's requested window, for a teacher whose attention is
+            already local). Raises TypeError for a configuration the student
+            cannot reproduce, naming the key.
         weights: ``weights(copy, student, teacher_backbone)``: calls
             ``copy(student_variable, "teacher/weight/path", transform=None)``
             for every teacher weight (``copy.zero(variable)`` for a student

@@ -4,7 +4,7 @@ from keras_linattn.linearization.families import Family, register
 from keras_linattn.linearization.families._common import copy_attention
 
 
-def gpt2_config(config, backbone):
+def gpt2_config(config, backbone, window_size):
     """`LinearBackbone` arguments of a `GPT2Backbone` config."""
     return dict(
         vocabulary_size=config["vocabulary_size"],

@@ -4,7 +4,7 @@ from keras_linattn.linearization.families import Family, register
 from keras_linattn.linearization.families._common import copy_rms_decoder
 
 
-def llama_config(config, backbone):
+def llama_config(config, backbone, window_size):
     """`LinearBackbone` arguments of a `LlamaBackbone` / `Llama3Backbone` config.
 
     Llama 3.1-3.3's RoPE scaling (keras-hub's ``rope_frequency_adjustment_factor``
