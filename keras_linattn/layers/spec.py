@@ -56,6 +56,7 @@ PRETRAINED_ARGUMENTS = (
     "rope_max_wavelength",
     "rope_scaling_factor",
     "rope_frequency_adjustment",
+    "qk_norm_epsilon",
 )
 # The keyword arguments `AttentionSpec.pop` takes out of a constructor's kwargs.
 ARGUMENTS = ("recurrence", "conv_size") + SHORTHAND_ARGUMENTS + PRETRAINED_ARGUMENTS
@@ -163,7 +164,13 @@ MECHANISM_ARGS_DOC = """\
             ``rope_pretraining_sequence_length``): the rotary frequencies
             are adjusted as keras-hub's Llama rotary embedding does
             (`keras_linattn.ops.rotary`). Needs `rope_max_wavelength` and
-            ``rope_scaling_factor=1``. Keyword-only."""
+            ``rope_scaling_factor=1``. Keyword-only.
+        qk_norm_epsilon: None (default) or the epsilon of an RMSNorm over
+            each query and key head vector (``x / sqrt(mean(x^2) + eps) *
+            scale``, one learned scale ``[D]`` each for queries and keys,
+            weights ``query_norm`` and ``key_norm``), applied after the
+            projections and before the rotary embedding, as Qwen 3 and
+            Gemma 3 do. Keyword-only."""
 
 
 def _shorthand_recurrence(
@@ -337,6 +344,7 @@ class AttentionSpec:
     chunk_size: int = DEFAULT_CHUNK_SIZE
     epsilon: float = la_ops.DEFAULT_EPSILON
     rope_frequency_adjustment: tuple | None = None
+    qk_norm_epsilon: float | None = None
 
     # ------------------------------------------------------------ building
     @classmethod
@@ -405,6 +413,9 @@ class AttentionSpec:
             rope_scaling_factor=rope_scaling_factor,
             rope_frequency_adjustment=_check_adjustment(
                 arguments.get("rope_frequency_adjustment"), rope_max_wavelength, rope_scaling_factor
+            ),
+            qk_norm_epsilon=_validation.check_positive_float(
+                "qk_norm_epsilon", arguments.get("qk_norm_epsilon"), allow_none=True
             ),
             chunk_size=_validation.check_positive_int("chunk_size", chunk_size),
             epsilon=_check_epsilon(epsilon),
@@ -501,8 +512,8 @@ class AttentionSpec:
     def mechanism_config(self):
         """``{"recurrence": <serialized>, "conv_size": K, <RoPE/GQA>}``: the mechanism part of `get_config`.
 
-        ``rope_frequency_adjustment`` is a key only when set, so configs
-        without it stay as they were.
+        ``rope_frequency_adjustment`` and ``qk_norm_epsilon`` are keys only
+        when set, so configs without them stay as they were.
         """
         config = {
             "recurrence": self.recurrence,
@@ -513,6 +524,8 @@ class AttentionSpec:
         }
         if self.rope_frequency_adjustment is not None:
             config["rope_frequency_adjustment"] = list(self.rope_frequency_adjustment)
+        if self.qk_norm_epsilon is not None:
+            config["qk_norm_epsilon"] = self.qk_norm_epsilon
         return config
 
     def get_config(self):

@@ -32,7 +32,7 @@ def _attention_own(path):
     if "/self_attention/" not in path:
         return False
     projection = path.split("/self_attention/", 1)[1].split("/", 1)[0]
-    return projection not in ("query", "key", "value", "attention_output")
+    return projection not in ("query", "key", "value", "attention_output", "query_norm", "key_norm")
 
 
 def _relinearize(backbone, feature_map, window_size, attention_kwargs):

@@ -538,3 +538,18 @@ def test_frequency_adjustment_round_trips_through_config_and_is_no_key_when_unse
     assert (
         "rope_frequency_adjustment" not in LinearAttention(num_heads=2, key_dim=8, rope_max_wavelength=1e4).get_config()
     )
+
+
+def test_qk_norm_normalizes_each_head_before_rope_and_round_trips(rng):
+    layer = LinearAttention(num_heads=2, key_dim=8, rope_max_wavelength=1e4, qk_norm_epsilon=1e-5)
+    layer.build((None, None, 16), (None, None, 16))
+    x = rng.normal(size=(1, 5, 16)).astype("float32")
+    q, k, _ = layer.project(x, x)
+    rms = np.sqrt(np.mean(np.asarray(q, "float64") ** 2, axis=-1))  # scale 1 at init: unit RMS per head
+    np.testing.assert_allclose(rms, 1.0, atol=1e-4)
+    assert [w.path.split("/")[-2] for w in layer.weights[-2:]] == ["query_norm", "key_norm"]
+    config = json.loads(json.dumps(layer.get_config()))
+    assert LinearAttention.from_config(config).qk_norm_epsilon == 1e-5
+    plain = LinearAttention(num_heads=2, key_dim=8, rope_max_wavelength=1e4)
+    plain.build((None, None, 16), (None, None, 16))
+    assert "qk_norm_epsilon" not in plain.get_config() and plain.query_norm is None

@@ -141,3 +141,20 @@ def test_mistral_sliding_window_within_the_students_stays_exact_softmax(tmp_path
     recurrence = student.backbone.decoder_blocks[0].attention.recurrence
     assert (recurrence.window_size, recurrence.linear_weight) == (4, 0.0)
     _check_exact_and_greedy(teacher, student, config)
+
+
+# ------------------------------------------------------------------ Qwen 3 (per-head q/k RMSNorm)
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    # Qwen3-0.6B's head_dim (128) is not hidden_size / heads (64): keep that shape, smaller.
+    config = hf.small("Qwen3-0.6B", head_dim=32)
+    return (*_linearized(tmp_path_factory, "qwen3", "Qwen3CausalLM", config, qk_norm=True), config)
+
+
+def test_qwen_3_checkpoint_with_qk_norms_linearizes_exactly(qwen3):
+    teacher, student, config = qwen3
+    attention = student.backbone.decoder_blocks[1].attention
+    teacher_norm = teacher.backbone.get_layer("transformer_layer_1")._self_attention_layer._key_dense_layer_norm
+    np.testing.assert_array_equal(np.asarray(attention.key_norm.scale), np.asarray(teacher_norm.scale))
+    assert attention.key_dim == 32
+    _check_exact_and_greedy(teacher, student, config)

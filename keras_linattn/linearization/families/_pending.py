@@ -21,7 +21,6 @@ MISSING = {
     "MixtralBackbone": "its mixture-of-experts feed-forward is not mapped",
     "OPTBackbone": "learned positions with an offset of 2 and ReLU feed-forwards are not mapped",
     "Phi3Backbone": "its fused qkv layout and su/longrope RoPE scaling are not mapped",
-    "Qwen3Backbone": "per-head q/k RMSNorm before RoPE is not mapped",
     "QwenMoeBackbone": "its mixture-of-experts feed-forward with a shared expert is not mapped",
     "Qwen3MoeBackbone": "per-head q/k RMSNorm and its mixture-of-experts feed-forward are not mapped",
     "Qwen3_5Backbone": "its Gated DeltaNet layers (the delta rule) and gated attention are not mapped",
