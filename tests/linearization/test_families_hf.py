@@ -158,3 +158,25 @@ def test_qwen_3_checkpoint_with_qk_norms_linearizes_exactly(qwen3):
     np.testing.assert_array_equal(np.asarray(attention.key_norm.scale), np.asarray(teacher_norm.scale))
     assert attention.key_dim == 32
     _check_exact_and_greedy(teacher, student, config)
+
+
+@pytest.mark.slow
+def test_qwen_3_student_generates_the_teachers_tokens_and_its_exports_verify(qwen3, tmp_path):
+    from keras_linattn import export
+
+    teacher, student, config = qwen3
+    prompt = _ids(config["vocab_size"], length=PROMPT, seed=2)
+    got = student.generate(prompt, max_length=PROMPT + NEW, sampler="greedy", stop_token_ids=None)
+    np.testing.assert_array_equal(np.asarray(got), _teacher_greedy(teacher, prompt, PROMPT + NEW))
+    version_dir = export.export_saved_model(student, str(tmp_path / "sm"))
+    paths = export.export_onnx(student, str(tmp_path / "lm.onnx"))
+    report = export.verify(
+        student,
+        saved_model_dir=version_dir,
+        onnx_path=paths["model"],
+        onnx_step_path=paths["step"],
+        onnx_generate_path=paths.get("generate"),
+        shapes=[(1, 7), (2, 13)],
+        decode_steps=8,
+    )
+    assert report.ok, report
