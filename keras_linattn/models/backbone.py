@@ -8,7 +8,7 @@ from keras import ops
 from keras_linattn import _compat, _validation
 from keras_linattn._docstrings import fill
 from keras_linattn._tracking import CheckpointTracked
-from keras_linattn.layers.spec import MECHANISM_ARGS_DOC, AttentionSpec
+from keras_linattn.layers.spec import MECHANISM_ARGS_DOC, PRETRAINED_ARGUMENTS, AttentionSpec
 from keras_linattn.layers.transformer import _make_norm, _step_norm
 from keras_linattn.layers.transformer_decoder import LinearTransformerDecoder
 from keras_linattn.models import _presets, generation
@@ -99,6 +99,39 @@ def _block_spec(spec, index):
     return spec.replace(feature_map=type(feature_map).from_config(config))
 
 
+def _check_layer_attention(layer_attention, num_layers):
+    """`layer_attention` as a tuple of `num_layers` dicts (or None), each with `PRETRAINED_ARGUMENTS` keys only.
+
+    Raises:
+        ValueError: for another length, an entry that is not a dict, or a key
+            that is not a per-layer attention argument.
+    """
+    if layer_attention is None:
+        return None
+    if not isinstance(layer_attention, (list, tuple)) or len(layer_attention) != num_layers:
+        raise ValueError(
+            f"`layer_attention` must be None or a list of {num_layers} dicts (one per layer). "
+            f"Received: layer_attention={layer_attention!r}"
+        )
+    out = []
+    for entry in layer_attention:
+        if not isinstance(entry, dict) or set(entry) - set(PRETRAINED_ARGUMENTS):
+            raise ValueError(
+                f"Each `layer_attention` entry is a dict of some of {list(PRETRAINED_ARGUMENTS)}. Received: {entry!r}"
+            )
+        out.append(dict(entry))
+    return tuple(out)
+
+
+def _layer_spec(spec, index, layer_attention):
+    """Block `index`'s spec: `_block_spec`, with its `layer_attention` entry's arguments replaced."""
+    spec = _block_spec(spec, index)
+    if layer_attention is None or not layer_attention[index]:
+        return spec
+    config = dict(spec.get_config(), **layer_attention[index])
+    return AttentionSpec.from_config(config)
+
+
 def _check_sizes(vocabulary_size, num_layers, hidden_dim, num_heads, intermediate_dim, key_dim, max_sequence_length):
     """Raises ValueError for a size that is not a positive int, or a width the heads do not divide."""
     for name, value in (
@@ -148,7 +181,7 @@ def _make_layers(settings, spec, dtype):
             num_heads=settings["num_heads"],
             intermediate_dim=settings["intermediate_dim"],
             key_dim=settings["key_dim"],
-            spec=_block_spec(spec, i),
+            spec=_layer_spec(spec, i, settings.get("layer_attention")),
             dropout=settings["dropout"],
             activation=settings["activation"],
             layer_norm_epsilon=settings["layer_norm_epsilon"],
@@ -395,7 +428,7 @@ LAYOUTS = ("blocks", "stack")
 BACKBONE_SETTINGS = (
     "vocabulary_size", "num_layers", "hidden_dim", "num_heads", "intermediate_dim", "key_dim", "chunk_size",
     "dropout", "max_sequence_length", "tie_embeddings", "activation", "layer_norm_epsilon", "normalization",
-    "feedforward", "use_bias", "attention_spec",
+    "feedforward", "use_bias", "attention_spec", "layer_attention",
 )  # fmt: skip
 
 
@@ -479,6 +512,13 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
             feedforward: ``"dense"`` (default) or ``"gated"`` (SwiGLU with
                 ``activation="silu"``, Llama).
             use_bias: biases in the dense layers and attention projections.
+            layer_attention: None (default: every block's attention takes
+                the arguments below), or one dict per layer of the
+                pretrained-model attention arguments (``rope_max_wavelength``,
+                ``rope_scaling_factor``, ``rope_frequency_adjustment``,
+                ``num_key_value_heads``, ``qk_norm_epsilon``) that replace
+                them in that block: e.g. ``{"rope_max_wavelength": None}``
+                for a layer without rotary embeddings (SmolLM3).
     {mechanism_args}
                 Every block's attention gets them (their decode state joins
                 `state_spec`; decoding stays constant-cost per token).
@@ -530,6 +570,7 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
         normalization="layer_norm",
         feedforward="dense",
         use_bias=True,
+        layer_attention=None,
         lora=None,
         layout="blocks",
         *,
@@ -568,6 +609,7 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
             "feedforward": feedforward,
             "use_bias": use_bias,
             "attention_spec": spec,
+            "layer_attention": _check_layer_attention(layer_attention, num_layers),
         }
 
         layers, inputs, hidden = _build_graph(settings, spec, dtype)
@@ -819,6 +861,8 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
         lora = self._lora_entry()
         if lora is not None:  # only then: configs without adapters are unchanged
             config["lora"] = lora
+        if self.layer_attention is not None:  # only then: configs without it are unchanged
+            config["layer_attention"] = [dict(entry) for entry in self.layer_attention]
         if self.layout != "stack":  # configs of the "stack" layout are those older files hold
             config["layout"] = self.layout
         return config

@@ -130,6 +130,40 @@ PUBLISHED = {
         "use_sliding_window": False,
         "vocab_size": 151936,
     },
+    "SmolLM3-3B": {
+        "architectures": ["SmolLM3ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": None,
+        "eos_token_id": 128012,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 11008,
+        "layer_types": ["full_attention"] * 36,
+        "max_position_embeddings": 65536,
+        "max_window_layers": 28,
+        "mlp_bias": False,
+        "model_type": "smollm3",
+        "no_rope_layer_interval": 4,
+        # RoPE off (0) in every fourth layer.
+        "no_rope_layers": [0 if (i + 1) % 4 == 0 else 1 for i in range(36)],
+        "num_attention_heads": 16,
+        "num_hidden_layers": 36,
+        "num_key_value_heads": 4,
+        "pad_token_id": 128004,
+        "pretraining_tp": 2,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 5000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.54.0.dev0",
+        "use_cache": False,
+        "use_sliding_window": False,
+        "vocab_size": 128256,
+    },
 }
 
 # The sizes a unit test shrinks (every other key keeps its published value).
@@ -147,6 +181,9 @@ def small(name, **sizes):
     """`PUBLISHED[name]` with the sizes in `SMALL` (and `sizes`) replaced; ``head_dim`` follows the width."""
     config = json.loads(json.dumps(PUBLISHED[name]))
     config.update(SMALL, **sizes)
+    for key in ("no_rope_layers", "layer_types"):  # per-layer lists keep their first layers' entries
+        if key in config:
+            config[key] = config[key][: config["num_hidden_layers"]]
     if "head_dim" in config and "head_dim" not in sizes:
         config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
     return config

@@ -180,3 +180,18 @@ def test_qwen_3_student_generates_the_teachers_tokens_and_its_exports_verify(qwe
         decode_steps=8,
     )
     assert report.ok, report
+
+
+# ------------------------------------------------------------------ SmolLM3 (no-RoPE layers)
+@pytest.fixture(scope="module")
+def smollm3(tmp_path_factory):
+    # Four layers: the published pattern turns RoPE off in every fourth layer (layer 3 here).
+    config = hf.small("SmolLM3-3B", num_hidden_layers=4)
+    return (*_linearized(tmp_path_factory, "smollm3", "SmolLM3CausalLM", config), config)
+
+
+def test_smollm3_checkpoint_with_no_rope_layers_linearizes_exactly(smollm3):
+    teacher, student, config = smollm3
+    wavelengths = [block.attention.rope_max_wavelength for block in student.backbone.decoder_blocks]
+    assert wavelengths == [5e6, 5e6, 5e6, None]
+    _check_exact_and_greedy(teacher, student, config)

@@ -25,7 +25,8 @@ class Copier:
 
     def __init__(self, teacher_backbone):
         self.source = weights_by_path(teacher_backbone)
-        self.used = set()
+        self.weights = list(teacher_backbone.weights)
+        self.used = set()  # ids of the teacher variables copied (or declared derived)
 
     def __call__(self, target, path, transform=None):
         """Copies teacher weight `path` (through ``transform(np.ndarray)`` if given) into `target`.
@@ -35,15 +36,28 @@ class Copier:
         """
         if path not in self.source:
             raise ValueError(f"The teacher has no weight '{path}'. Its weights: {sorted(self.source)[:12]} ...")
-        value = np.asarray(keras.ops.convert_to_numpy(self.source[path]))
+        self.variable(target, self.source[path], transform)
+
+    def variable(self, target, source, transform=None):
+        """Copies the teacher variable `source` itself into `target` (for teachers whose paths repeat).
+
+        Raises:
+            ValueError: for shapes that differ.
+        """
+        value = np.asarray(keras.ops.convert_to_numpy(source))
         if transform is not None:
             value = np.asarray(transform(value))
         if tuple(target.shape) != value.shape:
             raise ValueError(
-                f"Weight '{path}' has shape {value.shape} in the teacher and {tuple(target.shape)} in the student."
+                f"Weight '{source.path}' has shape {value.shape} in the teacher and {tuple(target.shape)} in the "
+                "student."
             )
         target.assign(value.astype(target.dtype))
-        self.used.add(path)
+        self.used.add(id(source))
+
+    def derived(self, source):
+        """Declares a teacher variable the student computes from the config (e.g. RoPE's inverse frequencies)."""
+        self.used.add(id(source))
 
     def zero(self, target):
         """Sets a student weight the teacher has no counterpart for to zero (e.g. a bias it lacks)."""
@@ -51,7 +65,7 @@ class Copier:
 
     def check_all_used(self):
         """Raises ValueError naming the teacher weights that were not copied."""
-        unused = sorted(set(self.source) - self.used)
+        unused = sorted({w.path for w in self.weights if id(w) not in self.used})
         if unused:
             raise ValueError(f"Teacher weights with no place in the linear model (not copied): {unused}")
 

@@ -25,5 +25,4 @@ MISSING = {
     "Qwen3MoeBackbone": "per-head q/k RMSNorm and its mixture-of-experts feed-forward are not mapped",
     "Qwen3_5Backbone": "its Gated DeltaNet layers (the delta rule) and gated attention are not mapped",
     "Qwen3_5MoeBackbone": "its Gated DeltaNet layers and its mixture-of-experts feed-forward are not mapped",
-    "SmolLM3Backbone": "its no-RoPE layers (rope on every fourth layer off) are not mapped",
 }

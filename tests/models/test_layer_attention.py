@@ -1,0 +1,46 @@
+"""`LinearBackbone(layer_attention=...)`: per-layer attention arguments (a layer without RoPE, SmolLM3)."""
+
+import json
+
+import keras
+import numpy as np
+import pytest
+
+from keras_linattn.models import LinearBackbone, LinearCausalLM
+from tests.tolerance import assert_close
+
+pytestmark = pytest.mark.numeric
+
+ARGS = dict(vocabulary_size=40, num_layers=2, hidden_dim=16, num_heads=2, intermediate_dim=24, chunk_size=4)
+
+
+def _lm(**kwargs):
+    keras.utils.set_random_seed(0)
+    return LinearCausalLM(**ARGS, feature_map="hedgehog", window_size=3, rope_max_wavelength=1e4, **kwargs)
+
+
+def test_a_layer_without_rope_steps_like_the_parallel_pass_and_round_trips():
+    lm = _lm(layer_attention=[{}, {"rope_max_wavelength": None}])
+    blocks = lm.backbone.decoder_blocks
+    assert [b.attention.rope_max_wavelength for b in blocks] == [1e4, None]
+    ids = np.random.default_rng(0).integers(0, 40, (2, 9)).astype("int32")
+    parallel = np.asarray(lm(ids))
+    state = lm.get_initial_state(2)
+    for t in range(9):
+        logits, state = lm.step(ids[:, t], state)
+        assert_close(np.asarray(logits), parallel[:, t], paths=8, n=16)
+    config = json.loads(json.dumps(lm.backbone.get_config()))
+    assert config["layer_attention"] == [{}, {"rope_max_wavelength": None}]
+    again = LinearBackbone.from_config(config)
+    again.set_weights(lm.backbone.get_weights())
+    np.testing.assert_array_equal(np.asarray(again(ids)), np.asarray(lm.backbone(ids)))
+    # RoPE in both layers is another function.
+    assert np.abs(np.asarray(_lm()(ids)) - parallel).max() > 1e-4
+
+
+def test_layer_attention_absent_from_configs_without_it_and_checked():
+    assert "layer_attention" not in _lm().backbone.get_config()
+    with pytest.raises(ValueError, match="list of 2 dicts.*Received: layer_attention=\\[\\{\\}\\]"):
+        _lm(layer_attention=[{}])
+    with pytest.raises(ValueError, match="Received: \\{'window_size': 2\\}"):
+        _lm(layer_attention=[{}, {"window_size": 2}])
