@@ -208,7 +208,9 @@ def _build_graph(settings, spec, dtype):
     token_ids = keras.Input(shape=(None,), dtype="int32", name="token_ids")
     padding_mask = keras.Input(shape=(None,), dtype="int32", name="padding_mask", optional=True)
     checked_ids, positions, invalid = token_check(token_ids, padding_mask=padding_mask)
-    x = _embed(token_embedding, position_embedding, checked_ids, positions)  # [B, T, dim]
+    x = _embed(
+        token_embedding, position_embedding, checked_ids, positions, settings.get("embedding_scale")
+    )  # [B, T, dim]
     for block in decoder_blocks:
         x = block(x, padding_mask=padding_mask)  # [B, T, dim]
     hidden = mark_invalid(final_norm(x), invalid)  # [B, T, dim]
@@ -350,9 +352,11 @@ def _prepare(token_ids, padding_mask, state, vocabulary_size, max_sequence_lengt
     return token_ids, padding_mask, positions, end, bad
 
 
-def _embed(token_embedding, position_embedding, token_ids, positions):
-    """Token embeddings, plus the learned positions (clipped to the table) when there is a table."""
+def _embed(token_embedding, position_embedding, token_ids, positions, scale=None):
+    """Token embeddings (times `scale`, if given), plus the learned positions (clipped to the table) if any."""
     x = token_embedding(token_ids)  # [B, T, dim] or [B, dim]
+    if scale is not None:
+        x = x * ops.cast(scale, x.dtype)  # Gemma: sqrt(hidden_dim), the tied head reads the unscaled table
     if position_embedding is not None:
         limit = position_embedding.input_dim
         x = x + position_embedding(ops.clip(positions, 0, limit - 1))  # [B, T, dim] or [B, dim]
@@ -428,7 +432,7 @@ LAYOUTS = ("blocks", "stack")
 BACKBONE_SETTINGS = (
     "vocabulary_size", "num_layers", "hidden_dim", "num_heads", "intermediate_dim", "key_dim", "chunk_size",
     "dropout", "max_sequence_length", "tie_embeddings", "activation", "layer_norm_epsilon", "normalization",
-    "feedforward", "use_bias", "attention_spec", "layer_attention",
+    "feedforward", "use_bias", "attention_spec", "layer_attention", "embedding_scale",
 )  # fmt: skip
 
 
@@ -512,6 +516,9 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
             feedforward: ``"dense"`` (default) or ``"gated"`` (SwiGLU with
                 ``activation="silu"``, Llama).
             use_bias: biases in the dense layers and attention projections.
+            embedding_scale: None (default) or a number the token embeddings
+                are multiplied by before the first block (Gemma:
+                ``sqrt(hidden_dim)``); a tied head reads the unscaled table.
             layer_attention: None (default: every block's attention takes
                 the arguments below), or one dict per layer of the
                 pretrained-model attention arguments (``rope_max_wavelength``,
@@ -571,6 +578,7 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
         feedforward="dense",
         use_bias=True,
         layer_attention=None,
+        embedding_scale=None,
         lora=None,
         layout="blocks",
         *,
@@ -610,6 +618,7 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
             "use_bias": use_bias,
             "attention_spec": spec,
             "layer_attention": _check_layer_attention(layer_attention, num_layers),
+            "embedding_scale": _validation.check_positive_float("embedding_scale", embedding_scale, allow_none=True),
         }
 
         layers, inputs, hidden = _build_graph(settings, spec, dtype)
@@ -830,7 +839,7 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
 
     def embed(self, token_ids, positions):
         """Token embeddings plus, with `max_sequence_length`, the learned positions (``[B, T, dim]``)."""
-        return _embed(self.token_embedding, self.position_embedding, token_ids, positions)
+        return _embed(self.token_embedding, self.position_embedding, token_ids, positions, self.embedding_scale)
 
     # ------------------------------------------------------------- config
     def get_config(self):
@@ -861,6 +870,8 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
         lora = self._lora_entry()
         if lora is not None:  # only then: configs without adapters are unchanged
             config["lora"] = lora
+        if self.embedding_scale is not None:  # only then: configs without it are unchanged
+            config["embedding_scale"] = self.embedding_scale
         if self.layer_attention is not None:  # only then: configs without it are unchanged
             config["layer_attention"] = [dict(entry) for entry in self.layer_attention]
         if self.layout != "stack":  # configs of the "stack" layout are those older files hold

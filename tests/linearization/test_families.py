@@ -63,7 +63,7 @@ def test_the_family_table_matches_the_registry():
     import re
 
     doc = (pathlib.Path(__file__).parents[2] / "docs" / "linearize.md").read_text()
-    rows = re.findall(r"^\| [^|]+ \| `(\w+Backbone)`[^|]* \| (✔|✘) \|", doc, flags=re.M)
+    rows = re.findall(r"^\| [^|]+ \| `(\w+Backbone)`[^|]* \| (✔|✘)[^|]* \|", doc, flags=re.M)
     assert len(rows) == 22  # the 21 keras-hub decoders by class (two aliases share a row) and this package's
     covered = families.names()
     for backbone, status in rows:

@@ -195,3 +195,36 @@ def test_smollm3_checkpoint_with_no_rope_layers_linearizes_exactly(smollm3):
     wavelengths = [block.attention.rope_max_wavelength for block in student.backbone.decoder_blocks]
     assert wavelengths == [5e6, 5e6, 5e6, None]
     _check_exact_and_greedy(teacher, student, config)
+
+
+# ------------------------------------------------------------------ Gemma (embedding scale, (1 + scale), GeGLU, MQA)
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    # gemma-2b: multi-query (one key/value head); a head dim larger than width / heads, as Gemma 7B's.
+    config = hf.small("gemma-2b", num_key_value_heads=1, head_dim=32)
+    return (*_linearized(tmp_path_factory, "gemma", "GemmaCausalLM", config), config)
+
+
+def test_gemma_checkpoint_linearizes_exactly(gemma):
+    teacher, student, config = gemma
+    assert student.backbone.embedding_scale == pytest.approx(np.sqrt(config["hidden_size"]))
+    assert student.backbone.decoder_blocks[0].attention.num_key_value_heads == 1
+    _check_exact_and_greedy(teacher, student, config)
+
+
+def test_gemma_2_soft_caps_are_named_in_the_error():
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    gemma2 = keras_hub.models.GemmaBackbone(
+        vocabulary_size=30,
+        num_layers=1,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=8,
+        intermediate_dim=16,
+        head_dim=4,
+        final_logit_soft_cap=30.0,
+    )
+    with pytest.raises(TypeError, match="final_logit_soft_cap.*Received: final_logit_soft_cap=30.0"):
+        keras_linattn.linearize(gemma2)

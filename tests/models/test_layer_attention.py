@@ -1,4 +1,4 @@
-"""`LinearBackbone(layer_attention=...)`: per-layer attention arguments (a layer without RoPE, SmolLM3)."""
+"""`LinearBackbone` arguments for pretrained families: `layer_attention` (SmolLM3), `embedding_scale` (Gemma)."""
 
 import json
 
@@ -44,3 +44,19 @@ def test_layer_attention_absent_from_configs_without_it_and_checked():
         _lm(layer_attention=[{}])
     with pytest.raises(ValueError, match="Received: \\{'window_size': 2\\}"):
         _lm(layer_attention=[{}, {"window_size": 2}])
+
+
+def test_embedding_scale_multiplies_the_input_embeddings_not_the_tied_head():
+    ids = np.random.default_rng(1).integers(0, 40, (1, 5)).astype("int32")
+    keras.utils.set_random_seed(0)
+    scaled = LinearBackbone(**ARGS, embedding_scale=4.0)
+    keras.utils.set_random_seed(0)
+    plain = LinearBackbone(**ARGS)
+    plain.set_weights(scaled.get_weights())
+    # Scaling the table by 4 in the plain backbone gives the same hidden states.
+    table = np.asarray(plain.token_embedding.embeddings)
+    plain.token_embedding.embeddings.assign(table * 4.0)
+    assert_close(np.asarray(scaled(ids)), np.asarray(plain(ids)), paths=8, n=16)
+    config = json.loads(json.dumps(scaled.get_config()))
+    assert config["embedding_scale"] == 4.0 and "embedding_scale" not in LinearBackbone(**ARGS).get_config()
+    np.testing.assert_array_equal(np.asarray(scaled.token_embedding.embeddings), table)  # the head's table
