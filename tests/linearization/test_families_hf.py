@@ -228,3 +228,34 @@ def test_gemma_2_soft_caps_are_named_in_the_error():
     )
     with pytest.raises(TypeError, match="final_logit_soft_cap.*Received: final_logit_soft_cap=30.0"):
         keras_linattn.linearize(gemma2)
+
+
+# ------------------------------------------------------------------ Phi-3 (no HF converter in keras-hub 0.32)
+# Phi-3-mini-4k-instruct's published config.json, as Phi3Backbone arguments (keras-hub 0.32 has no Hugging Face
+# converter for Phi-3): hidden_size 3072, intermediate_size 8192, 32 heads (32 key/value heads), rms_norm_eps 1e-5,
+# rope_theta 10000, max_position_embeddings 4096, rope_scaling null, vocab_size 32064; two layers, small width here.
+@pytest.fixture(scope="module")
+def phi3():
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.Phi3Backbone(
+        vocabulary_size=97,
+        num_layers=2,
+        hidden_dim=64,
+        intermediate_dim=96,
+        num_query_heads=4,
+        num_key_value_heads=4,
+        layer_norm_epsilon=1e-5,
+        max_sequence_length=4096,
+        pretraining_sequence_length=4096,
+        rope_max_wavelength=10000,
+    )
+    teacher = keras_hub.models.Phi3CausalLM(backbone, preprocessor=None)
+    return teacher, keras_linattn.linearize(teacher, window_size=16), {"vocab_size": 97, "hidden_size": 64}
+
+
+def test_phi3_linearizes_exactly(phi3):
+    teacher, student, config = phi3
+    assert not student.backbone.tie_embeddings
+    _check_exact_and_greedy(teacher, student, config)

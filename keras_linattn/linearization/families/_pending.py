@@ -16,7 +16,6 @@ MISSING = {
     "GptOssBackbone": "attention sinks, its mixture-of-experts feed-forward and YaRN RoPE are not mapped",
     "MixtralBackbone": "its mixture-of-experts feed-forward is not mapped",
     "OPTBackbone": "learned positions with an offset of 2 and ReLU feed-forwards are not mapped",
-    "Phi3Backbone": "its fused qkv layout and su/longrope RoPE scaling are not mapped",
     "QwenMoeBackbone": "its mixture-of-experts feed-forward with a shared expert is not mapped",
     "Qwen3MoeBackbone": "per-head q/k RMSNorm and its mixture-of-experts feed-forward are not mapped",
     "Qwen3_5Backbone": "its Gated DeltaNet layers (the delta rule) and gated attention are not mapped",
