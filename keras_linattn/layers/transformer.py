@@ -109,6 +109,10 @@ _BLOCK_ARGS_DOC = (
             with ``activation="silu"``, as in Llama).
         kernel_initializer, bias_initializer: initializers of the dense layers.
         seed: seed of the dropout layers.
+        post_norms: False (default) or True: a norm (of `normalization`'s
+            kind) on the attention's output and on the feed-forward's output
+            before each is added to the residual stream (Gemma 2 and 3's
+            ``post_attention_norm`` / ``post_ffw_norm``).
 """
     + MECHANISM_ARGS_DOC
     + """
@@ -144,6 +148,7 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
         seed=None,
         normalization="layer_norm",
         feedforward="dense",
+        post_norms=False,
         *,
         spec=None,
         **kwargs,
@@ -173,6 +178,8 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
         self.seed = check_seed("seed", seed)
+        self.post_norms = check_bool("post_norms", post_norms)
+        self._attention_post_norm = self._ffn_post_norm = None
         self.supports_masking = True
 
     def _init(self, initializer):
@@ -255,6 +262,13 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
         )
         self._ffn_output.build(tuple(inputs_shape[:-1]) + (self.intermediate_dim,))
         self._ffn_dropout = keras.layers.Dropout(self.dropout, seed=self.seed, dtype=self.dtype_policy)
+        if self.post_norms:  # last: the weights of blocks without them keep their indices
+            self._attention_post_norm, self._ffn_post_norm = (
+                _make_norm(self.normalization, self.layer_norm_epsilon, self.dtype_policy, name)
+                for name in ("post_attention_norm", "post_feedforward_norm")
+            )
+            self._attention_post_norm.build(inputs_shape)
+            self._ffn_post_norm.build(inputs_shape)
         self.built = True
 
     @property
@@ -262,13 +276,19 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
         """The block's `LinearAttention` layer (built with the block)."""
         return self._self_attention
 
-    def _feedforward(self, x, training, norm=None):
+    def _post_norm(self, norm, h, step=False):
+        """``norm(h)`` where the block has post norms (`post_norms`), else `h`."""
+        if norm is None:
+            return h
+        return _step_norm(norm, h) if step else norm(h)
+
+    def _feedforward(self, x, training, norm=None, step=False):
         h = (norm or self._ffn_norm)(x)  # [..., dim]
         if self.feedforward == "gated":
             h = self._ffn_gate(h) * self._ffn_intermediate(h)  # [..., intermediate_dim]
         else:
             h = self._ffn_intermediate(h)  # [..., intermediate_dim]
-        h = self._ffn_output(h)  # [..., dim]
+        h = self._post_norm(self._ffn_post_norm, self._ffn_output(h), step)  # [..., dim]
         return x + self._ffn_dropout(h, training=training)
 
     def call(self, inputs, padding_mask=None, training=None, return_state=False, initial_state=None, mask=None):
@@ -291,6 +311,7 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
             initial_state=initial_state,
         )
         attended, state = result if return_state else (result, None)
+        attended = self._post_norm(self._attention_post_norm, attended)  # [B, T, dim]
         x = inputs + self._attention_dropout(attended, training=training)  # [B, T, dim]
         x = self._feedforward(x, training)  # [B, T, dim]
         if return_state:
@@ -340,8 +361,9 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
             )
         h = _step_norm(self._attention_norm, inputs_t)  # [B, dim]
         attended, new_state = self._self_attention.step(h, h, state, training=training)  # [B, dim]
+        attended = self._post_norm(self._attention_post_norm, attended, step=True)  # [B, dim]
         x = inputs_t + self._attention_dropout(attended, training=training)  # [B, dim]
-        return self._feedforward(x, training, norm=lambda v: _step_norm(self._ffn_norm, v)), new_state
+        return self._feedforward(x, training, norm=lambda v: _step_norm(self._ffn_norm, v), step=True), new_state
 
     # ----------------------------------------------------------------- config
     def get_config(self):
@@ -368,4 +390,6 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
         )
         if self.attention_spec.epsilon != AttentionSpec.epsilon:
             config["epsilon"] = self.attention_spec.epsilon
+        if self.post_norms:  # only then: configs without them are unchanged
+            config["post_norms"] = True
         return config

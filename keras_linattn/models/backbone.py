@@ -99,8 +99,12 @@ def _block_spec(spec, index):
     return spec.replace(feature_map=type(feature_map).from_config(config))
 
 
+# The attention arguments a `layer_attention` entry may replace in one block.
+LAYER_ARGUMENTS = PRETRAINED_ARGUMENTS + ("recurrence",)
+
+
 def _check_layer_attention(layer_attention, num_layers):
-    """`layer_attention` as a tuple of `num_layers` dicts (or None), each with `PRETRAINED_ARGUMENTS` keys only.
+    """`layer_attention` as a tuple of `num_layers` dicts (or None), each with `LAYER_ARGUMENTS` keys only.
 
     Raises:
         ValueError: for another length, an entry that is not a dict, or a key
@@ -115,9 +119,9 @@ def _check_layer_attention(layer_attention, num_layers):
         )
     out = []
     for entry in layer_attention:
-        if not isinstance(entry, dict) or set(entry) - set(PRETRAINED_ARGUMENTS):
+        if not isinstance(entry, dict) or set(entry) - set(LAYER_ARGUMENTS):
             raise ValueError(
-                f"Each `layer_attention` entry is a dict of some of {list(PRETRAINED_ARGUMENTS)}. Received: {entry!r}"
+                f"Each `layer_attention` entry is a dict of some of {list(LAYER_ARGUMENTS)}. Received: {entry!r}"
             )
         out.append(dict(entry))
     return tuple(out)
@@ -188,6 +192,7 @@ def _make_layers(settings, spec, dtype):
             normalization=settings["normalization"],
             feedforward=settings["feedforward"],
             use_bias=settings["use_bias"],
+            post_norms=settings.get("post_norms", False),
             dtype=dtype,
             name=f"decoder_block_{i}",
         )
@@ -433,6 +438,7 @@ BACKBONE_SETTINGS = (
     "vocabulary_size", "num_layers", "hidden_dim", "num_heads", "intermediate_dim", "key_dim", "chunk_size",
     "dropout", "max_sequence_length", "tie_embeddings", "activation", "layer_norm_epsilon", "normalization",
     "feedforward", "use_bias", "attention_spec", "layer_attention", "embedding_scale",
+    "post_norms",
 )  # fmt: skip
 
 
@@ -516,6 +522,9 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
             feedforward: ``"dense"`` (default) or ``"gated"`` (SwiGLU with
                 ``activation="silu"``, Llama).
             use_bias: biases in the dense layers and attention projections.
+            post_norms: False (default) or True: each block normalizes its
+                attention's and its feed-forward's output before the
+                residual add (Gemma 2 and 3).
             embedding_scale: None (default) or a number the token embeddings
                 are multiplied by before the first block (Gemma:
                 ``sqrt(hidden_dim)``); a tied head reads the unscaled table.
@@ -523,9 +532,11 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
                 the arguments below), or one dict per layer of the
                 pretrained-model attention arguments (``rope_max_wavelength``,
                 ``rope_scaling_factor``, ``rope_frequency_adjustment``,
-                ``num_key_value_heads``, ``qk_norm_epsilon``) that replace
+                ``num_key_value_heads``, ``qk_norm_epsilon``) or a
+                ``recurrence`` (a serialized recurrence) that replace
                 them in that block: e.g. ``{"rope_max_wavelength": None}``
-                for a layer without rotary embeddings (SmolLM3).
+                for a layer without rotary embeddings (SmolLM3), a local
+                layer's own window (Gemma 3).
     {mechanism_args}
                 Every block's attention gets them (their decode state joins
                 `state_spec`; decoding stays constant-cost per token).
@@ -579,6 +590,7 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
         use_bias=True,
         layer_attention=None,
         embedding_scale=None,
+        post_norms=False,
         lora=None,
         layout="blocks",
         *,
@@ -619,6 +631,7 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
             "attention_spec": spec,
             "layer_attention": _check_layer_attention(layer_attention, num_layers),
             "embedding_scale": _validation.check_positive_float("embedding_scale", embedding_scale, allow_none=True),
+            "post_norms": _validation.check_bool("post_norms", post_norms),
         }
 
         layers, inputs, hidden = _build_graph(settings, spec, dtype)
@@ -870,6 +883,8 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
         lora = self._lora_entry()
         if lora is not None:  # only then: configs without adapters are unchanged
             config["lora"] = lora
+        if self.post_norms:  # only then: configs without them are unchanged
+            config["post_norms"] = True
         if self.embedding_scale is not None:  # only then: configs without it are unchanged
             config["embedding_scale"] = self.embedding_scale
         if self.layer_attention is not None:  # only then: configs without it are unchanged

@@ -189,6 +189,38 @@ PUBLISHED = {
         "use_cache": True,
         "vocab_size": 256000,
     },
+    "gemma-3-1b-pt": {
+        "architectures": ["Gemma3ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "attn_logit_softcapping": None,
+        "bos_token_id": 2,
+        "cache_implementation": "hybrid",
+        "eos_token_id": 1,
+        "final_logit_softcapping": None,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 1152,
+        "initializer_range": 0.02,
+        "intermediate_size": 6912,
+        "max_position_embeddings": 32768,
+        "model_type": "gemma3_text",
+        "num_attention_heads": 4,
+        "num_hidden_layers": 26,
+        "num_key_value_heads": 1,
+        "pad_token_id": 0,
+        "query_pre_attn_scalar": 256,
+        "rms_norm_eps": 1e-06,
+        "rope_local_base_freq": 10000,
+        "rope_scaling": None,
+        "rope_theta": 1000000,
+        "sliding_window": 512,
+        "sliding_window_pattern": 6,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.50.0.dev0",
+        "use_cache": True,
+        "vocab_size": 262144,
+    },
 }
 
 # The sizes a unit test shrinks (every other key keeps its published value).
@@ -214,8 +246,8 @@ def small(name, **sizes):
     return config
 
 
-def llama_layout_tensors(config, seed=0, attention_bias=False, qk_norm=False):
-    """``{name: float32 array}``: the tensors of a Llama-layout checkpoint (Llama, Mistral, Qwen 2/3).
+def llama_layout_tensors(config, seed=0, attention_bias=False, qk_norm=False, sandwich_norms=False):
+    """``{name: float32 array}``: the tensors of a Llama-layout checkpoint (Llama, Mistral, Qwen 2/3, Gemma 1/3).
 
     Projection weights are N(0, 0.02) (``initializer_range``), norm weights
     1 + N(0, 0.1) and biases N(0, 0.1), so that every weight matters.
@@ -246,6 +278,9 @@ def llama_layout_tensors(config, seed=0, attention_bias=False, qk_norm=False):
         if qk_norm:
             tensors[p + "self_attn.q_norm.weight"] = norm(head_dim)
             tensors[p + "self_attn.k_norm.weight"] = norm(head_dim)
+        if sandwich_norms:  # Gemma 2 / 3: norms before and after the feed-forward too
+            tensors[p + "pre_feedforward_layernorm.weight"] = norm(d)
+            tensors[p + "post_feedforward_layernorm.weight"] = norm(d)
         tensors[p + "mlp.gate_proj.weight"] = dense(inter, d)
         tensors[p + "mlp.up_proj.weight"] = dense(inter, d)
         tensors[p + "mlp.down_proj.weight"] = dense(d, inter)

@@ -259,3 +259,45 @@ def test_phi3_linearizes_exactly(phi3):
     teacher, student, config = phi3
     assert not student.backbone.tie_embeddings
     _check_exact_and_greedy(teacher, student, config)
+
+
+# ------------------------------------------------------------------ Gemma 3 (local/global, q/k norm, post norms)
+def _forward_greedy(model, prompt, max_length):
+    """Greedy tokens from a model's forward pass (Gemma 3's keras-hub `generate` needs a preprocessor)."""
+    tokens = prompt
+    while tokens.shape[1] < max_length:
+        logits = np.asarray(model({"token_ids": tokens, "padding_mask": np.ones_like(tokens)}))
+        tokens = np.concatenate([tokens, np.argmax(logits[:, -1], axis=-1)[:, None].astype("int32")], axis=1)
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    # Six layers: keras-hub makes layers 0-4 local and layer 5 global. A local window of 4 tokens (the published
+    # 512, shortened so that T = 12 reaches past it) within the student's 16 stays exact softmax.
+    config = hf.small(
+        "gemma-3-1b-pt",
+        num_hidden_layers=6,
+        num_key_value_heads=1,
+        head_dim=32,
+        query_pre_attn_scalar=32,
+        sliding_window=4,
+    )
+    return (
+        *_linearized(tmp_path_factory, "gemma3", "Gemma3CausalLM", config, qk_norm=True, sandwich_norms=True),
+        config,
+    )
+
+
+def test_gemma_3_checkpoint_linearizes_exactly_with_exact_local_layers(gemma3):
+    teacher, student, config = gemma3
+    blocks = student.backbone.decoder_blocks
+    assert [b.attention.rope_max_wavelength for b in blocks] == [1e4] * 5 + [1e6]
+    assert [b.attention.recurrence.window_size for b in blocks] == [4] * 5 + [16]
+    assert [b.attention.recurrence.linear_weight for b in blocks] == [0.0] * 5 + [None]
+    ids = _ids(config["vocab_size"])
+    assert_close(np.asarray(student(ids)), _teacher_logits(teacher, ids), paths=8, n=config["hidden_size"])
+    prompt = _ids(config["vocab_size"], length=PROMPT, seed=1)
+    np.testing.assert_array_equal(
+        _student_greedy(student, prompt, PROMPT + NEW), _forward_greedy(teacher, prompt, PROMPT + NEW)
+    )

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from keras_linattn.models import LinearBackbone, LinearCausalLM
+from keras_linattn.recurrences import WindowRecurrence, registry
 from tests.tolerance import assert_close
 
 pytestmark = pytest.mark.numeric
@@ -60,3 +61,21 @@ def test_embedding_scale_multiplies_the_input_embeddings_not_the_tied_head():
     config = json.loads(json.dumps(scaled.get_config()))
     assert config["embedding_scale"] == 4.0 and "embedding_scale" not in LinearBackbone(**ARGS).get_config()
     np.testing.assert_array_equal(np.asarray(scaled.token_embedding.embeddings), table)  # the head's table
+
+
+def test_post_norms_are_built_last_and_round_trip():
+    lm = _lm(
+        post_norms=True,
+        layer_attention=[{}, {"recurrence": registry.serialize(WindowRecurrence(2))}],
+    )
+    block = lm.backbone.decoder_blocks[0]
+    # LayerNorm: gamma and beta each.
+    names = [w.path.split("/")[-2] for w in block.weights[-4:]]
+    assert names == ["post_attention_norm"] * 2 + ["post_feedforward_norm"] * 2
+    assert lm.backbone.decoder_blocks[1].attention.recurrence.window_size == 2
+    config = json.loads(json.dumps(lm.backbone.get_config()))
+    assert config["post_norms"] is True and "post_norms" not in _lm().backbone.get_config()
+    ids = np.random.default_rng(2).integers(0, 40, (1, 6)).astype("int32")
+    again = LinearBackbone.from_config(config)
+    again.set_weights(lm.backbone.get_weights())
+    np.testing.assert_array_equal(np.asarray(again(ids)), np.asarray(lm.backbone(ids)))

@@ -8,10 +8,6 @@ MISSING = {
     "BloomBackbone": "ALiBi positions (a per-head decay) and the embedding LayerNorm are not mapped",
     "FalconBackbone": "the parallel attention/MLP residual and ALiBi/rotary variants are not mapped",
     "GPTNeoXBackbone": "the parallel residual and partial rotary (rotary_percentage) are not mapped",
-    "Gemma3Backbone": (
-        "per-head q/k RMSNorm, local/global layers with two RoPE bases, the embedding scale and the "
-        "[H, dim, D] query kernel are not mapped"
-    ),
     "Gemma4Backbone": "per-layer embeddings and its local/global attention layers are not mapped",
     "GptOssBackbone": "attention sinks, its mixture-of-experts feed-forward and YaRN RoPE are not mapped",
     "MixtralBackbone": "its mixture-of-experts feed-forward is not mapped",
