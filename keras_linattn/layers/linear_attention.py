@@ -116,6 +116,7 @@ class LinearAttention(_projections.ProjectedAttention):
         self.rope_max_wavelength = spec.rope_max_wavelength
         self.rope_scaling_factor = spec.rope_scaling_factor
         self.rope_frequency_adjustment = spec.rope_frequency_adjustment
+        self.rope_rotary_dim = spec.rope_rotary_dim
         self.qk_norm_epsilon = spec.qk_norm_epsilon
         self.query_norm = self.key_norm = None
         self.recurrence = spec.make_recurrence()
@@ -273,7 +274,12 @@ class LinearAttention(_projections.ProjectedAttention):
             query_positions = key_positions
         else:
             query_positions = start[:, None] + ops.arange(ops.shape(query)[1], dtype="float32")[None, :]  # [B, T]
-        rope = (self.rope_max_wavelength, self.rope_scaling_factor, self.rope_frequency_adjustment)
+        rope = (
+            self.rope_max_wavelength,
+            self.rope_scaling_factor,
+            self.rope_frequency_adjustment,
+            self.rope_rotary_dim,
+        )
         query = rotary_ops.rotary_embedding(query, query_positions, *rope)  # [B, T, H, D]
         key = rotary_ops.rotary_embedding(key, key_positions, *rope)  # [B, S, H, D]
         return query, key, end
@@ -381,7 +387,12 @@ class LinearAttention(_projections.ProjectedAttention):
         extra = {"unrotated": (q, k)} if self.recurrence.reads_unrotated else {}
         if self.rope_max_wavelength is not None:
             position = parts["position"]  # [B]
-            rope = (self.rope_max_wavelength, self.rope_scaling_factor, self.rope_frequency_adjustment)
+            rope = (
+                self.rope_max_wavelength,
+                self.rope_scaling_factor,
+                self.rope_frequency_adjustment,
+                self.rope_rotary_dim,
+            )
             q = rotary_ops.rotary_embedding(q, position, *rope)  # [B, H, D]
             k = rotary_ops.rotary_embedding(k, position, *rope)  # [B, H, D]
             new_parts["position"] = position + 1.0

@@ -57,6 +57,7 @@ PRETRAINED_ARGUMENTS = (
     "rope_scaling_factor",
     "rope_frequency_adjustment",
     "qk_norm_epsilon",
+    "rope_rotary_dim",
 )
 # The keyword arguments `AttentionSpec.pop` takes out of a constructor's kwargs.
 ARGUMENTS = ("recurrence", "conv_size") + SHORTHAND_ARGUMENTS + PRETRAINED_ARGUMENTS
@@ -170,7 +171,11 @@ MECHANISM_ARGS_DOC = """\
             scale``, one learned scale ``[D]`` each for queries and keys,
             weights ``query_norm`` and ``key_norm``), applied after the
             projections and before the rotary embedding, as Qwen 3 and
-            Gemma 3 do. Keyword-only."""
+            Gemma 3 do. Keyword-only.
+        rope_rotary_dim: None (default: the whole head) or an even number
+            of leading entries of each query/key head vector that the
+            rotary embedding rotates (partial rotary, GPT-NeoX's
+            ``rotary_percentage``); the rest pass unchanged. Keyword-only."""
 
 
 def _shorthand_recurrence(
@@ -345,6 +350,7 @@ class AttentionSpec:
     epsilon: float = la_ops.DEFAULT_EPSILON
     rope_frequency_adjustment: tuple | None = None
     qk_norm_epsilon: float | None = None
+    rope_rotary_dim: int | None = None
 
     # ------------------------------------------------------------ building
     @classmethod
@@ -416,6 +422,9 @@ class AttentionSpec:
             ),
             qk_norm_epsilon=_validation.check_positive_float(
                 "qk_norm_epsilon", arguments.get("qk_norm_epsilon"), allow_none=True
+            ),
+            rope_rotary_dim=_validation.check_optional_positive_int(
+                "rope_rotary_dim", arguments.get("rope_rotary_dim")
             ),
             chunk_size=_validation.check_positive_int("chunk_size", chunk_size),
             epsilon=_check_epsilon(epsilon),
@@ -526,6 +535,8 @@ class AttentionSpec:
             config["rope_frequency_adjustment"] = list(self.rope_frequency_adjustment)
         if self.qk_norm_epsilon is not None:
             config["qk_norm_epsilon"] = self.qk_norm_epsilon
+        if self.rope_rotary_dim is not None:
+            config["rope_rotary_dim"] = self.rope_rotary_dim
         return config
 
     def get_config(self):

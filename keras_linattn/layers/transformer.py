@@ -113,6 +113,9 @@ _BLOCK_ARGS_DOC = (
             kind) on the attention's output and on the feed-forward's output
             before each is added to the residual stream (Gemma 2 and 3's
             ``post_attention_norm`` / ``post_ffw_norm``).
+        parallel_residual: False (default) or True: the attention and the
+            feed-forward both read the block's input, ``x + Attn(LN1(x)) +
+            FFN(LN2(x))`` (GPT-NeoX).
 """
     + MECHANISM_ARGS_DOC
     + """
@@ -149,6 +152,7 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
         normalization="layer_norm",
         feedforward="dense",
         post_norms=False,
+        parallel_residual=False,
         *,
         spec=None,
         **kwargs,
@@ -179,6 +183,7 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
         self.bias_initializer = keras.initializers.get(bias_initializer)
         self.seed = check_seed("seed", seed)
         self.post_norms = check_bool("post_norms", post_norms)
+        self.parallel_residual = check_bool("parallel_residual", parallel_residual)
         self._attention_post_norm = self._ffn_post_norm = None
         self.supports_masking = True
 
@@ -282,14 +287,22 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
             return h
         return _step_norm(norm, h) if step else norm(h)
 
-    def _feedforward(self, x, training, norm=None, step=False):
+    def _feedforward_branch(self, x, training, norm=None, step=False):
+        """The feed-forward's contribution to the residual stream, from `x` ``[..., dim]``."""
         h = (norm or self._ffn_norm)(x)  # [..., dim]
         if self.feedforward == "gated":
             h = self._ffn_gate(h) * self._ffn_intermediate(h)  # [..., intermediate_dim]
         else:
             h = self._ffn_intermediate(h)  # [..., intermediate_dim]
         h = self._post_norm(self._ffn_post_norm, self._ffn_output(h), step)  # [..., dim]
-        return x + self._ffn_dropout(h, training=training)
+        return self._ffn_dropout(h, training=training)
+
+    def _residual(self, inputs, attended, training, norm=None, step=False):
+        """The block's output from its input and its attention's output (sequential or parallel residual)."""
+        x = inputs + self._attention_dropout(attended, training=training)  # [..., dim]
+        if self.parallel_residual:
+            return x + self._feedforward_branch(inputs, training, norm, step)
+        return x + self._feedforward_branch(x, training, norm, step)
 
     def call(self, inputs, padding_mask=None, training=None, return_state=False, initial_state=None, mask=None):
         if padding_mask is None:
@@ -312,8 +325,7 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
         )
         attended, state = result if return_state else (result, None)
         attended = self._post_norm(self._attention_post_norm, attended)  # [B, T, dim]
-        x = inputs + self._attention_dropout(attended, training=training)  # [B, T, dim]
-        x = self._feedforward(x, training)  # [B, T, dim]
+        x = self._residual(inputs, attended, training)  # [B, T, dim]
         if return_state:
             return x, state
         return x
@@ -362,8 +374,8 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
         h = _step_norm(self._attention_norm, inputs_t)  # [B, dim]
         attended, new_state = self._self_attention.step(h, h, state, training=training)  # [B, dim]
         attended = self._post_norm(self._attention_post_norm, attended, step=True)  # [B, dim]
-        x = inputs_t + self._attention_dropout(attended, training=training)  # [B, dim]
-        return self._feedforward(x, training, norm=lambda v: _step_norm(self._ffn_norm, v), step=True), new_state
+        x = self._residual(inputs_t, attended, training, norm=lambda v: _step_norm(self._ffn_norm, v), step=True)
+        return x, new_state
 
     # ----------------------------------------------------------------- config
     def get_config(self):
@@ -392,4 +404,6 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
             config["epsilon"] = self.attention_spec.epsilon
         if self.post_norms:  # only then: configs without them are unchanged
             config["post_norms"] = True
+        if self.parallel_residual:
+            config["parallel_residual"] = True
         return config

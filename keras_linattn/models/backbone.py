@@ -193,6 +193,7 @@ def _make_layers(settings, spec, dtype):
             feedforward=settings["feedforward"],
             use_bias=settings["use_bias"],
             post_norms=settings.get("post_norms", False),
+            parallel_residual=settings.get("parallel_residual", False),
             dtype=dtype,
             name=f"decoder_block_{i}",
         )
@@ -438,7 +439,7 @@ BACKBONE_SETTINGS = (
     "vocabulary_size", "num_layers", "hidden_dim", "num_heads", "intermediate_dim", "key_dim", "chunk_size",
     "dropout", "max_sequence_length", "tie_embeddings", "activation", "layer_norm_epsilon", "normalization",
     "feedforward", "use_bias", "attention_spec", "layer_attention", "embedding_scale",
-    "post_norms",
+    "post_norms", "parallel_residual",
 )  # fmt: skip
 
 
@@ -522,6 +523,9 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
             feedforward: ``"dense"`` (default) or ``"gated"`` (SwiGLU with
                 ``activation="silu"``, Llama).
             use_bias: biases in the dense layers and attention projections.
+            parallel_residual: False (default) or True: each block adds its
+                attention and its feed-forward, both of the block's input,
+                to the residual stream (GPT-NeoX).
             post_norms: False (default) or True: each block normalizes its
                 attention's and its feed-forward's output before the
                 residual add (Gemma 2 and 3).
@@ -591,6 +595,7 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
         layer_attention=None,
         embedding_scale=None,
         post_norms=False,
+        parallel_residual=False,
         lora=None,
         layout="blocks",
         *,
@@ -632,6 +637,7 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
             "layer_attention": _check_layer_attention(layer_attention, num_layers),
             "embedding_scale": _validation.check_positive_float("embedding_scale", embedding_scale, allow_none=True),
             "post_norms": _validation.check_bool("post_norms", post_norms),
+            "parallel_residual": _validation.check_bool("parallel_residual", parallel_residual),
         }
 
         layers, inputs, hidden = _build_graph(settings, spec, dtype)
@@ -885,6 +891,8 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
             config["lora"] = lora
         if self.post_norms:  # only then: configs without them are unchanged
             config["post_norms"] = True
+        if self.parallel_residual:  # only then: configs without it are unchanged
+            config["parallel_residual"] = True
         if self.embedding_scale is not None:  # only then: configs without it are unchanged
             config["embedding_scale"] = self.embedding_scale
         if self.layer_attention is not None:  # only then: configs without it are unchanged

@@ -109,7 +109,9 @@ def _inverse_frequencies(dim, max_wavelength, scaling_factor=1.0, frequency_adju
     return inverse / float(scaling_factor)
 
 
-def rotary_embedding(x, positions, max_wavelength=10000.0, scaling_factor=1.0, frequency_adjustment=None):
+def rotary_embedding(
+    x, positions, max_wavelength=10000.0, scaling_factor=1.0, frequency_adjustment=None, rotary_dim=None
+):
     """Rotates each head vector of `x` by its position.
 
     Args:
@@ -121,6 +123,10 @@ def rotary_embedding(x, positions, max_wavelength=10000.0, scaling_factor=1.0, f
         frequency_adjustment: None, or Llama 3.1's ``(factor,
             low_freq_factor, high_freq_factor, pretraining_length)`` (the
             module docstring; `scaling_factor` must then be 1).
+        rotary_dim: None (default: all of D) or an even ``r < D``: only the
+            first r entries of each head vector are rotated, with the
+            frequencies of a vector of size r; the rest pass unchanged
+            (partial rotary, GPT-NeoX).
 
     Returns:
         ``x``'s shape and dtype.
@@ -129,6 +135,14 @@ def rotary_embedding(x, positions, max_wavelength=10000.0, scaling_factor=1.0, f
         ValueError: for an odd head dim, a bad argument, or a
             `frequency_adjustment` with a `scaling_factor` other than 1.
     """
+    if rotary_dim is not None and rotary_dim != x.shape[-1]:
+        if not 0 < rotary_dim < (x.shape[-1] or 0) or rotary_dim % 2:
+            raise ValueError(
+                f"`rotary_dim` must be an even number below the head dim. Received: rotary_dim={rotary_dim}, "
+                f"x.shape={x.shape}"
+            )
+        rotated = rotary_embedding(x[..., :rotary_dim], positions, max_wavelength, scaling_factor, frequency_adjustment)
+        return ops.concatenate([rotated, x[..., rotary_dim:]], axis=-1)
     dim = x.shape[-1]
     if dim is None or dim % 2:
         raise ValueError(

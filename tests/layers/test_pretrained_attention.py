@@ -553,3 +553,15 @@ def test_qk_norm_normalizes_each_head_before_rope_and_round_trips(rng):
     plain = LinearAttention(num_heads=2, key_dim=8, rope_max_wavelength=1e4)
     plain.build((None, None, 16), (None, None, 16))
     assert "qk_norm_epsilon" not in plain.get_config() and plain.query_norm is None
+
+
+def test_partial_rotary_rotates_the_leading_entries_as_keras_hub_does(rng):
+    keras_hub = pytest.importorskip("keras_hub")
+    x = rng.normal(size=(2, 9, 3, 16)).astype("float32")  # [B, T, H, D]
+    positions = np.broadcast_to(np.arange(9), (2, 9))
+    hub = keras_hub.layers.RotaryEmbedding(max_wavelength=10000.0)(x[..., :4])  # GPT-NeoX: the first 4 of 16
+    ours = np.asarray(rotary_ops.rotary_embedding(x, positions, 10000.0, rotary_dim=4))
+    np.testing.assert_array_equal(ours[..., 4:], x[..., 4:])
+    assert_close(ours[..., :4], hub, n=4, conditioning=_rope_conditioning(9), paths=2)
+    with pytest.raises(ValueError, match="Received: rotary_dim=5"):
+        rotary_ops.rotary_embedding(x, positions, 10000.0, rotary_dim=5)

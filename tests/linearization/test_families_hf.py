@@ -43,6 +43,15 @@ def _teacher_greedy(teacher, prompt, max_length):
     return np.asarray(out["token_ids"])
 
 
+def _forward_greedy(model, prompt, max_length):
+    """Greedy tokens from a model's forward pass (Gemma 3's keras-hub `generate` needs a preprocessor)."""
+    tokens = prompt
+    while tokens.shape[1] < max_length:
+        logits = np.asarray(model({"token_ids": tokens, "padding_mask": np.ones_like(tokens)}))
+        tokens = np.concatenate([tokens, np.argmax(logits[:, -1], axis=-1)[:, None].astype("int32")], axis=1)
+    return tokens
+
+
 def _student_greedy(student, prompt, max_length):
     """Greedy decoding through the student's decode path (`step`, eager: no compile): ``[B, max_length]`` ids."""
     state = student.get_initial_state(prompt.shape[0])
@@ -63,15 +72,18 @@ def _linearized(tmp_path_factory, name, causal_lm, config, **tensor_options):
     return teacher, student
 
 
-def _check_exact_and_greedy(teacher, student, config):
-    """The family's two claims: logits within the bound, greedy tokens equal to keras-hub's generate."""
+def _check_exact_and_greedy(teacher, student, config, greedy=None):
+    """The family's two claims: logits within the bound, greedy tokens equal to keras-hub's generate.
+
+    `greedy`: the teacher's greedy decoding (default `_teacher_greedy`, keras-hub's `generate`).
+    """
     assert type(student) is LinearCausalLM
     ids = _ids(config["vocab_size"])
     # Two float32 blocks at width hidden_size: the error model with the width as reduction length
     # (as tests/linearization/test_keras_hub_teachers.py).
     assert_close(np.asarray(student(ids)), _teacher_logits(teacher, ids), paths=8, n=config["hidden_size"])
     prompt = _ids(config["vocab_size"], length=PROMPT, seed=1)
-    want = _teacher_greedy(teacher, prompt, PROMPT + NEW)
+    want = (greedy or _teacher_greedy)(teacher, prompt, PROMPT + NEW)
     np.testing.assert_array_equal(_student_greedy(student, prompt, PROMPT + NEW), want)
 
 
@@ -262,15 +274,6 @@ def test_phi3_linearizes_exactly(phi3):
 
 
 # ------------------------------------------------------------------ Gemma 3 (local/global, q/k norm, post norms)
-def _forward_greedy(model, prompt, max_length):
-    """Greedy tokens from a model's forward pass (Gemma 3's keras-hub `generate` needs a preprocessor)."""
-    tokens = prompt
-    while tokens.shape[1] < max_length:
-        logits = np.asarray(model({"token_ids": tokens, "padding_mask": np.ones_like(tokens)}))
-        tokens = np.concatenate([tokens, np.argmax(logits[:, -1], axis=-1)[:, None].astype("int32")], axis=1)
-    return tokens
-
-
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory):
     # Six layers: keras-hub makes layers 0-4 local and layer 5 global. A local window of 4 tokens (the published
@@ -301,3 +304,28 @@ def test_gemma_3_checkpoint_linearizes_exactly_with_exact_local_layers(gemma3):
     np.testing.assert_array_equal(
         _student_greedy(student, prompt, PROMPT + NEW), _forward_greedy(teacher, prompt, PROMPT + NEW)
     )
+
+
+# ------------------------------------------------------------------ GPT-NeoX (no HF converter in keras-hub 0.32)
+# Pythia-style defaults of GPTNeoXBackbone (rotary_percentage 0.25, base 10000, LayerNorm eps 1e-5), built from its
+# constructor (keras-hub 0.32 has no Hugging Face converter for GPT-NeoX); two layers, head dim 16 (4 rotated).
+@pytest.fixture(scope="module")
+def gpt_neox():
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GPTNeoXBackbone(
+        vocabulary_size=97, num_layers=2, num_heads=4, hidden_dim=64, intermediate_dim=96, max_sequence_length=64
+    )
+    teacher = keras_hub.models.GPTNeoXCausalLM(backbone, preprocessor=None)
+    return teacher, keras_linattn.linearize(teacher, window_size=16), {"vocab_size": 97, "hidden_size": 64}
+
+
+def test_gpt_neox_parallel_residual_and_partial_rotary_linearize_exactly(gpt_neox):
+    teacher, student, config = gpt_neox
+    block = student.backbone.decoder_blocks[0]
+    assert block.parallel_residual and block.attention.rope_rotary_dim == 4
+    # keras-hub 0.32's GPT-NeoX `generate` disagrees with its own forward pass: its cached attention rotates the
+    # new query as position 0 (`rotary_embedding_layer(query_rot)`, no start index). The forward pass is the
+    # reference.
+    _check_exact_and_greedy(teacher, student, config, greedy=_forward_greedy)

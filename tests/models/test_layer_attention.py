@@ -74,7 +74,8 @@ def test_post_norms_are_built_last_and_round_trip():
     assert names == ["post_attention_norm"] * 2 + ["post_feedforward_norm"] * 2
     assert lm.backbone.decoder_blocks[1].attention.recurrence.window_size == 2
     config = json.loads(json.dumps(lm.backbone.get_config()))
-    assert config["post_norms"] is True and "post_norms" not in _lm().backbone.get_config()
+    assert config["post_norms"] is True and config["parallel_residual"] is True
+    assert not {"post_norms", "parallel_residual"} & set(_lm().backbone.get_config())
     ids = np.random.default_rng(2).integers(0, 40, (1, 6)).astype("int32")
     again = LinearBackbone.from_config(config)
     again.set_weights(lm.backbone.get_weights())

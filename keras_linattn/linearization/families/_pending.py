@@ -7,7 +7,6 @@ that registers one of these backbones takes precedence over its entry here.
 MISSING = {
     "BloomBackbone": "ALiBi positions (a per-head decay) and the embedding LayerNorm are not mapped",
     "FalconBackbone": "the parallel attention/MLP residual and ALiBi/rotary variants are not mapped",
-    "GPTNeoXBackbone": "the parallel residual and partial rotary (rotary_percentage) are not mapped",
     "Gemma4Backbone": "per-layer embeddings and its local/global attention layers are not mapped",
     "GptOssBackbone": "attention sinks, its mixture-of-experts feed-forward and YaRN RoPE are not mapped",
     "MixtralBackbone": "its mixture-of-experts feed-forward is not mapped",
