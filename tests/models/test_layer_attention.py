@@ -66,6 +66,7 @@ def test_embedding_scale_multiplies_the_input_embeddings_not_the_tied_head():
 def test_post_norms_are_built_last_and_round_trip():
     lm = _lm(
         post_norms=True,
+        parallel_residual=True,
         layer_attention=[{}, {"recurrence": registry.serialize(WindowRecurrence(2))}],
     )
     block = lm.backbone.decoder_blocks[0]
