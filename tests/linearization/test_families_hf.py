@@ -329,3 +329,24 @@ def test_gpt_neox_parallel_residual_and_partial_rotary_linearize_exactly(gpt_neo
     # new query as position 0 (`rotary_embedding_layer(query_rot)`, no start index). The forward pass is the
     # reference.
     _check_exact_and_greedy(teacher, student, config, greedy=_forward_greedy)
+
+
+def test_attention_transfer_pairs_a_keras_hub_familys_own_attention_layers_and_lora_merges(gemma3):
+    from keras_linattn.linearization import attention_pairs, enable_lora, merge_lora
+
+    teacher, _, config = gemma3
+    student = keras_linattn.linearize(teacher, window_size=8)  # the global layer's window is shorter than T
+    pairs = attention_pairs(teacher, student)
+    # Gemma 3's attention is its own layer class (not a MultiHeadAttention): the family names its attribute.
+    assert [type(t).__name__ for t, _ in pairs] == ["CachedGemma3Attention"] * 6
+    ids = _ids(config["vocab_size"], length=16, batch=4)
+    global_map = student.backbone.decoder_blocks[5].attention.feature_map
+    before = [np.asarray(w) for w in global_map.trainable_weights]
+    keras_linattn.attention_transfer(
+        student, teacher, {"token_ids": ids, "padding_mask": np.ones_like(ids)}, steps=2, batch_size=2, verbose=0
+    )
+    assert any(np.abs(np.asarray(w) - b).max() > 0 for w, b in zip(global_map.trainable_weights, before, strict=True))
+    logits = np.asarray(student(ids))
+    enable_lora(student, rank=4)
+    merge_lora(student)  # LoRA's B starts at zero: merging it gives the same model
+    assert_close(np.asarray(student(ids)), logits, paths=8, n=config["hidden_size"])

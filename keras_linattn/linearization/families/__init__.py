@@ -21,7 +21,7 @@ import importlib
 import pkgutil
 from collections.abc import Callable
 
-__all__ = ["Family", "get", "names", "register"]
+__all__ = ["Family", "attention_layers", "get", "names", "register"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,12 +43,17 @@ class Family:
             for every teacher weight (``copy.zero(variable)`` for a student
             weight with no teacher counterpart that must be zero, e.g. a bias
             the teacher lacks). Every teacher weight must be copied once.
+        attention: the attribute of each of the teacher's
+            ``transformer_layers`` that holds its attention layer (default
+            ``"_self_attention_layer"``): `attention_transfer` pairs it with
+            the student's attention of the same block.
     """
 
     name: str
     backbones: tuple
     config: Callable
     weights: Callable
+    attention: str = "_self_attention_layer"
 
 
 _REGISTRY = {}
@@ -109,3 +114,17 @@ def get(backbone):
         + (f": {reason}." if reason else ".")
         + f" Supported: {sorted(_REGISTRY)}."
     )
+
+
+def attention_layers(teacher):
+    """The attention layer of each block of a keras-hub teacher (`CausalLM` or backbone) of a registered family.
+
+    Returns:
+        A list of layers, in block order; empty for a model no family covers.
+    """
+    backbone = getattr(teacher, "backbone", teacher)
+    try:
+        family = get(backbone)
+    except TypeError:
+        return []
+    return [getattr(layer, family.attention) for layer in getattr(backbone, "transformer_layers", ())]

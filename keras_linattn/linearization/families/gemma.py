@@ -90,4 +90,6 @@ def copy_gemma(copy, student, backbone):
     copy(student.final_norm.scale, "final_normalization/scale", _one_plus)
 
 
-register(Family(name="gemma", backbones=("GemmaBackbone",), config=gemma_config, weights=copy_gemma))
+register(
+    Family(name="gemma", backbones=("GemmaBackbone",), config=gemma_config, weights=copy_gemma, attention="attention")
+)

@@ -111,4 +111,8 @@ def copy_gemma3(copy, student, backbone):
     copy(student.final_norm.scale, "final_normalization/scale", _one_plus)
 
 
-register(Family(name="gemma3", backbones=("Gemma3Backbone",), config=gemma3_config, weights=copy_gemma3))
+register(
+    Family(
+        name="gemma3", backbones=("Gemma3Backbone",), config=gemma3_config, weights=copy_gemma3, attention="attention"
+    )
+)

@@ -57,4 +57,4 @@ def copy_phi3(copy, student, backbone):
     copy(student.final_norm.scale, "sequence_output_layernorm/scale")
 
 
-register(Family(name="phi3", backbones=("Phi3Backbone",), config=phi3_config, weights=copy_phi3))
+register(Family(name="phi3", backbones=("Phi3Backbone",), config=phi3_config, weights=copy_phi3, attention="attention"))

@@ -78,4 +78,12 @@ def copy_smollm3(copy, student, backbone):
     copy(student.final_norm.scale, "sequence_output_layernorm/scale")
 
 
-register(Family(name="smollm3", backbones=("SmolLM3Backbone",), config=smollm3_config, weights=copy_smollm3))
+register(
+    Family(
+        name="smollm3",
+        backbones=("SmolLM3Backbone",),
+        config=smollm3_config,
+        weights=copy_smollm3,
+        attention="self_attn",
+    )
+)
