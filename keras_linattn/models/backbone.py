@@ -362,7 +362,9 @@ def _embed(token_embedding, position_embedding, token_ids, positions, scale=None
     """Token embeddings (times `scale`, if given), plus the learned positions (clipped to the table) if any."""
     x = token_embedding(token_ids)  # [B, T, dim] or [B, dim]
     if scale is not None:
-        x = x * ops.cast(scale, x.dtype)  # Gemma: sqrt(hidden_dim), the tied head reads the unscaled table
+        # A Python float, converted where the graph is traced: a tensor made here would be captured from
+        # outside a traced graph (an exported graph would take it as an input).
+        x = x * scale  # Gemma: sqrt(hidden_dim); the tied head reads the unscaled table
     if position_embedding is not None:
         limit = position_embedding.input_dim
         x = x + position_embedding(ops.clip(positions, 0, limit - 1))  # [B, T, dim] or [B, dim]

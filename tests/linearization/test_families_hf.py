@@ -350,3 +350,23 @@ def test_attention_transfer_pairs_a_keras_hub_familys_own_attention_layers_and_l
     enable_lora(student, rank=4)
     merge_lora(student)  # LoRA's B starts at zero: merging it gives the same model
     assert_close(np.asarray(student(ids)), logits, paths=8, n=config["hidden_size"])
+
+
+@pytest.mark.slow
+def test_gemma_3_student_exports_verify_with_local_and_global_layers(gemma3, tmp_path):
+    # Per-layer state (five window-alone layers, one global), post norms and the embedding scale in the graphs.
+    from keras_linattn import export
+
+    _, student, _ = gemma3
+    version_dir = export.export_saved_model(student, str(tmp_path / "sm"))
+    paths = export.export_onnx(student, str(tmp_path / "lm.onnx"))
+    report = export.verify(
+        student,
+        saved_model_dir=version_dir,
+        onnx_path=paths["model"],
+        onnx_step_path=paths["step"],
+        onnx_generate_path=paths.get("generate"),
+        shapes=[(1, 7), (2, 13)],
+        decode_steps=8,
+    )
+    assert report.ok, report
