@@ -116,6 +116,10 @@ class LinearAttention(_attention_base.ProjectedAttention):
         self.num_key_value_heads = spec.num_key_value_heads
         self.rope_max_wavelength = spec.rope_max_wavelength
         self.rope_scaling_factor = spec.rope_scaling_factor
+        self.rope_frequency_adjustment = spec.rope_frequency_adjustment
+        self.rope_rotary_dim = spec.rope_rotary_dim
+        self.qk_norm_epsilon = spec.qk_norm_epsilon
+        self.query_norm = self.key_norm = None
         self.recurrence = spec.make_recurrence()
         self.conv_size = spec.conv_size
         self.short_conv = ShortConvolution(self.conv_size)
@@ -147,6 +151,31 @@ class LinearAttention(_attention_base.ProjectedAttention):
         self.recurrence.build(self)
         self.short_conv.build(self)
         self.output_norm.build(self)
+        if self.qk_norm_epsilon is not None:  # last: the weights of layers without it keep their indices
+            self.query_norm, self.key_norm = (
+                keras.layers.RMSNormalization(epsilon=self.qk_norm_epsilon, dtype=self.dtype_policy, name=name)
+                for name in ("query_norm", "key_norm")
+            )
+            self.query_norm.build((None, None, self.num_heads, self.key_dim))
+            self.key_norm.build((None, None, self.key_value_heads, self.key_dim))
+
+    def _normalize_heads(self, q, k):
+        """The per-head q/k RMSNorm (`qk_norm_epsilon`) of ``q [..., H, D]`` and ``k [..., H, D]``, if any."""
+        if self.query_norm is None:
+            return q, k
+        return self.query_norm(q), self.key_norm(k)
+
+    def project(self, query, value, key=None):
+        """`ProjectedAttention.project`, then the per-head q/k RMSNorm where `qk_norm_epsilon` is set."""
+        q, k, v = super().project(query, value, key)
+        q, k = self._normalize_heads(q, k)  # [B, T, H, D], [B, S, H, D]
+        return q, k, v
+
+    def project_step(self, query_t, value_t, key_t):
+        """`ProjectedAttention.project_step`, then the per-head q/k RMSNorm where `qk_norm_epsilon` is set."""
+        q, k, v = super().project_step(query_t, value_t, key_t)
+        q, k = self._normalize_heads(q, k)  # [B, H, D]
+        return q, k, v
 
     # ------------------------------------------------------------------- call
     def _compute_attention(
@@ -246,7 +275,12 @@ class LinearAttention(_attention_base.ProjectedAttention):
             query_positions = key_positions
         else:
             query_positions = start[:, None] + ops.arange(ops.shape(query)[1], dtype="float32")[None, :]  # [B, T]
-        rope = (self.rope_max_wavelength, self.rope_scaling_factor)
+        rope = (
+            self.rope_max_wavelength,
+            self.rope_scaling_factor,
+            self.rope_frequency_adjustment,
+            self.rope_rotary_dim,
+        )
         query = rotary_ops.rotary_embedding(query, query_positions, *rope)  # [B, T, H, D]
         key = rotary_ops.rotary_embedding(key, key_positions, *rope)  # [B, S, H, D]
         return query, key, end
@@ -354,7 +388,12 @@ class LinearAttention(_attention_base.ProjectedAttention):
         extra = {"unrotated": (q, k)} if self.recurrence.reads_unrotated else {}
         if self.rope_max_wavelength is not None:
             position = parts["position"]  # [B]
-            rope = (self.rope_max_wavelength, self.rope_scaling_factor)
+            rope = (
+                self.rope_max_wavelength,
+                self.rope_scaling_factor,
+                self.rope_frequency_adjustment,
+                self.rope_rotary_dim,
+            )
             q = rotary_ops.rotary_embedding(q, position, *rope)  # [B, H, D]
             k = rotary_ops.rotary_embedding(k, position, *rope)  # [B, H, D]
             new_parts["position"] = position + 1.0

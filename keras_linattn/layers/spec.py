@@ -26,7 +26,7 @@ import dataclasses
 from keras_linattn import _validation
 from keras_linattn import feature_maps as feature_maps_lib
 from keras_linattn.ops import core as la_ops
-from keras_linattn.ops.rotary import _check_rope_arguments
+from keras_linattn.ops.rotary import _check_rope_arguments, check_frequency_adjustment
 from keras_linattn.recurrences import registry
 from keras_linattn.recurrences.additive import AdditiveRecurrence
 from keras_linattn.recurrences.decay import DecayRecurrence
@@ -51,7 +51,14 @@ SHORTHAND_ARGUMENTS = (
     "cache_distance",
 )
 # Arguments for pretrained softmax models (rotary positions, grouped-query attention).
-PRETRAINED_ARGUMENTS = ("num_key_value_heads", "rope_max_wavelength", "rope_scaling_factor")
+PRETRAINED_ARGUMENTS = (
+    "num_key_value_heads",
+    "rope_max_wavelength",
+    "rope_scaling_factor",
+    "rope_frequency_adjustment",
+    "qk_norm_epsilon",
+    "rope_rotary_dim",
+)
 # The keyword arguments `AttentionSpec.pop` takes out of a constructor's kwargs.
 ARGUMENTS = ("recurrence", "conv_size") + SHORTHAND_ARGUMENTS + PRETRAINED_ARGUMENTS
 
@@ -149,7 +156,26 @@ MECHANISM_ARGS_DOC = """\
             Non-causal attention numbers queries and keys by their index.
             Needs an even `key_dim`. Keyword-only.
         rope_scaling_factor: positive number, default 1.0: positions are
-            divided by it (keras-hub's linear RoPE scaling). Keyword-only."""
+            divided by it (keras-hub's linear RoPE scaling). Keyword-only.
+        rope_frequency_adjustment: None (default), or Llama 3.1-3.3's
+            ``(factor, low_freq_factor, high_freq_factor,
+            pretraining_length)`` (a checkpoint's ``rope_scaling`` of type
+            "llama3"; keras-hub's ``rope_frequency_adjustment_factor``,
+            ``rope_low_freq_factor``, ``rope_high_freq_factor``,
+            ``rope_pretraining_sequence_length``): the rotary frequencies
+            are adjusted as keras-hub's Llama rotary embedding does
+            (`keras_linattn.ops.rotary`). Needs `rope_max_wavelength` and
+            ``rope_scaling_factor=1``. Keyword-only.
+        qk_norm_epsilon: None (default) or the epsilon of an RMSNorm over
+            each query and key head vector (``x / sqrt(mean(x^2) + eps) *
+            scale``, one learned scale ``[D]`` each for queries and keys,
+            weights ``query_norm`` and ``key_norm``), applied after the
+            projections and before the rotary embedding, as Qwen 3 and
+            Gemma 3 do. Keyword-only.
+        rope_rotary_dim: None (default: the whole head) or an even number
+            of leading entries of each query/key head vector that the
+            rotary embedding rotates (partial rotary, GPT-NeoX's
+            ``rotary_percentage``); the rest pass unchanged. Keyword-only."""
 
 
 def _shorthand_recurrence(
@@ -244,6 +270,18 @@ def _shorthand_recurrence(
     return AdditiveRecurrence(normalize=normalize)
 
 
+def _check_adjustment(adjustment, max_wavelength, scaling_factor):
+    """`check_frequency_adjustment`, and its requirements: rotary embeddings on, no linear scaling."""
+    adjustment = check_frequency_adjustment(adjustment)
+    if adjustment is not None and (max_wavelength is None or scaling_factor != 1.0):
+        raise ValueError(
+            "`rope_frequency_adjustment` adjusts rotary frequencies: it needs `rope_max_wavelength` and "
+            f"rope_scaling_factor=1. Received: rope_max_wavelength={max_wavelength!r}, "
+            f"rope_scaling_factor={scaling_factor!r}, rope_frequency_adjustment={adjustment!r}"
+        )
+    return adjustment
+
+
 def _check_conv_size(conv_size):
     conv_size = _validation.check_optional_positive_int("conv_size", conv_size)
     if conv_size is not None and conv_size < 2:
@@ -310,6 +348,9 @@ class AttentionSpec:
     rope_scaling_factor: float = 1.0
     chunk_size: int = DEFAULT_CHUNK_SIZE
     epsilon: float = la_ops.DEFAULT_EPSILON
+    rope_frequency_adjustment: tuple | None = None
+    qk_norm_epsilon: float | None = None
+    rope_rotary_dim: int | None = None
 
     # ------------------------------------------------------------ building
     @classmethod
@@ -376,6 +417,15 @@ class AttentionSpec:
             ),
             rope_max_wavelength=rope_max_wavelength,
             rope_scaling_factor=rope_scaling_factor,
+            rope_frequency_adjustment=_check_adjustment(
+                arguments.get("rope_frequency_adjustment"), rope_max_wavelength, rope_scaling_factor
+            ),
+            qk_norm_epsilon=_validation.check_positive_float(
+                "qk_norm_epsilon", arguments.get("qk_norm_epsilon"), allow_none=True
+            ),
+            rope_rotary_dim=_validation.check_optional_positive_int(
+                "rope_rotary_dim", arguments.get("rope_rotary_dim")
+            ),
             chunk_size=_validation.check_positive_int("chunk_size", chunk_size),
             epsilon=_check_epsilon(epsilon),
         )
@@ -469,14 +519,25 @@ class AttentionSpec:
             )
 
     def mechanism_config(self):
-        """``{"recurrence": <serialized>, "conv_size": K, <RoPE/GQA>}``: the mechanism part of `get_config`."""
-        return {
+        """``{"recurrence": <serialized>, "conv_size": K, <RoPE/GQA>}``: the mechanism part of `get_config`.
+
+        ``rope_frequency_adjustment`` and ``qk_norm_epsilon`` are keys only
+        when set, so configs without them stay as they were.
+        """
+        config = {
             "recurrence": self.recurrence,
             "conv_size": self.conv_size,
             "num_key_value_heads": self.num_key_value_heads,
             "rope_max_wavelength": self.rope_max_wavelength,
             "rope_scaling_factor": self.rope_scaling_factor,
         }
+        if self.rope_frequency_adjustment is not None:
+            config["rope_frequency_adjustment"] = list(self.rope_frequency_adjustment)
+        if self.qk_norm_epsilon is not None:
+            config["qk_norm_epsilon"] = self.qk_norm_epsilon
+        if self.rope_rotary_dim is not None:
+            config["rope_rotary_dim"] = self.rope_rotary_dim
+        return config
 
     def get_config(self):
         """Every field as the constructor arguments that rebuild it (`from_config`)."""
@@ -493,7 +554,7 @@ class AttentionSpec:
             feature_map = feature_map.get("registered_name") or feature_map.get("class_name")
         recurrence = self.recurrence
         parts = [f"feature_map={feature_map!r}", f"recurrence={recurrence.get('class_name')}{recurrence.get('config')}"]
-        for name in ("conv_size", "num_key_value_heads", "rope_max_wavelength"):
+        for name in ("conv_size", "num_key_value_heads", "rope_max_wavelength", "rope_frequency_adjustment"):
             if getattr(self, name) is not None:
                 parts.append(f"{name}={getattr(self, name)!r}")
         return f"AttentionSpec({', '.join(parts)})"

@@ -109,6 +109,13 @@ _BLOCK_ARGS_DOC = (
             with ``activation="silu"``, as in Llama).
         kernel_initializer, bias_initializer: initializers of the dense layers.
         seed: seed of the dropout layers.
+        post_norms: False (default) or True: a norm (of `normalization`'s
+            kind) on the attention's output and on the feed-forward's output
+            before each is added to the residual stream (Gemma 2 and 3's
+            ``post_attention_norm`` / ``post_ffw_norm``).
+        parallel_residual: False (default) or True: the attention and the
+            feed-forward both read the block's input, ``x + Attn(LN1(x)) +
+            FFN(LN2(x))`` (GPT-NeoX).
 """
     + MECHANISM_ARGS_DOC
     + """
@@ -144,6 +151,8 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
         seed=None,
         normalization="layer_norm",
         feedforward="dense",
+        post_norms=False,
+        parallel_residual=False,
         *,
         spec=None,
         **kwargs,
@@ -173,6 +182,9 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
         self.seed = check_seed("seed", seed)
+        self.post_norms = check_bool("post_norms", post_norms)
+        self.parallel_residual = check_bool("parallel_residual", parallel_residual)
+        self._attention_post_norm = self._ffn_post_norm = None
         self.supports_masking = True
 
     def _init(self, initializer):
@@ -255,6 +267,13 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
         )
         self._ffn_output.build(tuple(inputs_shape[:-1]) + (self.intermediate_dim,))
         self._ffn_dropout = keras.layers.Dropout(self.dropout, seed=self.seed, dtype=self.dtype_policy)
+        if self.post_norms:  # last: the weights of blocks without them keep their indices
+            self._attention_post_norm, self._ffn_post_norm = (
+                _make_norm(self.normalization, self.layer_norm_epsilon, self.dtype_policy, name)
+                for name in ("post_attention_norm", "post_feedforward_norm")
+            )
+            self._attention_post_norm.build(inputs_shape)
+            self._ffn_post_norm.build(inputs_shape)
         self.built = True
 
     @property
@@ -262,14 +281,28 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
         """The block's `LinearAttention` layer (built with the block)."""
         return self._self_attention
 
-    def _feedforward(self, x, training, norm=None):
+    def _post_norm(self, norm, h, step=False):
+        """``norm(h)`` where the block has post norms (`post_norms`), else `h`."""
+        if norm is None:
+            return h
+        return _step_norm(norm, h) if step else norm(h)
+
+    def _feedforward_branch(self, x, training, norm=None, step=False):
+        """The feed-forward's contribution to the residual stream, from `x` ``[..., dim]``."""
         h = (norm or self._ffn_norm)(x)  # [..., dim]
         if self.feedforward == "gated":
             h = self._ffn_gate(h) * self._ffn_intermediate(h)  # [..., intermediate_dim]
         else:
             h = self._ffn_intermediate(h)  # [..., intermediate_dim]
-        h = self._ffn_output(h)  # [..., dim]
-        return x + self._ffn_dropout(h, training=training)
+        h = self._post_norm(self._ffn_post_norm, self._ffn_output(h), step)  # [..., dim]
+        return self._ffn_dropout(h, training=training)
+
+    def _residual(self, inputs, attended, training, norm=None, step=False):
+        """The block's output from its input and its attention's output (sequential or parallel residual)."""
+        x = inputs + self._attention_dropout(attended, training=training)  # [..., dim]
+        if self.parallel_residual:
+            return x + self._feedforward_branch(inputs, training, norm, step)
+        return x + self._feedforward_branch(x, training, norm, step)
 
     def call(self, inputs, padding_mask=None, training=None, return_state=False, initial_state=None, mask=None):
         if padding_mask is None:
@@ -291,8 +324,8 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
             initial_state=initial_state,
         )
         attended, state = result if return_state else (result, None)
-        x = inputs + self._attention_dropout(attended, training=training)  # [B, T, dim]
-        x = self._feedforward(x, training)  # [B, T, dim]
+        attended = self._post_norm(self._attention_post_norm, attended)  # [B, T, dim]
+        x = self._residual(inputs, attended, training)  # [B, T, dim]
         if return_state:
             return x, state
         return x
@@ -340,8 +373,9 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
             )
         h = _step_norm(self._attention_norm, inputs_t)  # [B, dim]
         attended, new_state = self._self_attention.step(h, h, state, training=training)  # [B, dim]
-        x = inputs_t + self._attention_dropout(attended, training=training)  # [B, dim]
-        return self._feedforward(x, training, norm=lambda v: _step_norm(self._ffn_norm, v)), new_state
+        attended = self._post_norm(self._attention_post_norm, attended, step=True)  # [B, dim]
+        x = self._residual(inputs_t, attended, training, norm=lambda v: _step_norm(self._ffn_norm, v), step=True)
+        return x, new_state
 
     # ----------------------------------------------------------------- config
     def get_config(self):
@@ -368,4 +402,8 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
         )
         if self.attention_spec.epsilon != AttentionSpec.epsilon:
             config["epsilon"] = self.attention_spec.epsilon
+        if self.post_norms:  # only then: configs without them are unchanged
+            config["post_norms"] = True
+        if self.parallel_residual:
+            config["parallel_residual"] = True
         return config

@@ -212,8 +212,8 @@ def linearize_functional(teacher, feature_map, window_size, attention_kwargs):
             raise ValueError(
                 "The model calls no keras.layers.MultiHeadAttention in its functional graph; its attention sits "
                 f"inside other layers, which `linearize` cannot rewire: {found}. Supported: MultiHeadAttention "
-                "layers called as nodes of a functional model, and keras-hub GPT-2 / Llama CausalLM or Backbone "
-                "models (rebuild the model from MultiHeadAttention layers, or use one of those). "
+                "layers called as nodes of a functional model, and keras-hub CausalLM or Backbone models of the "
+                "families in docs/linearize.md (rebuild the model from MultiHeadAttention layers, or use one). "
                 f"Received: teacher={teacher.name!r}"
             )
         raise ValueError(

@@ -43,6 +43,7 @@ from keras_linattn._trainer import DivergenceWarning, NonFiniteLossError, Object
 from keras_linattn._trainer import as_dataset as _as_dataset
 from keras_linattn._validation import check_one_of, check_positive_int
 from keras_linattn.layers.linear_attention import LinearAttention
+from keras_linattn.linearization import families
 from keras_linattn.linearization._generic import is_softmax_attention
 
 __all__ = ["DivergenceWarning", "NonFiniteLossError", "attention_pairs", "attention_transfer", "transfer_variables"]
@@ -101,6 +102,8 @@ def attention_pairs(teacher, student):
         ValueError: if either has no attention layer or their counts differ.
     """
     teacher_layers = [layer for layer in walk_layers(teacher) if is_softmax_attention(layer)]
+    if not teacher_layers:  # a keras-hub family whose attention is its own layer class (Llama, Gemma, ...)
+        teacher_layers = families.attention_layers(teacher)
     student_layers = [layer for layer in walk_layers(student) if isinstance(layer, LinearAttention)]
     if not teacher_layers or not student_layers or len(teacher_layers) != len(student_layers):
         raise ValueError(

@@ -8,7 +8,7 @@ from keras import ops
 from keras_linattn import _compat, _validation, generation
 from keras_linattn._docstrings import fill
 from keras_linattn._tracking import CheckpointTracked
-from keras_linattn.layers.spec import MECHANISM_ARGS_DOC, AttentionSpec
+from keras_linattn.layers.spec import MECHANISM_ARGS_DOC, PRETRAINED_ARGUMENTS, AttentionSpec
 from keras_linattn.layers.transformer import _make_norm, _step_norm
 from keras_linattn.layers.transformer_decoder import LinearTransformerDecoder
 from keras_linattn.models import _presets
@@ -99,6 +99,43 @@ def _block_spec(spec, index):
     return spec.replace(feature_map=type(feature_map).from_config(config))
 
 
+# The attention arguments a `layer_attention` entry may replace in one block.
+LAYER_ARGUMENTS = PRETRAINED_ARGUMENTS + ("recurrence",)
+
+
+def _check_layer_attention(layer_attention, num_layers):
+    """`layer_attention` as a tuple of `num_layers` dicts (or None), each with `LAYER_ARGUMENTS` keys only.
+
+    Raises:
+        ValueError: for another length, an entry that is not a dict, or a key
+            that is not a per-layer attention argument.
+    """
+    if layer_attention is None:
+        return None
+    if not isinstance(layer_attention, (list, tuple)) or len(layer_attention) != num_layers:
+        raise ValueError(
+            f"`layer_attention` must be None or a list of {num_layers} dicts (one per layer). "
+            f"Received: layer_attention={layer_attention!r}"
+        )
+    out = []
+    for entry in layer_attention:
+        if not isinstance(entry, dict) or set(entry) - set(LAYER_ARGUMENTS):
+            raise ValueError(
+                f"Each `layer_attention` entry is a dict of some of {list(LAYER_ARGUMENTS)}. Received: {entry!r}"
+            )
+        out.append(dict(entry))
+    return tuple(out)
+
+
+def _layer_spec(spec, index, layer_attention):
+    """Block `index`'s spec: `_block_spec`, with its `layer_attention` entry's arguments replaced."""
+    spec = _block_spec(spec, index)
+    if layer_attention is None or not layer_attention[index]:
+        return spec
+    config = dict(spec.get_config(), **layer_attention[index])
+    return AttentionSpec.from_config(config)
+
+
 def _check_sizes(vocabulary_size, num_layers, hidden_dim, num_heads, intermediate_dim, key_dim, max_sequence_length):
     """Raises ValueError for a size that is not a positive int, or a width the heads do not divide."""
     for name, value in (
@@ -148,13 +185,15 @@ def _make_layers(settings, spec, dtype):
             num_heads=settings["num_heads"],
             intermediate_dim=settings["intermediate_dim"],
             key_dim=settings["key_dim"],
-            spec=_block_spec(spec, i),
+            spec=_layer_spec(spec, i, settings.get("layer_attention")),
             dropout=settings["dropout"],
             activation=settings["activation"],
             layer_norm_epsilon=settings["layer_norm_epsilon"],
             normalization=settings["normalization"],
             feedforward=settings["feedforward"],
             use_bias=settings["use_bias"],
+            post_norms=settings.get("post_norms", False),
+            parallel_residual=settings.get("parallel_residual", False),
             dtype=dtype,
             name=f"decoder_block_{i}",
         )
@@ -175,7 +214,9 @@ def _build_graph(settings, spec, dtype):
     token_ids = keras.Input(shape=(None,), dtype="int32", name="token_ids")
     padding_mask = keras.Input(shape=(None,), dtype="int32", name="padding_mask", optional=True)
     checked_ids, positions, invalid = token_check(token_ids, padding_mask=padding_mask)
-    x = _embed(token_embedding, position_embedding, checked_ids, positions)  # [B, T, dim]
+    x = _embed(
+        token_embedding, position_embedding, checked_ids, positions, settings.get("embedding_scale")
+    )  # [B, T, dim]
     for block in decoder_blocks:
         x = block(x, padding_mask=padding_mask)  # [B, T, dim]
     hidden = mark_invalid(final_norm(x), invalid)  # [B, T, dim]
@@ -317,9 +358,13 @@ def _prepare(token_ids, padding_mask, state, vocabulary_size, max_sequence_lengt
     return token_ids, padding_mask, positions, end, bad
 
 
-def _embed(token_embedding, position_embedding, token_ids, positions):
-    """Token embeddings, plus the learned positions (clipped to the table) when there is a table."""
+def _embed(token_embedding, position_embedding, token_ids, positions, scale=None):
+    """Token embeddings (times `scale`, if given), plus the learned positions (clipped to the table) if any."""
     x = token_embedding(token_ids)  # [B, T, dim] or [B, dim]
+    if scale is not None:
+        # A Python float, converted where the graph is traced: a tensor made here would be captured from
+        # outside a traced graph (an exported graph would take it as an input).
+        x = x * scale  # Gemma: sqrt(hidden_dim); the tied head reads the unscaled table
     if position_embedding is not None:
         limit = position_embedding.input_dim
         x = x + position_embedding(ops.clip(positions, 0, limit - 1))  # [B, T, dim] or [B, dim]
@@ -396,7 +441,8 @@ UPGRADE_HINT = "convert it once with `python -m keras_linattn.upgrade OLD NEW` (
 BACKBONE_SETTINGS = (
     "vocabulary_size", "num_layers", "hidden_dim", "num_heads", "intermediate_dim", "key_dim", "chunk_size",
     "dropout", "max_sequence_length", "tie_embeddings", "activation", "layer_norm_epsilon", "normalization",
-    "feedforward", "use_bias", "attention_spec",
+    "feedforward", "use_bias", "attention_spec", "layer_attention", "embedding_scale",
+    "post_norms", "parallel_residual",
 )  # fmt: skip
 
 
@@ -480,6 +526,24 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
             feedforward: ``"dense"`` (default) or ``"gated"`` (SwiGLU with
                 ``activation="silu"``, Llama).
             use_bias: biases in the dense layers and attention projections.
+            parallel_residual: False (default) or True: each block adds its
+                attention and its feed-forward, both of the block's input,
+                to the residual stream (GPT-NeoX).
+            post_norms: False (default) or True: each block normalizes its
+                attention's and its feed-forward's output before the
+                residual add (Gemma 2 and 3).
+            embedding_scale: None (default) or a number the token embeddings
+                are multiplied by before the first block (Gemma:
+                ``sqrt(hidden_dim)``); a tied head reads the unscaled table.
+            layer_attention: None (default: every block's attention takes
+                the arguments below), or one dict per layer of the
+                pretrained-model attention arguments (``rope_max_wavelength``,
+                ``rope_scaling_factor``, ``rope_frequency_adjustment``,
+                ``num_key_value_heads``, ``qk_norm_epsilon``) or a
+                ``recurrence`` (a serialized recurrence) that replace
+                them in that block: e.g. ``{"rope_max_wavelength": None}``
+                for a layer without rotary embeddings (SmolLM3), a local
+                layer's own window (Gemma 3).
     {mechanism_args}
                 Every block's attention gets them (their decode state joins
                 `state_spec`; decoding stays constant-cost per token).
@@ -525,6 +589,10 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
         normalization="layer_norm",
         feedforward="dense",
         use_bias=True,
+        layer_attention=None,
+        embedding_scale=None,
+        post_norms=False,
+        parallel_residual=False,
         lora=None,
         *,
         spec=None,
@@ -560,6 +628,10 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
             "feedforward": feedforward,
             "use_bias": use_bias,
             "attention_spec": spec,
+            "layer_attention": _check_layer_attention(layer_attention, num_layers),
+            "embedding_scale": _validation.check_positive_float("embedding_scale", embedding_scale, allow_none=True),
+            "post_norms": _validation.check_bool("post_norms", post_norms),
+            "parallel_residual": _validation.check_bool("parallel_residual", parallel_residual),
         }
 
         layers, inputs, hidden = _build_graph(settings, spec, dtype)
@@ -772,7 +844,7 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
 
     def embed(self, token_ids, positions):
         """Token embeddings plus, with `max_sequence_length`, the learned positions (``[B, T, dim]``)."""
-        return _embed(self.token_embedding, self.position_embedding, token_ids, positions)
+        return _embed(self.token_embedding, self.position_embedding, token_ids, positions, self.embedding_scale)
 
     # ------------------------------------------------------------- config
     def get_config(self):
@@ -803,6 +875,14 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
         lora = self._lora_entry()
         if lora is not None:  # only then: configs without adapters are unchanged
             config["lora"] = lora
+        if self.post_norms:  # only then: configs without them are unchanged
+            config["post_norms"] = True
+        if self.parallel_residual:  # only then: configs without it are unchanged
+            config["parallel_residual"] = True
+        if self.embedding_scale is not None:  # only then: configs without it are unchanged
+            config["embedding_scale"] = self.embedding_scale
+        if self.layer_attention is not None:  # only then: configs without it are unchanged
+            config["layer_attention"] = [dict(entry) for entry in self.layer_attention]
         config["layout"] = CURRENT_LAYOUT  # what tells a current file from one of keras_linattn < 0.3
         return config
 

@@ -130,7 +130,11 @@ class SparseCacheRecurrence(WindowRecurrence):
         if wavelength is None:
             return q_plain
         positions = ops.full(ops.shape(q_plain)[:-2], float(self.cache_distance), "float32")  # [B, T] or [B]
-        return rotary_ops.rotary_embedding(q_plain, positions, wavelength, self.layer.rope_scaling_factor)
+        adjustment = getattr(self.layer, "rope_frequency_adjustment", None)
+        rotary_dim = getattr(self.layer, "rope_rotary_dim", None)
+        return rotary_ops.rotary_embedding(
+            q_plain, positions, wavelength, self.layer.rope_scaling_factor, adjustment, rotary_dim
+        )
 
     def buffer_spec(self):
         n, h, d, m = self.cache_size, self.num_heads, self.key_dim, self.value_dim

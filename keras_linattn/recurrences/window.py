@@ -52,6 +52,10 @@ class WindowRecurrence(Recurrence):
             about 16 and a sharp window match is lost. A small
             `linear_weight` (0.001 on `benchmarks/bench_recall.py`) lets a linearized student start close
             to its window's attention. With ``W >= T`` it cancels like gamma.
+            ``0`` removes the linear terms (no weight is learned): the
+            window alone, exact softmax attention over the last W tokens,
+            for a teacher layer that is already local (Mistral's sliding
+            window within the student's).
         linear_rope: True (default): with rotary embeddings on the layer,
             the linear part's features are those of the rotated queries and
             keys, as the window's softmax. False: the features of the
@@ -94,12 +98,12 @@ class WindowRecurrence(Recurrence):
             )
         self.gamma = None if gamma is None else float(gamma)
         if linear_weight is not None and (
-            not _validation._is_real(linear_weight) or not 0.0 < linear_weight <= LINEAR_WEIGHT_MAX
+            not _validation._is_real(linear_weight) or not 0.0 <= linear_weight <= LINEAR_WEIGHT_MAX
         ):
             raise ValueError(
                 "`linear_weight` (the initial weight of the linear terms, exp of a learned float32 log) must be "
-                "None or a number in (0, 2**63]: it multiplies float32 features and sums, and a weight above the "
-                "square root of float32's largest number overflows them (NaN outputs). "
+                "None, 0 (the window alone) or a number in (0, 2**63]: it multiplies float32 features and sums, "
+                "and a weight above the square root of float32's largest number overflows them (NaN outputs). "
                 f"Received: linear_weight={linear_weight!r}"
             )
         self.linear_weight = None if linear_weight is None else float(linear_weight)
@@ -132,7 +136,7 @@ class WindowRecurrence(Recurrence):
                 "window_gamma_logit", (self.num_heads,), keras.initializers.Constant(logit)
             )  # [H]
         self.linear_weight_log = None
-        if self.linear_weight is not None:
+        if self.linear_weight:  # None: weight 1; 0: no linear terms, nothing learned
             self.linear_weight_log = self.add_weight(
                 "window_linear_weight_log",
                 (self.num_heads,),
@@ -142,6 +146,8 @@ class WindowRecurrence(Recurrence):
     def features(self, x, is_query, causal=True, training=None, key_mask=None):
         """``phi(x)``; a query's features times the linear weight ``exp(l) [H]`` when there is one."""
         f = super().features(x, is_query, causal, training, key_mask)
+        if is_query and self.linear_weight == 0.0:
+            return ops.zeros_like(f)  # the window alone: the linear terms add 0 to numerator and normalizer
         if not is_query or self.linear_weight_log is None:
             return f
         weight = ops.cast(ops.exp(self.linear_weight_log), f.dtype)  # [H]

@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 from keras import ops
 
+import keras_linattn
 from keras_linattn import feature_maps
 from keras_linattn.layers import LinearAttention, LinearAttentionCell, LinearTransformerDecoder
 from keras_linattn.models import LinearCausalLM
 from keras_linattn.ops import rotary as rotary_ops
 from keras_linattn.ops import window as window_ops
 from tests._helpers import _outputs_and_gradients, assert_fits_with_xla, run_steps, save_and_load
-from tests.tolerance import assert_close
+from tests.tolerance import assert_close, bound, rel_err
 
 DIM, HEADS, KV_HEADS, KEY_DIM, T = 16, 4, 2, 6, 11
 ROPE = dict(rope_max_wavelength=10000, rope_scaling_factor=1.0)
@@ -480,3 +481,89 @@ def test_non_causal_rope_numbers_queries_and_keys_by_index(rng):
     assert_close(k, expected_k, n=KEY_DIM, conditioning=float(T))
     out = layer(x, x, key_mask=mask)  # the encoder's form: runs, finite
     assert np.isfinite(np.asarray(out)).all()
+
+
+# Llama-3.2-1B's published rope_scaling (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings).
+LLAMA_3_2_ADJUSTMENT = (32.0, 1.0, 4.0, 8192)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_llama3_frequency_adjustment_equals_keras_hub_llama_rotary_embedding(rng, head_dim):
+    from keras_hub.src.models.llama.llama_rotary_embedding import LlamaRotaryEmbedding
+
+    factor, low, high, length = LLAMA_3_2_ADJUSTMENT
+    hub = LlamaRotaryEmbedding(
+        max_wavelength=500000.0,
+        frequency_adjustment_factor=factor,
+        low_freq_factor=low,
+        high_freq_factor=high,
+        pretraining_sequence_length=length,
+    )
+    # Positions past the pretraining length, where the adjusted low frequencies differ most.
+    positions = np.array([[0, 7, 8191, 8192, 20000, 40000]], "float32")
+    x = rng.normal(size=(1, positions.shape[1], 2, head_dim)).astype("float32")
+    hub_out = np.asarray(hub(x, positions=positions))
+    ours = np.asarray(rotary_ops.rotary_embedding(x, positions, 500000.0, 1.0, LLAMA_3_2_ADJUSTMENT))
+    ref = np.asarray(
+        rotary_ops.rotary_embedding_reference(x, positions, 500000.0, frequency_adjustment=LLAMA_3_2_ADJUSTMENT)
+    )
+    conditioning = _rope_conditioning(40001)
+    assert_close(ours, ref, n=head_dim, conditioning=conditioning, what="ours vs float64")
+    assert_close(hub_out, ref, n=head_dim, conditioning=conditioning, what="keras-hub vs float64")
+    assert_close(ours, hub_out, n=head_dim, conditioning=conditioning, paths=2, what="ours vs keras-hub")
+    unadjusted = np.asarray(rotary_ops.rotary_embedding(x, positions, 500000.0))
+    # Without the adjustment the rotation is another one: outside the same bound.
+    assert rel_err(unadjusted, ref) > bound("float32", n=head_dim, conditioning=conditioning)
+
+
+def test_frequency_adjustment_needs_four_positive_factors_and_no_linear_scaling():
+    x = np.zeros((1, 1, 1, 4), "float32")
+    positions = np.zeros((1, 1), "float32")
+    with pytest.raises(ValueError, match="Received: rope_frequency_adjustment=\\(32.0, 1.0\\)"):
+        rotary_ops.rotary_embedding(x, positions, 10000.0, 1.0, (32.0, 1.0))
+    with pytest.raises(ValueError, match="high_freq_factor > low_freq_factor"):
+        rotary_ops.rotary_embedding(x, positions, 10000.0, 1.0, (32.0, 4.0, 1.0, 8192))
+    with pytest.raises(ValueError, match="scaling_factor=2.0"):
+        rotary_ops.rotary_embedding(x, positions, 10000.0, 2.0, LLAMA_3_2_ADJUSTMENT)
+    with pytest.raises(ValueError, match="needs `rope_max_wavelength`"):
+        keras_linattn.layers.AttentionSpec.create(rope_frequency_adjustment=LLAMA_3_2_ADJUSTMENT)
+
+
+def test_frequency_adjustment_round_trips_through_config_and_is_no_key_when_unset():
+    layer = LinearAttention(
+        num_heads=2, key_dim=8, rope_max_wavelength=500000.0, rope_frequency_adjustment=[32, 1, 4, 8192]
+    )
+    config = json.loads(json.dumps(layer.get_config()))
+    assert config["rope_frequency_adjustment"] == list(LLAMA_3_2_ADJUSTMENT)
+    assert LinearAttention.from_config(config).rope_frequency_adjustment == LLAMA_3_2_ADJUSTMENT
+    # A layer without it writes the config it wrote before the argument existed.
+    assert (
+        "rope_frequency_adjustment" not in LinearAttention(num_heads=2, key_dim=8, rope_max_wavelength=1e4).get_config()
+    )
+
+
+def test_qk_norm_normalizes_each_head_before_rope_and_round_trips(rng):
+    layer = LinearAttention(num_heads=2, key_dim=8, rope_max_wavelength=1e4, qk_norm_epsilon=1e-5)
+    layer.build((None, None, 16), (None, None, 16))
+    x = rng.normal(size=(1, 5, 16)).astype("float32")
+    q, k, _ = layer.project(x, x)
+    rms = np.sqrt(np.mean(np.asarray(q, "float64") ** 2, axis=-1))  # scale 1 at init: unit RMS per head
+    np.testing.assert_allclose(rms, 1.0, atol=1e-4)
+    assert [w.path.split("/")[-2] for w in layer.weights[-2:]] == ["query_norm", "key_norm"]
+    config = json.loads(json.dumps(layer.get_config()))
+    assert LinearAttention.from_config(config).qk_norm_epsilon == 1e-5
+    plain = LinearAttention(num_heads=2, key_dim=8, rope_max_wavelength=1e4)
+    plain.build((None, None, 16), (None, None, 16))
+    assert "qk_norm_epsilon" not in plain.get_config() and plain.query_norm is None
+
+
+def test_partial_rotary_rotates_the_leading_entries_as_keras_hub_does(rng):
+    keras_hub = pytest.importorskip("keras_hub")
+    x = rng.normal(size=(2, 9, 3, 16)).astype("float32")  # [B, T, H, D]
+    positions = np.broadcast_to(np.arange(9), (2, 9))
+    hub = keras_hub.layers.RotaryEmbedding(max_wavelength=10000.0)(x[..., :4])  # GPT-NeoX: the first 4 of 16
+    ours = np.asarray(rotary_ops.rotary_embedding(x, positions, 10000.0, rotary_dim=4))
+    np.testing.assert_array_equal(ours[..., 4:], x[..., 4:])
+    assert_close(ours[..., :4], hub, n=4, conditioning=_rope_conditioning(9), paths=2)
+    with pytest.raises(ValueError, match="Received: rotary_dim=5"):
+        rotary_ops.rotary_embedding(x, positions, 10000.0, rotary_dim=5)

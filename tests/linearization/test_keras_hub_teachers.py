@@ -74,8 +74,9 @@ def test_unsupported_family_is_named_with_the_reason():
         hidden_dim=8,
         intermediate_dim=16,
         head_dim=4,
+        attention_logit_soft_cap=50.0,  # Gemma 2's
     )
-    with pytest.raises(TypeError, match="GemmaBackbone.*soft cap"):
+    with pytest.raises(TypeError, match="Gemma's `attention_logit_soft_cap` .*not mapped.*Received"):
         linearize_keras_hub(gemma)
 
 

@@ -102,7 +102,7 @@ def test_the_shorthand_and_its_errors():
     assert WindowRecurrence(4).get_config() == {"window_size": 4}  # configs without it stay as they were
     with pytest.raises(ValueError, match="`linear_weight` weights the linear terms beside a softmax window"):
         AttentionSpec.create("elu", linear_weight=0.5)
-    for bad in (0, -1.0, float("inf"), float("nan"), True, "0.5"):
+    for bad in (-1.0, float("inf"), float("nan"), True, "0.5"):  # 0 is the window alone
         with pytest.raises(ValueError, match="`linear_weight`"):
             WindowRecurrence(4, linear_weight=bad)
     with pytest.raises(ValueError, match="not both"):
@@ -139,3 +139,21 @@ def test_linearize_defaults_the_linear_weight_with_a_cache_only():
     assert cached.linear_weight == keras_linattn.linearization.convert.LOLA_LINEAR_WEIGHT == 0.001
     window = keras_linattn.linearize(teacher, window_size=3).get_layer("att1").recurrence
     assert window.linear_weight is None and "linear_weight" not in window.get_config()
+
+
+def test_linear_weight_zero_is_the_window_alone(rng):
+    # W = 4 < T: each output is exact softmax over the last 4 tokens, i.e. the same layer's output at the
+    # end of those 4 tokens alone (where the window covers the sequence). No weight is learned.
+    window = 4
+    layer = LinearAttention(HEADS, KEY_DIM, feature_map="hedgehog", chunk_size=4, window_size=window, linear_weight=0)
+    x = rng.normal(size=(1, T, DIM)).astype("float32")
+    full = np.asarray(layer(x, x, use_causal_mask=True))
+    assert "window_linear_weight_log" not in [w.name for w in layer.weights]
+    for i in range(window - 1, T):
+        part = x[:, i - window + 1 : i + 1]
+        alone = np.asarray(layer(part, part, use_causal_mask=True))[:, -1]
+        assert_close(full[:, i], alone, paths=4, n=window * KEY_DIM)
+    with_linear = LinearAttention(HEADS, KEY_DIM, feature_map="hedgehog", chunk_size=4, window_size=window)
+    with_linear.build((None, None, DIM), (None, None, DIM))
+    with_linear.set_weights(layer.get_weights())
+    assert np.abs(np.asarray(with_linear(x, x, use_causal_mask=True)) - full).max() > 1e-3

@@ -1,0 +1,42 @@
+"""Qwen 2 / 2.5 (`QwenBackbone`, alias `Qwen2Backbone`): Llama's layout with q/k/v biases and no output bias.
+
+The student's ``use_bias`` covers every projection and feed-forward layer,
+so the biases the teacher lacks (attention output, feed-forward) are set to
+zero: the same function, a few zero weights more.
+"""
+
+from keras_linattn.linearization.families import Family, register
+from keras_linattn.linearization.families._common import copy_rms_decoder
+from keras_linattn.linearization.families.mistral import local_window
+
+
+def qwen_config(config, backbone, window_size):
+    """`LinearBackbone` arguments of a `QwenBackbone` config (a sliding window as in `mistral.local_window`)."""
+    sliding = config.get("sliding_window_size") if config.get("use_sliding_window_attention") else None
+    return dict(
+        vocabulary_size=config["vocabulary_size"],
+        num_layers=config["num_layers"],
+        hidden_dim=config["hidden_dim"],
+        num_heads=config["num_query_heads"],
+        num_key_value_heads=config["num_key_value_heads"],
+        intermediate_dim=config["intermediate_dim"],
+        dropout=config.get("dropout", 0.0),
+        max_sequence_length=None,
+        tie_embeddings=bool(config.get("tie_word_embeddings", backbone.token_embedding.tie_weights)),
+        activation="silu",
+        layer_norm_epsilon=config.get("layer_norm_epsilon", 1e-6),
+        normalization="rms_norm",
+        feedforward="gated",
+        use_bias=True,
+        rope_max_wavelength=config.get("rope_max_wavelength", 10000),
+        rope_scaling_factor=config.get("rope_scaling_factor", 1.0),
+        **local_window(sliding, window_size),
+    )
+
+
+def copy_qwen(copy, student, backbone):
+    """Copies every Qwen weight; the student's output and feed-forward biases are zero."""
+    copy_rms_decoder(copy, student, attention_bias="qkv", zero_feedforward_bias=True)
+
+
+register(Family(name="qwen", backbones=("QwenBackbone",), config=qwen_config, weights=copy_qwen))

@@ -1,0 +1,54 @@
+"""Qwen 3 (`Qwen3Backbone`): Llama's layout with a per-head RMSNorm on queries and keys, a head dim of its own."""
+
+from keras_linattn.linearization.families import Family, register
+from keras_linattn.linearization.families._common import copy_rms_decoder
+
+
+def qwen3_config(config, backbone, window_size):
+    """`LinearBackbone` arguments of a `Qwen3Backbone` config.
+
+    Raises:
+        TypeError: for a sliding window (keras-hub's Qwen 3 converter reads
+            ``sliding_window_size`` but its attention applies it only when
+            asked; not mapped).
+    """
+    layer = backbone.get_layer("transformer_layer_0")._self_attention_layer
+    if getattr(layer, "use_sliding_window_attention", False):
+        raise TypeError(
+            "Qwen 3 sliding-window attention is not mapped. "
+            f"Received: sliding_window_size={config.get('sliding_window_size')}"
+        )
+    return dict(
+        vocabulary_size=config["vocabulary_size"],
+        num_layers=config["num_layers"],
+        hidden_dim=config["hidden_dim"],
+        num_heads=config["num_query_heads"],
+        num_key_value_heads=config["num_key_value_heads"],
+        key_dim=config["head_dim"],
+        intermediate_dim=config["intermediate_dim"],
+        dropout=config.get("dropout", 0.0),
+        max_sequence_length=None,
+        tie_embeddings=bool(config.get("tie_word_embeddings", backbone.token_embedding.tie_weights)),
+        activation="silu",
+        layer_norm_epsilon=config.get("layer_norm_epsilon", 1e-6),
+        normalization="rms_norm",
+        feedforward="gated",
+        use_bias=False,
+        rope_max_wavelength=config.get("rope_max_wavelength", 10000),
+        rope_scaling_factor=config.get("rope_scaling_factor", 1.0),
+        # keras-hub's Qwen 3 decoder does not pass its epsilon to the attention's q/k norms (1e-5 there):
+        # the teacher layer's own value.
+        qk_norm_epsilon=layer._query_dense_layer_norm.epsilon,
+    )
+
+
+def copy_qwen3(copy, student, backbone):
+    """Copies every Qwen 3 weight: the Llama layout plus each layer's query and key norms."""
+    copy_rms_decoder(copy, student)
+    for i, block in enumerate(student.decoder_blocks):
+        p = f"transformer_layer_{i}/self_attention"
+        copy(block.attention.query_norm.scale, f"{p}/query_dense_layernorm/scale")
+        copy(block.attention.key_norm.scale, f"{p}/key_dense_layernorm/scale")
+
+
+register(Family(name="qwen3", backbones=("Qwen3Backbone",), config=qwen3_config, weights=copy_qwen3))
