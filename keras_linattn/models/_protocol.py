@@ -23,7 +23,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_linattn.models.backbone import _nan_where, _prepare
+from keras_linattn.models._tokens import _nan_where, _prepare
 
 SCORING_MODES = ("logits", "loss")
 

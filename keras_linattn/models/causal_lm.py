@@ -11,7 +11,8 @@ from keras_linattn._docstrings import fill
 from keras_linattn._tracking import CheckpointTracked
 from keras_linattn.layers.spec import MECHANISM_ARGS_DOC
 from keras_linattn.models import _presets, _protocol
-from keras_linattn.models.backbone import BACKBONE_SETTINGS, UPGRADE_HINT, LinearBackbone, _unpack_inputs
+from keras_linattn.models._tokens import _unpack_inputs
+from keras_linattn.models.backbone import BACKBONE_SETTINGS, UPGRADE_HINT, LinearBackbone
 from keras_linattn.models.preprocessor import LinearCausalLMPreprocessor
 
 __all__ = ["LinearCausalLM"]

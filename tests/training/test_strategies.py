@@ -19,7 +19,7 @@ import keras
 import pytest
 
 from keras_linattn.models import LinearBackbone, LinearCausalLM
-from keras_linattn.models.backbone import _layout_patterns
+from keras_linattn.models._layout_map import _layout_patterns
 from tests.conftest import TEST_SEED
 from tests.training import _lm_runs
 
