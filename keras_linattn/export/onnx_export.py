@@ -32,111 +32,23 @@ import contextlib
 import json
 import logging
 import os
-import re
 import threading
 import uuid
 
 import numpy as np
 
 from keras_linattn import _atomic, _lazy
-from keras_linattn.export import _onnx_files, _onnx_publish, _onnx_text, _specs
+from keras_linattn.export import _onnx_files, _onnx_graph, _onnx_handlers, _onnx_publish, _onnx_text, _specs
 
 tf = _lazy.module("tensorflow")  # loaded on first use: OnnxGenerator reads `_read_metadata` without it
 
 __all__ = ["check_pair", "export_onnx"]
 
 _METADATA_KEY = _onnx_files.METADATA_KEY
+_read_data_header = _onnx_files.read_data_header
 _DEFAULT_OPSET = 17
 # The generate graph's sampler hashes with BitwiseAnd/BitwiseXor (opset 18).
 _GENERATE_MIN_OPSET = 18
-
-
-def _replace_with_sub(ctx, node, minuend, subtrahend):
-    """Replaces `node` by ``Sub(minuend, subtrahend)``, keeping its name, outputs and shapes."""
-    shapes, dtypes = node.output_shapes, node.output_dtypes
-    ctx.remove_node(node.name)
-    ctx.make_node(
-        "Sub",
-        inputs=[minuend, subtrahend],
-        name=node.name,
-        outputs=node.output,
-        shapes=shapes,
-        dtypes=dtypes,
-    )
-
-
-def _floor_mod_handler(ctx, node, name, args):
-    """FloorMod with Python semantics for integers.
-
-    tf2onnx 1.17 lowers integer FloorMod to ``x - (x / y) * y`` with a
-    truncating division, which is wrong for negative ``x``: e.g. the
-    ``(-length) % chunk`` padding of chunked causal attention. ONNX ``Mod``
-    with ``fmod=0`` has the sign of the divisor, i.e. floor semantics.
-    """
-    from onnx import TensorProto
-
-    dtype = ctx.get_dtype(node.input[0])
-    if dtype in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16):
-        div = ctx.make_node("Div", inputs=node.input)
-        floor = ctx.make_node("Floor", inputs=div.output)
-        mul = ctx.make_node("Mul", inputs=[floor.output[0], node.input[1]])
-        _replace_with_sub(ctx, node, node.input[0], mul.output[0])
-        return
-    node.type = "Mod"
-    node.set_attr("fmod", 0)
-
-
-def _erfc_handler(ctx, node, name, args):
-    """``erfc(x) = 1 - erf(x)``: tf2onnx 1.17 has no Erfc, which exact GELU uses."""
-    import numpy as np
-    from onnx import helper
-    from tf2onnx import utils
-
-    dtype = ctx.get_dtype(node.input[0])
-    one = ctx.make_const(utils.make_name(f"{node.name}_one"), np.array(1, dtype=helper.tensor_dtype_to_np_dtype(dtype)))
-    erf = ctx.make_node("Erf", inputs=[node.input[0]])
-    _replace_with_sub(ctx, node, one.output[0], erf.output[0])
-
-
-def _select_v2_handler(ctx, node, name, args):
-    """SelectV2 (``where``) as ONNX ``Where``, which broadcasts as SelectV2 does.
-
-    tf2onnx 1.17 lowers a float SelectV2 to ``cond * x + (not cond) * y``
-    (two Casts, a Not, two Muls and an Add): six nodes where one does, and
-    a NaN or Inf in the branch not taken leaks into the result (``0 * NaN``
-    is NaN), which breaks the ``where`` guards that keep a padded position
-    out of the real outputs. A decode step runs about 7 of them a layer; as
-    ``Where`` the GPT-2 base step graph has about 360 nodes fewer.
-
-    onnxruntime's CPU ``Where`` takes float, double, int32, int64 and
-    uint8: other dtypes go through one of those and back (exact: bool and
-    small integers as int32/int64, float16/bfloat16 as float).
-    """
-    from onnx import TensorProto
-
-    dtype = ctx.get_dtype(node.output[0])
-    direct = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.INT32, TensorProto.INT64, TensorProto.UINT8)
-    if dtype in direct:
-        node.type = "Where"
-        return
-    floats = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
-    wide = (
-        TensorProto.FLOAT if dtype in floats else TensorProto.INT32 if dtype == TensorProto.BOOL else TensorProto.INT64
-    )
-    branches = [ctx.make_node("Cast", [node.input[i]], attr={"to": wide}).output[0] for i in (1, 2)]
-    where = ctx.make_node("Where", [node.input[0]] + branches)
-    shapes, dtypes = node.output_shapes, node.output_dtypes
-    ctx.remove_node(node.name)
-    ctx.make_node(
-        "Cast", where.output, attr={"to": dtype}, name=node.name, outputs=node.output, shapes=shapes, dtypes=dtypes
-    )
-
-
-_CUSTOM_OP_HANDLERS = {
-    "FloorMod": (_floor_mod_handler, []),
-    "Erfc": (_erfc_handler, []),
-    "SelectV2": (_select_v2_handler, []),
-}
 
 
 def _check_path(path, name="path"):
@@ -180,7 +92,7 @@ def _without_optimizer_copies():
 # file. ONNX files are protobufs, which cannot pass 2 GiB; a margin leaves room
 # for the graph itself.
 EXTERNAL_DATA_THRESHOLD = 1 << 30
-_WEIGHT_INPUT = "kla_weight_{}"
+_WEIGHT_INPUT = _onnx_graph.WEIGHT_INPUT
 
 
 def _export_variables(model):
@@ -226,137 +138,6 @@ def _with_weights_as_inputs(fn, input_signature, variables):
     return stateless, list(input_signature) + weight_specs
 
 
-def _rename_inputs(graph, mapping):
-    """Renames every use of the names in `mapping`, subgraphs (Loop and If bodies) included."""
-    import onnx
-
-    for node in graph.node:
-        for j, name in enumerate(node.input):
-            if name in mapping:
-                node.input[j] = mapping[name]
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                _rename_inputs(attribute.g, mapping)
-            elif attribute.type == onnx.AttributeProto.GRAPHS:
-                for sub in attribute.graphs:
-                    _rename_inputs(sub, mapping)
-    for output in graph.output:
-        if output.name in mapping:
-            output.name = mapping[output.name]
-
-
-def _names_read(graph):
-    """Every value name that a node of `graph` or of its subgraphs reads, and the graph's outputs."""
-    import onnx
-
-    names = {output.name for output in graph.output}
-    for node in graph.node:
-        names.update(node.input)
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                names |= _names_read(attribute.g)
-            elif attribute.type == onnx.AttributeProto.GRAPHS:
-                for sub in attribute.graphs:
-                    names |= _names_read(sub)
-    return names
-
-
-def _hoist_loop_invariants(graph):
-    """Loop-carried values that the body passes through unchanged become reads of the outer value.
-
-    tf2onnx makes every tensor that a TensorFlow while-loop body captures a
-    loop-carried value whose body output is its body input: in the generate
-    graph, every weight. onnxruntime copies loop-carried values into the
-    Loop's final outputs, so a 1B model's generate graph ran past 19 GB for
-    4.6 GB of weights. An ONNX body may read outer-scope values directly:
-    each such value leaves the loop-carried list (the Loop's input and
-    output, the body's input and output) and the body reads the value the
-    Loop was given. Values whose final output is read are kept. Nested
-    bodies are rewritten first. Returns the number of values removed.
-    """
-    import onnx
-
-    removed = 0
-    for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                removed += _hoist_loop_invariants(attribute.g)
-            elif attribute.type == onnx.AttributeProto.GRAPHS:
-                for sub in attribute.graphs:
-                    removed += _hoist_loop_invariants(sub)
-    read = _names_read(graph)
-    for node in graph.node:
-        if node.op_type != "Loop":
-            continue
-        body = next(a.g for a in node.attribute if a.name == "body")
-        carried = len(node.input) - 2  # inputs: M, cond, carried...; body inputs: iteration, cond, carried...
-        hoisted = {}  # index -> (body input name, outer value name)
-        for j in range(carried):
-            inner, outer = body.input[2 + j].name, node.input[2 + j]
-            final = node.output[j] if j < len(node.output) else ""
-            if outer and body.output[1 + j].name == inner and (not final or final not in read):
-                hoisted[j] = (inner, outer)
-        # A value the body also returns in another slot stays (a body output must be the body's own value).
-        returned = {output.name for i, output in enumerate(body.output) if i - 1 not in hoisted}
-        hoisted = {j: pair for j, pair in hoisted.items() if pair[0] not in returned}
-        if not hoisted:
-            continue
-        mapping = dict(hoisted.values())
-        keep = [j for j in range(carried) if j not in hoisted]
-        _rename_inputs(body, mapping)
-        inputs = [body.input[0], body.input[1]] + [body.input[2 + j] for j in keep]
-        outputs = [body.output[0]] + [body.output[1 + j] for j in keep] + list(body.output[1 + carried :])
-        value_info = [v for v in body.value_info if v.name not in mapping]
-        for field, kept in ((body.input, inputs), (body.output, outputs), (body.value_info, value_info)):
-            kept = [type(item).FromString(item.SerializeToString()) for item in kept]
-            del field[:]
-            field.extend(kept)
-        node_inputs = [node.input[0], node.input[1]] + [node.input[2 + j] for j in keep]
-        node_outputs = [node.output[j] for j in keep] + list(node.output[carried:])
-        del node.input[:]
-        node.input.extend(node_inputs)
-        del node.output[:]
-        node.output.extend(node_outputs)
-        removed += len(mapping)
-    return removed
-
-
-def _weight_inputs(proto):
-    """``{graph input name: variable index}`` of the weight inputs left in a converted graph."""
-    pattern = re.compile(re.escape(_WEIGHT_INPUT).replace(r"\{\}", r"(\d+)") + "$")
-    out = {}
-    for graph_input in proto.graph.input:
-        match = pattern.match(graph_input.name)
-        if match:
-            out[graph_input.name] = int(match.group(1))
-    return out
-
-
-def _name_weight_inputs(proto, names):
-    """Renames the weight inputs to the weights' names; returns the variable indices the graph uses.
-
-    A weight that no node reads (e.g. a dropout layer's seed state in an
-    inference graph) leaves the graph's inputs: it would be an initializer
-    that onnxruntime warns about, once per weight, at every session start.
-    """
-    used = _weight_inputs(proto)
-    read = _names_read(proto.graph)
-    unread = {key for key in used if key not in read}
-    if unread:
-        kept = [graph_input for graph_input in proto.graph.input if graph_input.name not in unread]
-        del proto.graph.input[:]
-        proto.graph.input.extend(kept)
-        used = {key: i for key, i in used.items() if key not in unread}
-    _rename_inputs(proto.graph, {key: names[i] for key, i in used.items()})
-    for graph_input in proto.graph.input:
-        if graph_input.name in used:
-            graph_input.name = names[used[graph_input.name]]
-    return sorted(used.values())
-
-
-_read_data_header = _onnx_files.read_data_header
-
-
 def _from_function(tf_fn, input_signature, opset, fast=True):
     import tf2onnx
 
@@ -369,7 +150,7 @@ def _from_function(tf_fn, input_signature, opset, fast=True):
                 tf_fn,
                 input_signature=input_signature,
                 opset=opset,
-                custom_op_handlers=_CUSTOM_OP_HANDLERS,
+                custom_op_handlers=_onnx_handlers.CUSTOM_OP_HANDLERS,
             )
     finally:
         logger.setLevel(level)
@@ -398,7 +179,7 @@ def _convert(fn, input_signature, opset, metadata, fast=True, variables=None):
         if not fast:
             raise
         proto = _from_function(tf_fn, input_signature, opset, fast=False)
-    _hoist_loop_invariants(proto.graph)
+    _onnx_graph._hoist_loop_invariants(proto.graph)
     try:
         onnx.checker.check_model(proto)
     except onnx.checker.ValidationError as e:
@@ -554,7 +335,7 @@ def export_onnx(
     ):
         say(f"converting the {kind} graph to ONNX (opset {graph_opset})")
         protos[kind] = _convert(fn, signature, graph_opset, meta, variables=variables)
-        used[kind] = _name_weight_inputs(protos[kind], names)
+        used[kind] = _onnx_graph._name_weight_inputs(protos[kind], names)
     if tokenizer_dir:
         say(f"writing the tokenizer ({tokenizer_dir})")
         _onnx_text.write_tokenizer(model, os.path.join(_parent(targets["step"]), tokenizer_dir))

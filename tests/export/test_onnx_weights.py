@@ -17,7 +17,7 @@ import pytest
 from onnx import numpy_helper
 
 from keras_linattn import export
-from keras_linattn.export import _specs, _verify_weights, onnx_export
+from keras_linattn.export import _onnx_graph, _specs, _verify_weights, onnx_export
 from tests import _shared_exports
 
 pytestmark = pytest.mark.tf_only("ONNX export runs on TensorFlow")
@@ -309,7 +309,7 @@ def test_loop_invariants_are_read_from_the_outer_scope(with_used_final):
     feeds = {"n": np.array(4, "int64"), "x": np.array([[1.0, -2.0, 0.5]], "float32")}
     run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)  # noqa: E731
     want = run(model)
-    removed = onnx_export._hoist_loop_invariants(model.graph)
+    removed = _onnx_graph._hoist_loop_invariants(model.graph)
     onnx.checker.check_model(model)
     loop = model.graph.node[1]
     assert removed == (1 if with_used_final else 2)
@@ -342,7 +342,7 @@ def test_a_weight_no_node_reads_is_not_stored(tmp_path):
     paths = export.export_onnx(lm, tmp_path / "lm.onnx")
     for kind, path in paths.items():
         proto = onnx.load(path)
-        read = onnx_export._names_read(proto.graph)
+        read = _onnx_graph._names_read(proto.graph)
         stored = {t.name for t in proto.graph.initializer}
         assert not [name for name in stored if name not in read], kind
         assert not stored & set(seeds), kind
