@@ -6,9 +6,9 @@ them: the absl pre-initialisation banner, the oneDNN notice, and on a machine
 without an NVIDIA driver the CUDA stub's notice and a ``failed call to
 cuInit`` error. On a CPU-only machine these say nothing the user can act on.
 
-`filter_native_noise` is opt-in, for entry points (``examples/demo.py``);
-it lives outside the package because it must run before TensorFlow is
-imported, and importing `keras_linattn` imports TensorFlow. It replaces
+`filter_native_noise` is opt-in, for entry points (``examples/demo.py``),
+and must run before TensorFlow is imported (the package's own
+`keras_linattn.quiet()` holds the start-up lines back another way). It replaces
 fd 2 with a pipe read by a thread that forwards every line except
 those matching `noise_pattern()`; the CUDA lines are treated as noise only when no
 NVIDIA device node exists (on a GPU machine a CUDA error is real).
