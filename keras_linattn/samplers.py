@@ -63,6 +63,7 @@ __all__ = [
     "gumbel_noise",
     "nonfinite_rows",
     "sample",
+    "scale_logits",
     "serialize",
     "settings_rules",
     "uniform_from_bits",

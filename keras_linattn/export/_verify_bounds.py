@@ -167,12 +167,12 @@ def quantized_reduction(model):
             continue
         eps_q = max(eps_q, QUANTIZED_EPS[mode])
         if isinstance(getattr(layer, "equation", None), str) and hasattr(layer, "_kernel_reduced_axes"):
-            shape = getattr(layer, "original_kernel_shape", None) or layer._kernel.shape
+            shape = getattr(layer, "original_kernel_shape", None) or _compat.unmerged_kernel(layer).shape
             n_q += int(np.prod([int(shape[a]) for a in layer._kernel_reduced_axes]))
         elif hasattr(layer, "output_dim"):  # an embedding: its tied output projection sums over the width
             n_q += int(layer.output_dim)
         else:  # Dense: the kernel's input dim ([in, out], or int4's packed [in, out / 2])
-            n_q += int(layer._kernel.shape[0])
+            n_q += int(_compat.unmerged_kernel(layer).shape[0])
     return n_q, eps_q
 
 

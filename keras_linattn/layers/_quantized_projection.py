@@ -13,6 +13,8 @@ one. Quantizers, scales, LoRA, bias and the gradient are Keras' own.
 
 from keras import ops
 
+from keras_linattn import _compat
+
 
 def _int_product(x, kernel, form):
     """``einsum(equation, x, kernel)`` of a projection as one 2-D product (int8 operands: int32 result).
@@ -56,7 +58,9 @@ def int8_call(layer, inputs, form):
         x = ops.cast(_int_product(quantized, kernel, form), layer.compute_dtype)
         return ops.divide(x, ops.multiply(inputs_scale, kernel_scale)), grad_fn
 
-    x = product(inputs, ops.convert_to_tensor(layer._kernel), ops.convert_to_tensor(layer.kernel_scale))
+    x = product(
+        inputs, ops.convert_to_tensor(_compat.unmerged_kernel(layer)), ops.convert_to_tensor(layer.kernel_scale)
+    )
     if layer.lora_enabled:
         lora_x = ops.matmul(ops.einsum(layer.equation, inputs, layer.lora_kernel_a), layer.lora_kernel_b)
         x = ops.cast(ops.add(x, (layer.lora_alpha / layer.lora_rank) * lora_x), layer.compute_dtype)

@@ -26,7 +26,7 @@ import dataclasses
 from keras_linattn import _validation
 from keras_linattn import feature_maps as feature_maps_lib
 from keras_linattn.ops import core as la_ops
-from keras_linattn.ops.rotary import _check_rope_arguments, check_frequency_adjustment
+from keras_linattn.ops.rotary import _check_frequency_adjustment, _check_rope_arguments
 from keras_linattn.recurrences import registry
 from keras_linattn.recurrences.additive import AdditiveRecurrence
 from keras_linattn.recurrences.decay import DecayRecurrence
@@ -271,8 +271,8 @@ def _shorthand_recurrence(
 
 
 def _check_adjustment(adjustment, max_wavelength, scaling_factor):
-    """`check_frequency_adjustment`, and its requirements: rotary embeddings on, no linear scaling."""
-    adjustment = check_frequency_adjustment(adjustment)
+    """`_check_frequency_adjustment`, and its requirements: rotary embeddings on, no linear scaling."""
+    adjustment = _check_frequency_adjustment(adjustment)
     if adjustment is not None and (max_wavelength is None or scaling_factor != 1.0):
         raise ValueError(
             "`rope_frequency_adjustment` adjusts rotary frequencies: it needs `rope_max_wavelength` and "

@@ -46,7 +46,7 @@ def _check_rope_arguments(max_wavelength, scaling_factor):
     return max_wavelength, scaling_factor
 
 
-def check_frequency_adjustment(value):
+def _check_frequency_adjustment(value):
     """Validates Llama 3.1's RoPE frequency adjustment: None or 4 positive numbers, as a tuple of floats.
 
     Args:
@@ -150,7 +150,7 @@ def rotary_embedding(
         )
     _validation.check_rank("positions", positions, len(x.shape) - 2)
     max_wavelength, scaling_factor = _check_rope_arguments(max_wavelength, scaling_factor)
-    frequency_adjustment = check_frequency_adjustment(frequency_adjustment)
+    frequency_adjustment = _check_frequency_adjustment(frequency_adjustment)
     if frequency_adjustment is not None and scaling_factor != 1.0:
         raise ValueError(
             "Llama 3.1's `frequency_adjustment` replaces the linear scaling: pass scaling_factor=1. "
@@ -173,7 +173,7 @@ def rotary_embedding_reference(
     index = ops.arange(0, dim, 2, dtype=compute_dtype)  # [D/2]
     inverse = ops.power(ops.cast(max_wavelength, compute_dtype), -(index / dim)) / scaling_factor  # [D/2]
     if frequency_adjustment is not None:
-        inverse = _adjust_frequencies(inverse, check_frequency_adjustment(frequency_adjustment))
+        inverse = _adjust_frequencies(inverse, _check_frequency_adjustment(frequency_adjustment))
     angles = ops.cast(positions, compute_dtype)[..., None, None] * inverse  # [B, T, 1, D/2]
     cos, sin = ops.cos(angles), ops.sin(angles)
     xf = ops.cast(x, compute_dtype)

@@ -138,12 +138,12 @@ def test_verify_checks_every_served_folder(tmp_path, exported, capsys):
     assert export.latest_version_dir(str(out / "a")).endswith("7")
 
 
-def test_a_name_whose_onnx_files_are_another_models_is_refused(tmp_path, capsys):
+def test_a_name_whose_onnx_files_are_another_models_is_refused(model_file, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "manifest.json").write_text(json.dumps({"models": {"a": {"keras_model": "keras/a.keras"}}}))
     for name in ("a_step", "a_generate"):
-        assert cli.main(["export", "missing.keras", "--out", str(out), "--name", name]) == 2
+        assert cli.main(["export", model_file, "--out", str(out), "--name", name]) == 2
         err = capsys.readouterr().err
         assert f"--name {name!r} would share an ONNX file with model 'a'" in err, err
     assert sorted(os.listdir(out)) == ["manifest.json"]

@@ -21,7 +21,7 @@ def test_a_registered_family_is_found_for_a_subclass_and_a_clash_is_refused(monk
     class ToySubclass(ToyBackbone):
         pass
 
-    monkeypatch.setattr(families, "_REGISTRY", dict(families._REGISTRY))
+    monkeypatch.setattr(families.registry, "_REGISTRY", dict(families.registry._REGISTRY))
     toy = families.Family(name="toy", backbones=("ToyBackbone",), config=dict, weights=lambda *a: None)
     families.register(toy)
     assert families.get(ToySubclass()) is toy

@@ -19,6 +19,8 @@ import math
 
 from keras_linattn.linearization.families import Family, register
 
+__all__ = ["copy_gemma", "gemma_config"]
+
 # Gemma 2's configuration keys the student does not reproduce, with the value that is Gemma 1's.
 _GEMMA_1 = {
     "attention_logit_soft_cap": None,

@@ -22,6 +22,8 @@ from keras_linattn.linearization.families import Family, register
 from keras_linattn.linearization.families.gemma import _heads_first, _one_plus
 from keras_linattn.recurrences import WindowRecurrence, registry
 
+__all__ = ["copy_gemma3", "gemma3_config"]
+
 # Keys the student does not reproduce, with the value it does.
 _MAPPED = {
     "attention_logit_soft_cap": None,

@@ -3,6 +3,8 @@
 from keras_linattn.linearization.families import Family, register
 from keras_linattn.linearization.families._common import copy_attention
 
+__all__ = ["copy_gpt2", "gpt2_config"]
+
 
 def gpt2_config(config, backbone, window_size):
     """`LinearBackbone` arguments of a `GPT2Backbone` config."""

@@ -10,6 +10,8 @@
 
 from keras_linattn.linearization.families import Family, register
 
+__all__ = ["copy_gpt_neox", "gpt_neox_config"]
+
 
 def gpt_neox_config(config, backbone, window_size):
     """`LinearBackbone` arguments of a `GPTNeoXBackbone` config.

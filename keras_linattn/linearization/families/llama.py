@@ -3,6 +3,8 @@
 from keras_linattn.linearization.families import Family, register
 from keras_linattn.linearization.families._common import copy_rms_decoder
 
+__all__ = ["copy_llama", "llama_config", "rope_frequency_adjustment"]
+
 
 def llama_config(config, backbone, window_size):
     """`LinearBackbone` arguments of a `LlamaBackbone` / `Llama3Backbone` config.

@@ -3,6 +3,8 @@
 from keras_linattn.linearization.families import Family, register
 from keras_linattn.linearization.families._common import copy_rms_decoder
 
+__all__ = ["copy_mistral", "local_window", "mistral_config"]
+
 
 def local_window(sliding_window, window_size):
     """The attention arguments for a teacher whose layers attend to the last `sliding_window` tokens only.

@@ -7,6 +7,8 @@ frequency, short and long) raises TypeError naming it.
 from keras_linattn.linearization.families import Family, register
 from keras_linattn.linearization.families._common import copy_attention
 
+__all__ = ["copy_phi3", "phi3_config"]
+
 
 def phi3_config(config, backbone, window_size):
     """`LinearBackbone` arguments of a `Phi3Backbone` config.

@@ -9,6 +9,8 @@ from keras_linattn.linearization.families import Family, register
 from keras_linattn.linearization.families._common import copy_rms_decoder
 from keras_linattn.linearization.families.mistral import local_window
 
+__all__ = ["copy_qwen", "qwen_config"]
+
 
 def qwen_config(config, backbone, window_size):
     """`LinearBackbone` arguments of a `QwenBackbone` config (a sliding window as in `mistral.local_window`)."""

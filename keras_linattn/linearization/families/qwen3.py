@@ -3,6 +3,8 @@
 from keras_linattn.linearization.families import Family, register
 from keras_linattn.linearization.families._common import copy_rms_decoder
 
+__all__ = ["copy_qwen3", "qwen3_config"]
+
 
 def qwen3_config(config, backbone, window_size):
     """`LinearBackbone` arguments of a `Qwen3Backbone` config.

@@ -11,6 +11,8 @@ checkpoint) gets ``{"rope_max_wavelength": None}`` in the student's
 
 from keras_linattn.linearization.families import Family, register
 
+__all__ = ["copy_smollm3", "smollm3_config"]
+
 
 def smollm3_config(config, backbone, window_size):
     """`LinearBackbone` arguments of a `SmolLM3Backbone` config.
