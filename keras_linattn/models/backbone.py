@@ -222,6 +222,7 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
 
         Example:
 
+        >>> import numpy as np
         >>> backbone = LinearBackbone(vocabulary_size=256, num_layers=2, hidden_dim=64,
         ...                           num_heads=4, intermediate_dim=128)
         >>> backbone({"token_ids": np.ones((2, 16), "int32"),
