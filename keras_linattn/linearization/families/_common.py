@@ -126,3 +126,31 @@ def copy_rms_decoder(copy, student, attention_bias=False, zero_feedforward_bias=
             if zero_feedforward_bias:
                 copy.zero(ours.bias)
     copy(student.final_norm.scale, "sequence_output_layernorm/scale")
+
+
+def rms_decoder_config(config, backbone, **overrides):
+    """The `LinearBackbone` arguments every Llama-layout config shares (RMSNorm, gated SiLU feed-forward, RoPE, GQA).
+
+    keras-hub's Llama-style `get_config` omits `tie_word_embeddings` (Llama 3.2 ties them): the embedding layer
+    knows. `overrides` replace or add arguments (biases, head size, RoPE scaling, q/k norms).
+    """
+    arguments = dict(
+        vocabulary_size=config["vocabulary_size"],
+        num_layers=config["num_layers"],
+        hidden_dim=config["hidden_dim"],
+        num_heads=config["num_query_heads"],
+        num_key_value_heads=config["num_key_value_heads"],
+        intermediate_dim=config["intermediate_dim"],
+        dropout=config.get("dropout", 0.0),
+        max_sequence_length=None,
+        tie_embeddings=bool(config.get("tie_word_embeddings", backbone.token_embedding.tie_weights)),
+        activation="silu",
+        layer_norm_epsilon=config.get("layer_norm_epsilon", 1e-6),
+        normalization="rms_norm",
+        feedforward="gated",
+        use_bias=False,
+        rope_max_wavelength=config.get("rope_max_wavelength", 10000),
+        rope_scaling_factor=config.get("rope_scaling_factor", 1.0),
+    )
+    arguments.update(overrides)
+    return arguments

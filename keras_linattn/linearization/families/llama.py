@@ -1,7 +1,7 @@
 """Llama 2 and Llama 3 (`LlamaBackbone`, `Llama3Backbone`): RMSNorm, SwiGLU, RoPE, GQA, no biases."""
 
 from keras_linattn.linearization.families import Family, register
-from keras_linattn.linearization.families._common import copy_rms_decoder
+from keras_linattn.linearization.families._common import copy_rms_decoder, rms_decoder_config
 
 __all__ = ["copy_llama", "llama_config", "rope_frequency_adjustment"]
 
@@ -12,24 +12,9 @@ def llama_config(config, backbone, window_size):
     Llama 3.1-3.3's RoPE scaling (keras-hub's ``rope_frequency_adjustment_factor``
     and its three companions) becomes ``rope_frequency_adjustment``.
     """
-    return dict(
-        vocabulary_size=config["vocabulary_size"],
-        num_layers=config["num_layers"],
-        hidden_dim=config["hidden_dim"],
-        num_heads=config["num_query_heads"],
-        num_key_value_heads=config["num_key_value_heads"],
-        intermediate_dim=config["intermediate_dim"],
-        dropout=config.get("dropout", 0.0),
-        max_sequence_length=None,
-        # keras-hub's Llama `get_config` omits `tie_word_embeddings` (Llama 3.2 ties them): the embedding
-        # layer knows.
-        tie_embeddings=bool(config.get("tie_word_embeddings", backbone.token_embedding.tie_weights)),
-        activation="silu",
-        layer_norm_epsilon=config.get("layer_norm_epsilon", 1e-6),
-        normalization="rms_norm",
-        feedforward="gated",
-        use_bias=False,
-        rope_max_wavelength=config.get("rope_max_wavelength", 10000),
+    return rms_decoder_config(
+        config,
+        backbone,
         # keras-hub's Llama rotary embedding does not apply `rope_position_scaling_factor`.
         rope_scaling_factor=1.0,
         rope_frequency_adjustment=rope_frequency_adjustment(config),

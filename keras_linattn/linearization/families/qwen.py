@@ -6,7 +6,7 @@ zero: the same function, a few zero weights more.
 """
 
 from keras_linattn.linearization.families import Family, register
-from keras_linattn.linearization.families._common import copy_rms_decoder
+from keras_linattn.linearization.families._common import copy_rms_decoder, rms_decoder_config
 from keras_linattn.linearization.families.mistral import local_window
 
 __all__ = ["copy_qwen", "qwen_config"]
@@ -15,23 +15,10 @@ __all__ = ["copy_qwen", "qwen_config"]
 def qwen_config(config, backbone, window_size):
     """`LinearBackbone` arguments of a `QwenBackbone` config (a sliding window as in `mistral.local_window`)."""
     sliding = config.get("sliding_window_size") if config.get("use_sliding_window_attention") else None
-    return dict(
-        vocabulary_size=config["vocabulary_size"],
-        num_layers=config["num_layers"],
-        hidden_dim=config["hidden_dim"],
-        num_heads=config["num_query_heads"],
-        num_key_value_heads=config["num_key_value_heads"],
-        intermediate_dim=config["intermediate_dim"],
-        dropout=config.get("dropout", 0.0),
-        max_sequence_length=None,
-        tie_embeddings=bool(config.get("tie_word_embeddings", backbone.token_embedding.tie_weights)),
-        activation="silu",
-        layer_norm_epsilon=config.get("layer_norm_epsilon", 1e-6),
-        normalization="rms_norm",
-        feedforward="gated",
+    return rms_decoder_config(
+        config,
+        backbone,
         use_bias=True,
-        rope_max_wavelength=config.get("rope_max_wavelength", 10000),
-        rope_scaling_factor=config.get("rope_scaling_factor", 1.0),
         **local_window(sliding, window_size),
     )
 

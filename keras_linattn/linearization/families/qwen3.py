@@ -1,7 +1,7 @@
 """Qwen 3 (`Qwen3Backbone`): Llama's layout with a per-head RMSNorm on queries and keys, a head dim of its own."""
 
 from keras_linattn.linearization.families import Family, register
-from keras_linattn.linearization.families._common import copy_rms_decoder
+from keras_linattn.linearization.families._common import copy_rms_decoder, rms_decoder_config
 
 __all__ = ["copy_qwen3", "qwen3_config"]
 
@@ -20,24 +20,10 @@ def qwen3_config(config, backbone, window_size):
             "Qwen 3 sliding-window attention is not mapped. "
             f"Received: sliding_window_size={config.get('sliding_window_size')}"
         )
-    return dict(
-        vocabulary_size=config["vocabulary_size"],
-        num_layers=config["num_layers"],
-        hidden_dim=config["hidden_dim"],
-        num_heads=config["num_query_heads"],
-        num_key_value_heads=config["num_key_value_heads"],
+    return rms_decoder_config(
+        config,
+        backbone,
         key_dim=config["head_dim"],
-        intermediate_dim=config["intermediate_dim"],
-        dropout=config.get("dropout", 0.0),
-        max_sequence_length=None,
-        tie_embeddings=bool(config.get("tie_word_embeddings", backbone.token_embedding.tie_weights)),
-        activation="silu",
-        layer_norm_epsilon=config.get("layer_norm_epsilon", 1e-6),
-        normalization="rms_norm",
-        feedforward="gated",
-        use_bias=False,
-        rope_max_wavelength=config.get("rope_max_wavelength", 10000),
-        rope_scaling_factor=config.get("rope_scaling_factor", 1.0),
         # keras-hub's Qwen 3 decoder does not pass its epsilon to the attention's q/k norms (1e-5 there):
         # the teacher layer's own value.
         qk_norm_epsilon=layer._query_dense_layer_norm.epsilon,
