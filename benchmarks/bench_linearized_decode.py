@@ -291,7 +291,7 @@ def stage_decode(args):
     """ms per new token at batch 1 (decode only: the difference of two generate lengths), first-call time."""
     import numpy as np
 
-    from keras_linattn.models import causal_lm
+    from keras_linattn.models import _generate_compile
 
     student, load_s = _load_student(args)
     teacher = build_teacher(args.family, args.size) if not args.no_teacher else None
@@ -342,7 +342,7 @@ def stage_decode(args):
     student.generate_jit_compile = "auto"
     return {
         "load_s": load_s,
-        "auto_uses_xla": bool(causal_lm._generate_uses_xla(student)),
+        "auto_uses_xla": bool(_generate_compile.generate_uses_xla(student)),
         "bandwidth_gib_s": bw,
         "weights_read_floor_ms": floor,
         "contexts": rows,

@@ -53,6 +53,10 @@ import sys
 import time
 import zipfile
 
+import keras_linattn  # noqa: F401 - registers the layers and models
+from keras_linattn import _atomic, export
+from keras_linattn.export import onnx_export
+from keras_linattn.export._verify_report import _format_table
 from keras_linattn_cli import CommandError, build_parser, check_name, main
 from keras_linattn_cli import log as _log
 
@@ -76,8 +80,6 @@ def _human(num_bytes):
 
 def _load_model(path):
     import keras
-
-    import keras_linattn  # noqa: F401 - registers the layers and models
 
     if not os.path.isfile(path):
         raise ValueError(f"MODEL must be an existing .keras file. Received: MODEL={path!r}")
@@ -119,7 +121,6 @@ def _read_manifest(path, missing_ok=False):
 
 def _update_manifest(out, name, entry):
     """Replaces `name`'s entry of ``out/manifest.json`` in one atomic rename (other names kept)."""
-    from keras_linattn import _atomic
 
     path = os.path.join(out, _MANIFEST)
     with _atomic.staging_dir(out) as tmp:
@@ -205,7 +206,6 @@ def _remove_stale(out, name, old_entry, entry):
     ``--no-generate``) export, the old model's ONNX graphs. Only files the previous manifest
     entry records (inside ``<out>``) are removed, and the SavedModel folder of this name.
     """
-    from keras_linattn import _atomic
 
     base = os.path.join(out, name)
     if "saved_model" not in entry and os.path.isdir(base):
@@ -243,7 +243,6 @@ def _export(args, model, out, name, steps, t0, done):
 
     `done` records what was published (``version_dir``) and whether the manifest was (``manifest``).
     """
-    from keras_linattn import _atomic, export
 
     os.makedirs(out, exist_ok=True)
     entry = {"source": os.path.abspath(args.model), "keras_model": os.path.join("keras", f"{name}.keras"), "files": {}}
@@ -316,8 +315,6 @@ def _export(args, model, out, name, steps, t0, done):
     done["manifest"] = True
     _atomic.fault_point("cli:manifest_published")
     _log("")
-    from keras_linattn.export._verify_report import _format_table
-
     _log(_format_table(rows, ("format", "path", "signatures", "size", "seconds")))
     _log(f"\nexported in {time.perf_counter() - t0:.1f} s; check with: keras-linattn verify {out}")
     return 0
@@ -325,7 +322,6 @@ def _export(args, model, out, name, steps, t0, done):
 
 def _check_file(path, rel, entry, what):
     """The file exists and matches the size and sha256 the manifest recorded (when it did)."""
-    from keras_linattn import _atomic
 
     if not os.path.isfile(path):
         raise ValueError(
@@ -338,7 +334,6 @@ def _check_file(path, rel, entry, what):
 
 def _check_onnx(out_dir, entry):
     """(model path, step path) of an entry, after checking export ids, sizes, sha256 and the pair."""
-    from keras_linattn.export import onnx_export
 
     onnx = entry.get("onnx", {})
     if "model" not in onnx:
@@ -378,8 +373,6 @@ def _check_onnx(out_dir, entry):
 
 
 def _check_saved_model(out_dir, entry):
-    from keras_linattn import export
-
     if "saved_model" not in entry:
         return None
     path = os.path.join(out_dir, entry["saved_model"])
@@ -405,7 +398,6 @@ def _check_model_directories(out_dir, models):
     Raises:
         ValueError: naming the folder, for the first one that breaks this.
     """
-    from keras_linattn import _atomic
     from keras_linattn.export import saved_model
 
     for folder in sorted(os.listdir(out_dir)):
@@ -455,8 +447,6 @@ class _CheckStatus:
 
 
 def _cmd_verify(args):
-    from keras_linattn import export
-
     manifest_path = os.path.join(args.dir, _MANIFEST)
     if not os.path.isfile(manifest_path):
         raise ValueError(

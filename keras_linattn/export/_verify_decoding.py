@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from keras_linattn import generation
+from keras_linattn import generation, samplers
 from keras_linattn.export import _specs
 from keras_linattn.export._verify_bounds import (
     _Bound,
@@ -23,6 +23,7 @@ from keras_linattn.export._verify_bounds import (
     quantized_reduction,
 )
 from keras_linattn.export._verify_report import _Check
+from keras_linattn.export.onnx_generator import OnnxGenerator
 
 # The sampler of the `generate_sampled` / ONNX generate check.
 _SAMPLED = {"temperature": 0.8, "k": 8, "p": 0.9}
@@ -104,8 +105,6 @@ class _KerasDecoding:
     """Keras' decoding of random tokens, the reference of every decoding check, and the bounds it is held to."""
 
     def __init__(self, run, batch, steps, limit):
-        from keras_linattn import samplers
-
         specs = run.specs
         model = specs.model
         self.batch, self.steps = batch, steps
@@ -197,8 +196,6 @@ def _check_saved_model(run, keras_decoding, runner, fixed):
 
 def _check_onnx(run, keras_decoding, step_path, generate_path, fixed):
     """The ONNX step graph, then (where it exists) the generate graph, greedy and sampled."""
-    from keras_linattn.export.onnx_generator import OnnxGenerator
-
     ref = keras_decoding
     # No prepacked weight copies: verify checks values, and a 1B model's sessions peaked 6 GiB higher with them.
     gen = OnnxGenerator(step_path, generate_path=generate_path, device=run.onnx_device, prepacking=False)

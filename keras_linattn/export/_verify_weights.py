@@ -23,6 +23,7 @@ import os
 
 import numpy as np
 
+from keras_linattn.export import onnx_export
 from keras_linattn.export._verify_report import _Check
 
 
@@ -180,8 +181,6 @@ def check_by_value(weights, tensors, allow_folded=False):
 
 # --------------------------------------------------------------- by name
 def onnx_has_named_weights(path):
-    from keras_linattn.export import onnx_export
-
     return onnx_export._read_metadata(path).get("weights") == "named"
 
 

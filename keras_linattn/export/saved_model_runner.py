@@ -4,6 +4,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_linattn import _compat
+from keras_linattn.export import saved_model
 
 __all__ = ["SavedModelRunner"]
 
@@ -118,8 +119,6 @@ def _load_failure(export_dir, error):
     the reason on a later line and no file name; the digests recorded at
     export (`check_integrity`) name the file.
     """
-    from keras_linattn.export import saved_model
-
     message = getattr(error, "message", None) or str(error)
     lines = [line.strip() for line in message.splitlines()]
     lines = [line for line in lines if line and line != "Graph execution error:" and not line.startswith("[[")]

@@ -10,9 +10,19 @@ import os
 
 import numpy as np
 
-from keras_linattn.export import _specs, _verify_bounds, _verify_decoding, _verify_outputs, _verify_weights
+from keras_linattn.export import (
+    _specs,
+    _verify_bounds,
+    _verify_decoding,
+    _verify_outputs,
+    _verify_weights,
+    onnx_export,
+    saved_model,
+)
 from keras_linattn.export._verify_bounds import differences
 from keras_linattn.export._verify_report import VerificationError, VerificationReport, _Run
+from keras_linattn.export.onnx_predictor import OnnxPredictor
+from keras_linattn.export.saved_model_runner import SavedModelRunner
 
 __all__ = ["VerificationError", "VerificationReport", "differences", "verify"]
 
@@ -70,8 +80,6 @@ def _resolve_decode_steps(decode_steps, limit):
 
 def _check_files(saved_model_dir, onnx_path, onnx_step_path, onnx_generate_path):
     """Names a damaged or mismatched file before anything runs; returns the ONNX step and generate paths."""
-    from keras_linattn.export import onnx_export, saved_model
-
     if saved_model_dir is not None and os.path.isfile(
         os.path.join(saved_model_dir, "assets.extra", saved_model._DESCRIPTION_FILE)
     ):
@@ -189,8 +197,6 @@ def verify(
         VerificationError: a check failed or could not be verified (with
             `raise_on_failure`).
     """
-    from keras_linattn.export.saved_model_runner import SavedModelRunner
-
     limit = _model_limit(model, max_sequence_length)
     shapes = _resolve_shapes(shapes, limit)
     decode_steps = _resolve_decode_steps(decode_steps, limit)
@@ -202,8 +208,6 @@ def verify(
     runner = SavedModelRunner(saved_model_dir) if saved_model_dir is not None else None
     predictor = None
     if onnx_path is not None:
-        from keras_linattn.export.onnx_predictor import OnnxPredictor
-
         predictor = OnnxPredictor(onnx_path, device=onnx_device, prepacking=False)  # one copy of the weights
     try:
         if check_weights:

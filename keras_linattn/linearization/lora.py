@@ -4,7 +4,10 @@ The LoLCATs recipe's second stage: after attention transfer, the query,
 key, value and output projections of every `LinearAttention` get low-rank
 adapters (rank 8, alpha 16: updates scaled by alpha / rank = 2) and
 everything else, feature maps included, is frozen. Keras' own LoRA
-(`keras.layers.EinsumDense.enable_lora`) does the work; `merge_lora` gives a
+(`keras.layers.EinsumDense.enable_lora`) does the work; each `LinearBackbone`
+of the model adapts itself (`LinearBackbone.enable_lora`, keras-hub's home
+of LoRA), and `LinearAttention` layers outside one get the same adapters
+here. `merge_lora` gives a
 model of the same architecture without adapters, whose kernels are
 ``W + (alpha / rank) A B``, for export.
 
@@ -23,74 +26,22 @@ import keras
 
 from keras_linattn import _compat
 from keras_linattn._capture import walk_layers
-from keras_linattn._validation import check_positive_int
-from keras_linattn.layers.linear_attention import LinearAttention
+from keras_linattn.models._lora import (
+    PROJECTIONS,
+    adapter_variables,
+    add_adapters,
+    attention_layers,
+    check_not_enabled,
+    check_rank_alpha,
+    freeze,
+    lora_hosts,
+    merge_adapters,
+    projections,
+    unfreeze,
+)
+from keras_linattn.models._sampler_bridge import get_sampler, serialize_sampler
 
 __all__ = ["PROJECTIONS", "enable_lora", "lora_variables", "merge_lora"]
-
-
-# The projections of a `LinearAttention` layer that take adapters (their layer names).
-PROJECTIONS = ("query", "key", "value", "attention_output")
-
-
-def _attention_layers(model):
-    layers = [layer for layer in walk_layers(model) if isinstance(layer, LinearAttention)]
-    if not layers:
-        raise ValueError(f"The model has no LinearAttention layer to put LoRA on. Received: {type(model).__name__}")
-    return layers
-
-
-def _projections(layer):
-    return [layer.query_dense, layer.key_dense, layer.value_dense, layer.output_dense]
-
-
-def _freeze(layers):
-    """Freezes every layer of `layers` that holds weights.
-
-    Layers without weights are left alone: a feature-map template (an
-    untracked attribute of a backbone or block, serialized into its config)
-    would otherwise carry ``trainable=False`` into every map built from it.
-    """
-    for layer in layers:
-        if layer.weights:
-            layer.trainable = False  # Keras trains by variable flag
-
-
-def _unfreeze(model):
-    """Every layer of `model` trainable, with the variables it created trainable.
-
-    Keras' ``trainable`` setter, called on each layer: on the TensorFlow
-    backend ``layer.trainable = True`` is skipped (attribute tracking's
-    ``self.x = self.x`` short cut) when the layer already is trainable,
-    which would leave variables frozen one by one (a LoRA kernel and its
-    bias) frozen, and the setter does not reach sublayers that already are.
-    """
-    for layer in walk_layers(model):
-        keras.layers.Layer.trainable.fset(layer, True)
-
-
-def _add_adapters(attention, rank, alpha, in_config):
-    """Adapters on the q/k/v/o projections of the `attention` layers, their kernels and biases frozen."""
-    for layer in attention:
-        for dense in _projections(layer):
-            dense.trainable = True  # Keras creates the adapters trainable only in a trainable layer
-            dense.enable_lora(rank, lora_alpha=alpha)  # new A, B; the kernel is frozen by Keras
-            if dense.bias is not None:
-                dense.bias.trainable = False
-            dense.lora_in_config = in_config
-
-
-def _check_rank_alpha(rank, alpha):
-    check_positive_int("rank", rank)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
-        raise ValueError(f"`alpha` must be a positive number. Received: alpha={alpha!r}")
-
-
-def _backbones(model):
-    """The `LinearBackbone`s inside `model` (their configs can record LoRA)."""
-    from keras_linattn.models.backbone import LinearBackbone
-
-    return [layer for layer in walk_layers(model) if isinstance(layer, LinearBackbone)]
 
 
 def enable_lora(model, rank=8, alpha=16):
@@ -117,20 +68,16 @@ def enable_lora(model, rank=8, alpha=16):
         ValueError: for a model without `LinearAttention`, a rank that is not
             a positive int, or projections that already have adapters.
     """
-    _check_rank_alpha(rank, alpha)
-    attention = _attention_layers(model)
-    for layer in attention:
-        for dense in _projections(layer):
-            if dense.lora_enabled:
-                raise ValueError(f"LoRA is already enabled on {dense.path}. Received: rank={rank}")
-    backbones = _backbones(model)
-    recorded = {id(layer) for bb in backbones for block in bb.decoder_blocks for layer in walk_layers(block)}
+    check_rank_alpha(rank, alpha)
+    attention = attention_layers(model)
+    check_not_enabled(attention, rank)
     model.trainable = True
-    _freeze(walk_layers(model)[1:])
-    _add_adapters([layer for layer in attention if id(layer) in recorded], rank, alpha, in_config=True)
-    _add_adapters([layer for layer in attention if id(layer) not in recorded], rank, alpha, in_config=False)
-    for backbone in backbones:
-        backbone.lora_rank, backbone.lora_alpha = rank, alpha
+    freeze(walk_layers(model)[1:])
+    hosts = lora_hosts(model)
+    for host in hosts:  # the backbone's own `enable_lora`: its config records the adapters
+        host.enable_lora(rank, alpha=alpha)
+    recorded = {id(layer) for host in hosts for layer in walk_layers(host)}
+    add_adapters([layer for layer in attention if id(layer) not in recorded], rank, alpha, in_config=False)
     adapters = lora_variables(model)
     trainable = {id(v) for v in model.trainable_variables}
     if trainable != {id(v) for v in adapters}:
@@ -140,28 +87,23 @@ def enable_lora(model, rank=8, alpha=16):
 
 def lora_variables(model):
     """The LoRA adapter variables (``lora_kernel_a``, ``lora_kernel_b``) of the model's attention projections."""
-    out = []
-    for layer in _attention_layers(model):
-        for dense in _projections(layer):
-            if dense.lora_enabled:
-                out += [dense.lora_kernel_a, dense.lora_kernel_b]
-    return out
+    return adapter_variables(model)
 
 
 @contextlib.contextmanager
 def _without_lora_record(model):
     """Within: the model's config has no ``"lora"`` entry and its projections save merged kernels."""
-    backbones = [(backbone, backbone.lora_rank, backbone.lora_alpha) for backbone in _backbones(model)]
-    denses = [dense for layer in _attention_layers(model) for dense in _projections(layer) if dense.lora_enabled]
+    hosts = [(host, host.lora_rank, host.lora_alpha, host.lora_targets) for host in lora_hosts(model)]
+    denses = [dense for layer in attention_layers(model) for dense in projections(layer) if dense.lora_enabled]
     try:
-        for backbone, _, _ in backbones:
-            backbone.lora_rank = backbone.lora_alpha = None
+        for host, _, _, _ in hosts:
+            host.lora_rank = host.lora_alpha = host.lora_targets = None
         for dense in denses:
             dense.lora_save_merged = True
         yield
     finally:
-        for backbone, rank, alpha in backbones:
-            backbone.lora_rank, backbone.lora_alpha = rank, alpha
+        for host, rank, alpha, targets in hosts:
+            host.lora_rank, host.lora_alpha, host.lora_targets = rank, alpha, targets
         for dense in denses:
             dense.lora_save_merged = False
 
@@ -181,9 +123,7 @@ def _compile_like(fresh, model):
         config = keras.saving.deserialize_keras_object(keras.Model.get_compile_config(model))
         sampler = getattr(model, "sampler", None)
         if sampler is not None and hasattr(type(model), "make_generate_function"):
-            from keras_linattn.models.causal_lm import _get_sampler, _serialize_sampler
-
-            config = dict(config, sampler=_get_sampler(_serialize_sampler(sampler)))  # a copy
+            config = dict(config, sampler=get_sampler(serialize_sampler(sampler)))  # a copy
         fresh.compile(**config)
     except Exception as error:  # e.g. a loss that Keras cannot serialize
         warnings.warn(
@@ -219,18 +159,11 @@ def _copy_weights(source, target, shared=None):
 
 def _merge_in_place(model):
     """Each adapted projection's kernel becomes ``W + (alpha / r) A B`` and its adapters are deleted."""
-    for layer in _attention_layers(model):
-        for dense in _projections(layer):
-            if not dense.lora_enabled:
-                continue
-            _compat.unmerged_kernel(dense).assign(dense.kernel)  # Keras' `kernel`: W + (alpha / r) A B
-            del dense.lora_kernel_a  # a Layer's `__delattr__` untracks the variable
-            del dense.lora_kernel_b
-            dense.lora_enabled = False
-            dense.lora_rank = dense.lora_alpha = None
-            dense.lora_in_config = False
-    for backbone in _backbones(model):
-        backbone.lora_rank = backbone.lora_alpha = None
+    hosts = [host for host in lora_hosts(model) if host.lora_rank is not None]
+    for host in hosts:
+        host.merge_lora()
+    merged = {id(layer) for host in hosts for layer in walk_layers(host)}
+    merge_adapters([layer for layer in attention_layers(model) if id(layer) not in merged])
 
 
 def merge_lora(model, in_place=False):
@@ -271,7 +204,7 @@ def merge_lora(model, in_place=False):
         raise ValueError("The model has no LoRA adapters to merge; call `enable_lora` first.")
     if in_place:
         _merge_in_place(model)
-        _unfreeze(model)
+        unfreeze(model)
         _compile_like(model, model)
         return model
     with _without_lora_record(model):
@@ -284,6 +217,6 @@ def merge_lora(model, in_place=False):
         if preprocessor is not None:
             fresh.preprocessor = preprocessor
         _copy_weights(model, fresh, shared=preprocessor)
-    _unfreeze(fresh)  # a functional config records the frozen layers
+    unfreeze(fresh)  # a functional config records the frozen layers
     _compile_like(fresh, model)
     return fresh

@@ -16,6 +16,7 @@ from keras_linattn.models._block_config import (
     _check_sizes,
     _layer_spec,
 )
+from keras_linattn.models._lora import LoraBackbone
 from keras_linattn.models._tokens import (
     _check_ids_form,
     _check_token_ids,
@@ -124,7 +125,7 @@ BACKBONE_SETTINGS = (
 
 @keras.saving.register_keras_serializable(package="keras_linattn")
 @fill(mechanism_args=MECHANISM_ARGS_DOC)
-class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
+class LinearBackbone(CheckpointTracked, LoraBackbone, keras_hub.models.Backbone):
     """Embeddings, `num_layers` causal linear-attention blocks and a final norm: the trunk of `LinearCausalLM`.
 
         token embedding (+ optional learned positions) -> `num_layers` x
@@ -133,6 +134,9 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
         directories, and a task (`LinearCausalLM`, or any head of yours) is
         built on top of it. Training runs the chunkwise-parallel causal path;
         `call_with_state` and `step` continue from a decode state of fixed size.
+        LoRA lives here, as in keras-hub: ``enable_lora(rank,
+        target_layer_names=None, alpha=None)`` and `merge_lora`
+        (`keras_linattn.models._lora`); the config records the adapters.
 
         A functional model of its own layers, as keras-hub's backbones are:
         ``token_ids`` and the optional ``padding_mask`` -> `token_check` (the
@@ -205,9 +209,9 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
     {mechanism_args}
                 Every block's attention gets them (their decode state joins
                 `state_spec`; decoding stays constant-cost per token).
-            lora: None, or ``{"rank": r, "alpha": a}``: `enable_lora`'s
-                adapters, as configs after `keras_linattn.linearization.enable_lora`
-                record them.
+            lora: None, or ``{"rank": r, "alpha": a}`` (and the
+                ``"target_layer_names"`` when not all four projections):
+                `enable_lora`'s adapters, as configs record them.
             **kwargs: `keras.Model` arguments (`name`, `dtype`).
 
         Call arguments:
@@ -305,9 +309,9 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
             setattr(self, name, value)
         # `call` takes token ids alone too (then `padding_mask=` is optional).
         self.input_spec = None
-        # LoRA adapters (`keras_linattn.linearization.enable_lora` sets these
+        # LoRA adapters (`enable_lora`, `keras_linattn.models._lora`, sets these
         # and `get_config` records them, so that saved copies keep them).
-        self.lora_rank = self.lora_alpha = None
+        self.lora_rank = self.lora_alpha = self.lora_targets = None
         if lora is not None:
             self._restore_lora(lora)
 
@@ -526,39 +530,6 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
             config["layer_attention"] = [dict(entry) for entry in self.layer_attention]
         config["layout"] = CURRENT_LAYOUT  # what tells a current file from one of keras_linattn < 0.3
         return config
-
-    def _restore_lora(self, lora):
-        """`enable_lora` again, on a backbone built from a config with ``"lora": {"rank", "alpha"}``."""
-        from keras_linattn.linearization import enable_lora
-
-        if not isinstance(lora, dict) or set(lora) != {"rank", "alpha"}:
-            raise ValueError(f'`lora` must be None or {{"rank": r, "alpha": a}}. Received: lora={lora!r}')
-        frozen = not self.trainable
-        enable_lora(self, rank=lora["rank"], alpha=lora["alpha"])  # sets lora_rank, lora_alpha
-        if frozen:  # `enable_lora` makes the model trainable (its adapters); a frozen backbone stays frozen
-            self.trainable = False
-
-    def _lora_entry(self):
-        """The config's ``"lora"`` entry: None, or ``{"rank", "alpha"}`` after `enable_lora`.
-
-        Raises:
-            ValueError: if variables other than the adapters were made
-                trainable after `enable_lora` (the config records only its
-                layout).
-        """
-        if self.lora_rank is None:
-            return None
-        from keras_linattn.linearization import lora_variables
-
-        adapters = {id(v) for v in lora_variables(self)}
-        extra = [v.path for v in self.variables if v.trainable and id(v) not in adapters]
-        if extra:
-            raise ValueError(
-                "The model has LoRA adapters and other trainable variables; its config records only "
-                "`enable_lora`'s layout (the adapters trainable, everything else frozen), so a saved copy would "
-                f"reload with these frozen. Freeze them again, or merge first (`merge_lora`). Received: {extra}"
-            )
-        return {"rank": self.lora_rank, "alpha": self.lora_alpha}
 
     @classmethod
     def from_config(cls, config):

@@ -6,11 +6,11 @@ import numpy as np
 from keras import ops
 
 from keras_linattn import _compat, _sampler_settings, _validation, generation
-from keras_linattn import samplers as samplers_lib
 from keras_linattn._docstrings import fill
 from keras_linattn._tracking import CheckpointTracked
 from keras_linattn.layers.spec import MECHANISM_ARGS_DOC
-from keras_linattn.models import _presets, _protocol
+from keras_linattn.models import _compile_config, _generate_compile, _presets, _protocol
+from keras_linattn.models._sampler_bridge import BUILT_IN_SAMPLERS, HubSampler, get_sampler, is_hub_sampler
 from keras_linattn.models._tokens import _unpack_inputs
 from keras_linattn.models.backbone import BACKBONE_SETTINGS, UPGRADE_HINT, LinearBackbone
 from keras_linattn.models.preprocessor import LinearCausalLMPreprocessor
@@ -19,124 +19,6 @@ __all__ = ["LinearCausalLM"]
 
 # `LinearCausalLM._symbolic_build` overrides this Keras hook: fail at import if Keras renamed it.
 _compat.check_symbolic_build_hook()
-
-
-class _FunctionCache:
-    """Holds compiled functions out of Keras' attribute tracking."""
-
-    def __init__(self):
-        self.functions = {}
-
-
-class _HubSampler:
-    """A keras-hub `Sampler` behind the decode contract's ``sampler(logits, seed) -> ids``.
-
-    keras-hub samplers draw with their own seed generator (the contract's
-    per-token seed is not used). Samplers that replace keras-hub's whole loop
-    (beam search, contrastive search) need the model's hidden states and a
-    rewindable cache, which a recurrent state is not: they are refused.
-    """
-
-    def __init__(self, sampler):
-        base = keras_hub.samplers.Sampler
-        if type(sampler).__call__ is not base.__call__:
-            raise ValueError(
-                f"keras-hub's {type(sampler).__name__} runs its own search loop, which a recurrent decode state "
-                "does not support; use greedy, random, top_k or top_p (keras-hub's or keras_linattn.samplers). "
-                f"Received: sampler={sampler!r}"
-            )
-        self.sampler = sampler
-
-    def __call__(self, logits, seed):
-        probabilities = self.sampler.compute_probabilities(logits)
-        return ops.cast(self.sampler.get_next_token(probabilities), "int32")
-
-    def __repr__(self):
-        return f"_HubSampler({type(self.sampler).__name__}@{id(self.sampler):x})"
-
-
-# Samplers whose ids are in [0, V) for finite logits (an invalid id can only mean non-finite logits).
-_BUILT_IN_SAMPLERS = (
-    samplers_lib.GreedySampler,
-    samplers_lib.RandomSampler,
-    samplers_lib.TopKSampler,
-    samplers_lib.TopPSampler,
-)
-
-
-def _get_sampler(sampler):
-    """A `keras_linattn.samplers.Sampler`, or a keras-hub `Sampler` (name or instance)."""
-    if isinstance(sampler, keras_hub.samplers.Sampler):
-        return sampler
-    if isinstance(sampler, dict) and "module" in sampler:  # a keras-serialized keras-hub sampler
-        return keras.saving.deserialize_keras_object(sampler)
-    return samplers_lib.get(sampler)
-
-
-def _serialize_sampler(sampler):
-    if isinstance(sampler, keras_hub.samplers.Sampler):
-        return keras.saving.serialize_keras_object(sampler)
-    return samplers_lib.serialize(sampler)
-
-
-def _integer_inputs(data_batch, model_inputs):
-    """`data_batch` (``x``, ``(x, y)`` or ``(x, y, sample_weight)``) with ``x`` cast to the model's input dtypes.
-
-    Only floating entries of ``x`` whose model input is an integer are cast
-    (token ids, padding mask); ``y`` and sample weights are left alone. For
-    `LinearCausalLM._symbolic_build` (see there).
-    """
-
-    def restore(value, spec):
-        if value is None or spec is None or "int" not in str(spec.dtype):
-            return value
-        if "float" not in str(getattr(value, "dtype", "")):
-            return value
-        return ops.cast(value, spec.dtype)
-
-    def restore_x(x):
-        if isinstance(x, dict) and isinstance(model_inputs, dict):
-            return {key: restore(value, model_inputs.get(key)) for key, value in x.items()}
-        if isinstance(x, (dict, list, tuple)):
-            return x
-        spec = model_inputs.get("token_ids") if isinstance(model_inputs, dict) else model_inputs
-        return restore(x, spec)
-
-    if isinstance(data_batch, tuple):
-        return (restore_x(data_batch[0]), *data_batch[1:]) if data_batch else data_batch
-    if isinstance(data_batch, list):
-        return [restore_x(data_batch[0]), *data_batch[1:]] if data_batch else data_batch
-    return restore_x(data_batch)
-
-
-# `generate_jit_compile="auto"` on a CPU: XLA below this many bytes of weights (see `_generate_uses_xla`).
-XLA_CPU_WEIGHT_BYTES = 64 * 2**20
-
-
-def _generate_uses_xla(model):
-    """Whether `generate` XLA-compiles its prefill and decoding loop (TensorFlow).
-
-    ``model.generate_jit_compile``: True or False, or ``"auto"`` (default):
-    XLA on a GPU; on a CPU, XLA only while the weights are small
-    (`XLA_CPU_WEIGHT_BYTES`). Measured on a 2-core CPU
-    (benchmarks/bench_linearized_decode.py, docs/linearize.md): XLA's fused
-    loop wins where per-op overhead dominates (width 64: docs/decoding.md),
-    and loses where matrix-vector products over large weights do
-    (XLA's CPU dot is slower than TensorFlow's oneDNN kernels).
-    """
-    choice = getattr(model, "generate_jit_compile", "auto")
-    if isinstance(choice, bool):
-        return choice
-    if choice != "auto":
-        raise ValueError(
-            f"`generate_jit_compile` must be True, False or 'auto'. Received: generate_jit_compile={choice!r}"
-        )
-    import tensorflow as tf
-
-    if tf.config.list_physical_devices("GPU"):
-        return True
-    weight_bytes = sum(int(np.prod(v.shape)) * np.dtype(str(v.dtype)).itemsize for v in model.weights)
-    return weight_bytes <= XLA_CPU_WEIGHT_BYTES
 
 
 def _is_text(inputs):
@@ -251,8 +133,8 @@ class LinearCausalLM(CheckpointTracked, _protocol.CausalLMProtocol, keras_hub.mo
         # The backbone's settings, as plain values (`lm.num_layers`, `lm.attention_spec`, ...).
         for name in BACKBONE_SETTINGS:
             setattr(self, name, getattr(backbone, name))
-        self._generation = _FunctionCache()
-        # XLA or a plain tf.function for `generate` (`_generate_uses_xla`): True, False or "auto".
+        self._generation = _generate_compile.FunctionCache()
+        # XLA or a plain tf.function for `generate` (`_generate_compile.generate_uses_xla`): True, False or "auto".
         self.generate_jit_compile = "auto"
 
     # ------------------------------------------------------- the layers
@@ -379,9 +261,9 @@ class LinearCausalLM(CheckpointTracked, _protocol.CausalLMProtocol, keras_hub.mo
                 compile settings.
             **kwargs: `keras.Model.compile` arguments.
         """
-        sampler = _get_sampler(sampler)
-        if isinstance(sampler, keras_hub.samplers.Sampler):
-            _HubSampler(sampler)  # refuses search samplers now, not at the first generate
+        sampler = get_sampler(sampler)
+        if is_hub_sampler(sampler):
+            HubSampler(sampler)  # refuses search samplers now, not at the first generate
         if optimizer == "auto":
             optimizer = keras.optimizers.Adam(2e-5)
         if loss == "auto":
@@ -393,58 +275,21 @@ class LinearCausalLM(CheckpointTracked, _protocol.CausalLMProtocol, keras_hub.mo
         self.generate_function = None
 
     def get_compile_config(self):
-        config = super().get_compile_config()
-        optimizer = getattr(self, "optimizer", None)
-        if config is not None and optimizer is not None and not optimizer.built:
-            # Called when the model is saved, before the weights are written. An
-            # optimizer that never ran is saved as it is (no slots: building
-            # Adam's would write two more copies of every weight, 8 GB at 1B
-            # parameters) and `compile_from_config` leaves it unbuilt, so the
-            # reload finds the same variables and warns of no mismatch.
-            config = dict(config, optimizer_built=False)
-        if config is not None and getattr(self, "sampler", None) is not None:
-            config = dict(config, sampler=_serialize_sampler(self.sampler))
-        return config
+        """Keras' compile config, with the sampler and whether the optimizer had run (`_compile_config`)."""
+        return _compile_config.compile_config(self, super().get_compile_config())
 
     def compile_from_config(self, config):
         """Restores `compile` (optimizer, loss, metrics and sampler) when a `.keras` file loads."""
-        config = dict(config)
-        sampler = config.pop("sampler", None)
-        optimizer_built = config.pop("optimizer_built", True)
-        config = keras.saving.deserialize_keras_object(config)
-        self.compile(**config, sampler=_get_sampler(sampler) if sampler is not None else "greedy")
-        if optimizer_built and getattr(self, "optimizer", None) is not None:
-            self.optimizer.build(self.trainable_variables)
+        _compile_config.restore_compile(self, config)
 
     def _symbolic_build(self, iterator=None, data_batch=None):
-        # Under a `tf.distribute` strategy, Keras' TensorFlow trainer builds
-        # the compiled loss and metrics before the first `fit` / `evaluate`
-        # step from the first distributed batch *mean-reduced over the
-        # replicas* (`_maybe_symbolic_build` in
-        # keras/src/backend/tensorflow/trainer.py): integer token ids arrive
-        # here as float32 means (3 and 4 on two replicas give 3.5). That batch
-        # only supplies shapes and dtypes for a symbolic pass; no value of it
-        # is ever trained or evaluated on. So the ids' integer dtype is
-        # restored here, for that pass and under a strategy only. The strict
-        # dtype check of `LinearBackbone` stays as it is: the real step
-        # receives the per-replica ids as the user gave them, and float ids
-        # from a user are still refused there (accepting integral-valued
-        # floats instead would not cover this case: a mean of ids is not
-        # integral, and it would let users' float arrays through everywhere).
+        # Under a `tf.distribute` strategy the first batch arrives mean-reduced, token ids as floats: their
+        # integer dtype is restored for this symbolic pass only (`_compile_config.integer_inputs` says why).
         if data_batch is not None and _compat.explicit_distribute_strategy(self) is not None:
-            data_batch = _integer_inputs(data_batch, self.input)
+            data_batch = _compile_config.integer_inputs(data_batch, self.input)
         return _compat.symbolic_build(super(), iterator=iterator, data_batch=data_batch)
 
     # --------------------------------------------------------- generation
-    def _compile(self, fn):
-        """A `tf.function` on TensorFlow, XLA-compiled or not (`generate_jit_compile`); plain calls elsewhere."""
-        if keras.backend.backend() == "tensorflow":
-            import tensorflow as tf
-
-            jit = _generate_uses_xla(self)
-            return tf.function(fn, jit_compile=jit, reduce_retracing=True, autograph=False)
-        return fn
-
     def _generate_functions(self, sampler=None, stop_token_ids=None, pad_token_id=0):
         """The compiled ``(prefill, decode)`` pair for one sampler, cached: the package's decoding fast path.
 
@@ -454,16 +299,18 @@ class LinearCausalLM(CheckpointTracked, _protocol.CausalLMProtocol, keras_hub.mo
         `generation.decode_loop`. `generate` and `generate_step` run these.
         """
         if sampler is None:
-            sampler = getattr(self, "sampler", None) or samplers_lib.get("greedy")
-        if isinstance(sampler, keras_hub.samplers.Sampler):
-            sampler = _HubSampler(sampler)
+            sampler = getattr(self, "sampler", None) or get_sampler("greedy")
+        if is_hub_sampler(sampler):
+            sampler = HubSampler(sampler)
         key = (repr(sampler), type(sampler).__name__, stop_token_ids, pad_token_id)
         cached = self._generation.functions.get(key)
         if cached is not None:
             return cached
         prefill = self._generation.functions.get("prefill")
         if prefill is None:
-            prefill = self._compile(lambda ids, mask, state: generation.prefill(self, ids, mask, state))
+            prefill = _generate_compile.compile_function(
+                self, lambda ids, mask, state: generation.prefill(self, ids, mask, state)
+            )
             self._generation.functions["prefill"] = prefill
         stop = None if not stop_token_ids else ops.convert_to_tensor(list(stop_token_ids), "int32")
 
@@ -472,7 +319,7 @@ class LinearCausalLM(CheckpointTracked, _protocol.CausalLMProtocol, keras_hub.mo
                 self, sampler, tokens, logits, state, finished, index, end, seed, stop, pad_token_id
             )
 
-        cached = (prefill, self._compile(decode))
+        cached = (prefill, _generate_compile.compile_function(self, decode))
         self._generation.functions[key] = cached
         return cached
 
@@ -599,7 +446,7 @@ class LinearCausalLM(CheckpointTracked, _protocol.CausalLMProtocol, keras_hub.mo
             )
         if sampler is None:
             sampler = getattr(self, "sampler", None) or "greedy"
-        sampler = _get_sampler(sampler)
+        sampler = get_sampler(sampler)
         if block_size is None:
             block_size = 32 if verbose else max(max_length - prompt_length, 1)
         block_size = _validation.check_positive_int("block_size", block_size)
@@ -640,7 +487,7 @@ class LinearCausalLM(CheckpointTracked, _protocol.CausalLMProtocol, keras_hub.mo
                     progbar.update(max_length - prompt_length, finalize=True)
                 break
             index = new_index
-        custom = type(sampler) not in _BUILT_IN_SAMPLERS
+        custom = type(sampler) not in BUILT_IN_SAMPLERS
         return generation.check_output_tokens(np.asarray(ops.convert_to_numpy(tokens)), custom_sampler=custom)
 
     # ------------------------------------------------------------- config

@@ -69,7 +69,6 @@ The loop makes the parallel form much slower than the window's
 float32 rounding.
 """
 
-import keras
 from keras import ops
 
 from keras_linattn._validation import check_epsilon, check_non_negative_int, check_positive_int, check_rank
@@ -85,6 +84,7 @@ from keras_linattn.ops._common import (
     _normalize,
     _validate_inputs,
 )
+from keras_linattn.ops._sparse_selection import _admit, _check_cache, _empty_cache, _selection
 from keras_linattn.ops.core import DEFAULT_EPSILON
 from keras_linattn.ops.window import (
     _NEG,
@@ -117,159 +117,7 @@ def _joint_softmax_terms(*parts):
     ]
 
 
-# ------------------------------------------------------------------ the selection, shared by both forms
-def _recall_error(kf, v, s, z, eps):
-    """``||v - phi(k)^T S / d(k)||^2`` per candidate: ``kf [B, X, H, C]``, ``v [B, X, H, M]`` -> ``[B, X, H]``."""
-    read = ops.einsum("bxhc,bhcm->bxhm", kf, s)  # [B, X, H, M]
-    den = ops.einsum("bxhc,bhc->bxh", kf, z)[..., None]  # [B, X, H, 1]
-    den_abs = ops.einsum("bxhc,bhc->bxh", ops.abs(kf), ops.abs(z))[..., None]  # [B, X, H, 1]
-    return ops.sum(ops.square(v - read / _guarded_denominator(den, den_abs, eps)), axis=-1)  # [B, X, H]
-
-
-def _admit(state, cache, leaving, eps):
-    """One decision: the leaving pair joins the cache; the candidate the state recalls best goes into ``(S, z)``.
-
-    Args:
-        state: ``(S [B, H, C, M], z [B, H, C])`` float32.
-        cache: ``(keys [B, N, H, D], features [B, N, H, C], values [B, N, H, M],
-            valid [B, N, H])`` float32, oldest first; invalid slots are zeros.
-        leaving: ``(key [B, H, D], features [B, H, C], value [B, H, M], valid [B])``.
-        eps: the guard of the error's denominator.
-
-    Returns:
-        ``((S, z), cache, (features [B, H, C], value [B, H, M]))``: the
-        pair that entered the state is zeros where none did.
-    """
-    s, z = state
-    keys, feats, values, valid = cache
-    n = ops.shape(keys)[1]  # N (a tensor where the state's shape is not static, as in exported loops)
-    n_f = ops.cast(n, "float32")
-    ok = ops.cast(leaving[3], "float32")  # [B]
-    ok = ops.broadcast_to(ok[:, None], ops.shape(leaving[1])[:2])  # [B, H]
-    cand_ok = ops.concatenate([valid, ok[:, None]], axis=1) > 0  # [B, N+1, H]
-    cand = [ops.concatenate([x, y[:, None]], axis=1) for x, y in zip((keys, feats, values), leaving[:3], strict=True)]
-    cand = [_mask_keys(x, cand_ok) for x in cand]  # [B, N+1, H, D|C|M]: a padded key holds nothing
-    k_c, kf_c, v_c = cand
-    # Free slots (and a padded leaving key) score below every real pair: the first of them is dropped.
-    err = ops.where(cand_ok, _recall_error(kf_c, v_c, s, z, eps), -ops.ones_like(cand_ok, "float32"))  # [B, N+1, H]
-    idx = ops.arange(n + 1, dtype="float32")[None, :, None]  # [1, N+1, 1]
-    lowest = ops.min(err, axis=1, keepdims=True)  # [B, 1, H]
-    first = ops.min(
-        ops.where(err <= lowest, idx, ops.full_like(err, 1.0) * (n_f + 1.0)), axis=1
-    )  # [B, H]: ties -> oldest
-    out = ops.cast(ops.equal(idx, first[:, None, :]), "float32")  # [B, N+1, H] one-hot
-    enter = out * ops.cast(cand_ok, "float32")  # [B, N+1, H]: a real pair enters the state
-    kf_e = ops.einsum("bxh,bxhc->bhc", enter, kf_c)  # [B, H, C]
-    v_e = ops.einsum("bxh,bxhm->bhm", enter, v_c)  # [B, H, M]
-    s = s + kf_e[..., :, None] * v_e[..., None, :]  # [B, H, C, M]
-    z = z + kf_e  # [B, H, C]
-    # The N kept candidates, in order: slot i takes candidate i before the evicted one, i + 1 from it on.
-    before = ops.arange(n, dtype="float32")[None, :, None] < first[:, None, :]  # [B, N, H]
-    k_n, kf_n, v_n = (ops.where(before[..., None], x[:, :-1], x[:, 1:]) for x in cand)  # [B, N, H, D|C|M]
-    ok_c = ops.cast(cand_ok, "float32")  # [B, N+1, H]
-    ok_n = ops.where(before, ok_c[:, :-1], ok_c[:, 1:])  # [B, N, H]
-    return (s, z), (k_n, kf_n, v_n, ok_n), (kf_e, v_e)
-
-
-def _cache_terms(q, cache):
-    """The cache's softmax terms of one query ``q [B, H, D]`` (scaled), under the cache's own max.
-
-    Returns ``(num [B, H, M], den [B, H, 1], peak [B, H, 1])``: ``sum exp(s_j - peak) v_j``,
-    ``sum exp(s_j - peak)`` over the valid slots and their max logit (``_NEG`` for none).
-    """
-    keys, _, values, valid = cache
-    scores = ops.einsum("bhd,bnhd->bhn", q, keys)  # [B, H, N]
-    allowed = ops.transpose(valid, (0, 2, 1)) > 0  # [B, H, N]
-    peak = ops.max(ops.where(allowed, scores, ops.full_like(scores, _NEG)), axis=-1, keepdims=True, initial=_NEG)
-    e = ops.where(allowed, ops.exp(ops.minimum(scores - peak, 0.0)), ops.zeros_like(scores))  # [B, H, N]
-    return ops.einsum("bhn,bnhm->bhm", e, values), ops.sum(e, axis=-1, keepdims=True), peak
-
-
-def _scan_tokens(step, carry, xs, num_outputs):
-    """``carry, ys = scan(step, carry, xs)`` over axis 0 of every tensor in `xs`; ``ys`` a list of `num_outputs`.
-
-    TensorFlow: a ``tf.while_loop`` over TensorArrays (an ONNX Loop for
-    tf2onnx, as `keras_linattn.ops.delta`'s chunk loop). Other backends:
-    ``keras.ops.scan``.
-    """
-    if keras.backend.backend() != "tensorflow":
-        carry, ys = ops.scan(lambda c, x: step(c, x), carry, xs)
-        return carry, list(ys)
-    import tensorflow as tf
-
-    n = tf.shape(xs[0])[0]
-    inputs = [tf.TensorArray(x.dtype, size=n, element_shape=x.shape[1:]).unstack(x) for x in xs]
-
-    def body(i, c, acc):
-        c, ys = step(c, [ta.read(i) for ta in inputs])
-        return i + 1, c, tuple(a.write(i, y) for a, y in zip(acc, ys, strict=True))
-
-    outs = tuple(tf.TensorArray(tf.float32, size=n) for _ in range(num_outputs))
-    bound = xs[0].shape[0] if xs[0].shape[0] is not None else n  # static where known: XLA differentiates the loop
-    _, carry, outs = tf.while_loop(
-        lambda i, c, acc: i < n, body, (tf.constant(0), carry, outs), maximum_iterations=bound
-    )
-    return carry, [o.stack() for o in outs]
-
-
-def _selection_loop(carry, xs, eps):
-    """The parallel form's token loop: per token, the decision (`_admit`), then query i's cache terms."""
-
-    def step(carry, x):
-        (s, z), cache_i, (kf_e, v_e) = _admit(carry[:2], carry[2:], x[1:], eps)
-        return (s, z) + cache_i, (kf_e, v_e) + _cache_terms(x[0], cache_i)
-
-    return _scan_tokens(step, carry, xs, 5)
-
-
-_COMPILED_SELECTION = []  # the `tf.function` of `_selection_loop`, built at the first eager call
-
-
-def _selection(carry, xs, eps):
-    """`_selection_loop`, run as one compiled function when TensorFlow executes eagerly.
-
-    Eagerly, a ``tf.while_loop`` runs as a Python loop that dispatches every
-    op of every token one by one from Python, which costs far more than the
-    ops themselves. Called eagerly (a
-    model called outside ``fit``/``predict``, e.g. ``model(x)``), the loop
-    is therefore traced once per shape and `eps` and run as a graph;
-    gradients taken with a ``GradientTape`` go through it as through the
-    graph. Inside a traced function, and on other backends, it is inlined.
-    """
-    if keras.backend.backend() == "tensorflow":
-        import tensorflow as tf
-
-        if tf.executing_eagerly():
-            if not _COMPILED_SELECTION:
-                _COMPILED_SELECTION.append(tf.function(_selection_loop, reduce_retracing=True, autograph=False))
-            return _COMPILED_SELECTION[0](carry, xs, eps)
-    return _selection_loop(carry, xs, eps)
-
-
 # ------------------------------------------------------------------ parallel form
-def _check_cache(cache, h, d, c, m, name):
-    if not isinstance(cache, (tuple, list)) or len(cache) != 4:
-        raise ValueError(f"`{name}` must be (keys, features, values, valid). Received: {name}={cache!r}")
-    n = cache[0].shape[1]
-    for part, x, tail in zip(
-        ("keys", "features", "values", "valid"), cache, ((h, d), (h, c), (h, m), (h,)), strict=True
-    ):
-        expected = (None, n) + tail
-        shape = tuple(x.shape)
-        if len(shape) != len(expected) or any(
-            a is not None and b is not None and a != b for a, b in zip(shape, expected, strict=True)
-        ):
-            raise ValueError(
-                f"`{name}` {part} must have shape [B, N, {', '.join(str(t) for t in tail)}] (N = {n}). "
-                f"Received: {part}.shape={shape}"
-            )
-    return n
-
-
-def _empty_cache(batch, n, h, d, c, m):
-    return tuple(ops.zeros((batch, n, h) + tail, "float32") for tail in ((d,), (c,), (m,), ()))
-
-
 def sparse_cache_attention(
     q,
     q_features,
@@ -323,6 +171,106 @@ def sparse_cache_attention(
     Raises:
         KernelUnderflowError: eagerly, as `window_attention`.
     """
+    window, cache_size, scale, gamma = _check_arguments(
+        q,
+        q_features,
+        k_all,
+        k_features_all,
+        v_all,
+        window,
+        cache_size,
+        valid_all,
+        initial_state,
+        initial_cache,
+        scale,
+        eps,
+        gamma,
+        cache_q,
+        cache_k_all,
+    )
+    h, d, c, m = q.shape[2], q.shape[3], q_features.shape[3], v_all.shape[3]
+    out_dtype = v_all.dtype
+    batch, length = ops.shape(q)[0], ops.shape(q)[1]
+    if valid_all is None:
+        valid_all = ops.ones(ops.shape(k_all)[:2], "bool")
+    valid_all = ops.cast(valid_all, "bool")  # [B, W + T]
+    f32 = lambda x: ops.cast(x, "float32")  # noqa: E731
+    if initial_state is None:
+        s0 = z0 = None
+        state = (ops.zeros((batch, h, c, m), "float32"), ops.zeros((batch, h, c), "float32"))
+    else:
+        s0, z0 = (f32(x) for x in initial_state)
+        state = (s0, z0)
+    if initial_cache is None:
+        cache = _empty_cache(batch, cache_size, h, d, c, m)
+    else:
+        keys, feats, values, ok = (f32(x) for x in initial_cache)
+        cache = tuple(_mask_keys(x, ok > 0) for x in (keys, feats, values)) + (ok,)
+    if q.shape[1] == 0:  # an empty piece: no output, the state and the cache handed on
+        out = ops.zeros_like(v_all[:, window:])  # [B, 0, H, M]
+        return (out, state, cache) if return_state else out
+
+    kf_all = _mask_keys(f32(k_features_all), valid_all)  # [B, W + T, H, C]
+    vv = _mask_keys(f32(v_all), valid_all)  # [B, W + T, H, M]
+    kk = f32(k_all)  # [B, W + T, H, D]
+
+    # The selection, token by token: at query i the pair k_all[i] leaves the window. The loop also reads
+    # the cache for query i (its softmax terms under the cache's own max), so that no per-token copy of
+    # the cache is kept.
+    tokens_first = lambda x: ops.moveaxis(x[:, :length], 1, 0)  # noqa: E731  [T, B, ...]
+    q_cache = f32(q if cache_q is None else cache_q) * scale  # [B, T, H, D]: the cache's scores read these
+    k_cache = kk if cache_k_all is None else f32(cache_k_all)  # [B, W + T, H, D]
+    xs = [tokens_first(x) for x in (q_cache, k_cache, kf_all, vv, f32(valid_all))]
+
+    carry, (kf_e, v_e, num_c, den_c, peak_c) = _selection(tuple(state + cache), tuple(xs), eps)
+    state, cache = carry[:2], carry[2:]
+
+    # Linear part: query i over the pairs that entered the state at or before step i.
+    qf = _heads_first(f32(q_features))  # [B, H, T, C]
+    num, den, den_abs, _ = _causal_chunked(
+        qf, _tokens_to_heads(kf_e), _tokens_to_heads(v_e), chunk_size, s0, z0, with_abs=True
+    )  # [B, H, T, M], [B, H, T, 1], [B, H, T, 1]
+    num_sm, den_sm = _softmax_terms(
+        _heads_first(f32(q)) * scale, kk, vv, valid_all, window, gamma, (num_c, den_c, peak_c)
+    )  # [B, H, T, M], [B, H, T, 1]
+
+    den_abs = den_abs + den_sm  # [B, H, T, 1]: the softmax terms are positive
+    out = _normalize(qf, num + num_sm, den + den_sm, eps, den_abs)  # [B, H, T, M]
+    # As the window: a row with a real key that has left its window and no term left is flagged; a row
+    # with a softmax term (window or cache: the largest is 1, or gamma) never is.
+    out = _mark_underflow(out, qf, den_abs, _has_keys(valid_all[:, :length], True, z0, qf, length))
+    out = ops.cast(ops.transpose(out, (0, 2, 1, 3)), out_dtype)  # [B, T, H, M]
+    if return_state:
+        return out, state, cache
+    return out
+
+
+def _check_arguments(
+    q,
+    q_features,
+    k_all,
+    k_features_all,
+    v_all,
+    window,
+    cache_size,
+    valid_all,
+    initial_state,
+    initial_cache,
+    scale,
+    eps,
+    gamma,
+    cache_q,
+    cache_k_all,
+):
+    """Checks `sparse_cache_attention`'s arguments.
+
+    Returns:
+        ``(window, cache_size, scale, gamma)`` as the readout uses them.
+
+    Raises:
+        ValueError: naming the argument received, for a shape, size or
+            value that `sparse_cache_attention` does not take.
+    """
     window = check_positive_int("window", window)
     cache_size = check_non_negative_int("cache_size", cache_size)
     check_rank("q", q, 4)
@@ -354,55 +302,38 @@ def sparse_cache_attention(
         )
     scale = _check_scale(scale, q)
     check_epsilon("eps", eps, allow_zero=True)
-    gamma = _check_gamma(gamma, h)
-    out_dtype = v_all.dtype
-    batch, length = ops.shape(q)[0], ops.shape(q)[1]
-    if valid_all is None:
-        valid_all = ops.ones(ops.shape(k_all)[:2], "bool")
-    valid_all = ops.cast(valid_all, "bool")  # [B, W + T]
-    f32 = lambda x: ops.cast(x, "float32")  # noqa: E731
-    if initial_state is None:
-        s0 = z0 = None
-        state = (ops.zeros((batch, h, c, m), "float32"), ops.zeros((batch, h, c), "float32"))
-    else:
-        s0, z0 = (f32(x) for x in initial_state)
-        state = (s0, z0)
-    if initial_cache is None:
-        cache = _empty_cache(batch, cache_size, h, d, c, m)
-    else:
-        keys, feats, values, ok = (f32(x) for x in initial_cache)
-        cache = tuple(_mask_keys(x, ok > 0) for x in (keys, feats, values)) + (ok,)
-    if t == 0:  # an empty piece: no output, the state and the cache handed on
-        out = ops.zeros_like(v_all[:, window:])  # [B, 0, H, M]
-        return (out, state, cache) if return_state else out
+    return window, cache_size, scale, _check_gamma(gamma, h)
 
-    kf_all = _mask_keys(f32(k_features_all), valid_all)  # [B, W + T, H, C]
-    vv = _mask_keys(f32(v_all), valid_all)  # [B, W + T, H, M]
-    kk = f32(k_all)  # [B, W + T, H, D]
 
-    # The selection, token by token: at query i the pair k_all[i] leaves the window. The loop also reads
-    # the cache for query i (its softmax terms under the cache's own max), so that no per-token copy of
-    # the cache is kept.
-    tokens_first = lambda x: ops.moveaxis(x[:, :length], 1, 0)  # noqa: E731  [T, B, ...]
-    q_cache = f32(q if cache_q is None else cache_q) * scale  # [B, T, H, D]: the cache's scores read these
-    k_cache = kk if cache_k_all is None else f32(cache_k_all)  # [B, W + T, H, D]
-    xs = [tokens_first(x) for x in (q_cache, k_cache, kf_all, vv, f32(valid_all))]
+def _tokens_to_heads(x):
+    """``[T, B, H, X]`` (the token loop's outputs) -> ``[B, H, T, X]``."""
+    return ops.transpose(x, (1, 2, 0, 3))
 
-    carry, (kf_e, v_e, num_c, den_c, peak_c) = _selection(tuple(state + cache), tuple(xs), eps)
-    state, cache = carry[:2], carry[2:]
-    heads_first = lambda x: ops.transpose(x, (1, 2, 0, 3))  # noqa: E731  [T, B, H, X] -> [B, H, T, X]
 
-    # Linear part: query i over the pairs that entered the state at or before step i.
-    qf = _heads_first(f32(q_features))  # [B, H, T, C]
-    num, den, den_abs, _ = _causal_chunked(
-        qf, heads_first(kf_e), heads_first(v_e), chunk_size, s0, z0, with_abs=True
-    )  # [B, H, T, M], [B, H, T, 1], [B, H, T, 1]
+def _softmax_terms(qs, kk, vv, valid_all, window, gamma, cache_terms):
+    """The softmax part of `sparse_cache_attention`: the window's band and the cache, under one max per query.
 
-    # Softmax part: the window band in blocks of W queries against 2W keys (as `window_attention`), under
-    # the max of the band and the cache; the cache's terms rescaled to that max.
+    The band runs in blocks of W queries against 2W keys (as
+    `window_attention`); the cache's terms, computed in the token loop under
+    the cache's own max, are rescaled to the joint max of the band and the
+    cache.
+
+    Args:
+        qs: scaled queries ``[B, H, T, D]`` float32.
+        kk, vv: keys ``[B, W + T, H, D]`` and values ``[B, W + T, H, M]``
+            float32 (the values of padded keys zeros).
+        valid_all: ``[B, W + T]`` bool.
+        window: W. gamma: None or ``[H]``.
+        cache_terms: the token loop's ``(num [T, B, H, M], den [T, B, H, 1],
+            peak [T, B, H, 1])``.
+
+    Returns:
+        ``(num [B, H, T, M], den [B, H, T, 1])``.
+    """
+    batch, h, length, d = ops.shape(qs)[0], qs.shape[1], ops.shape(qs)[2], qs.shape[3]
+    m = vv.shape[3]
     pad = (window - length % window) % window
     blocks = (length + pad) // window  # NB
-    qs = _heads_first(f32(q)) * scale  # [B, H, T, D]
     ks = ops.pad(_heads_first(kk), [[0, 0], [0, 0], [0, pad], [0, 0]])  # [B, H, (NB+1)W, D]
     vs = ops.pad(_heads_first(vv), [[0, 0], [0, 0], [0, pad], [0, 0]])  # [B, H, (NB+1)W, M]
     okp = ops.pad(valid_all, [[0, 0], [0, pad]])  # [B, (NB+1)W]
@@ -418,30 +349,21 @@ def sparse_cache_attention(
     band = ops.logical_and(jj >= r + 1, jj <= r + window)  # [W, 2W]: keys (i - W, i]
     allowed = ops.logical_and(band, okwin[:, None, :, None, :])  # [B, 1, NB, W, 2W]
     scores = _matmul(qb, kwin, transpose_b=True)  # [B, H, NB, W, 2W]
-    peak_c = heads_first(peak_c)  # [B, H, T, 1]
+    num_c, den_c, peak_c = (_tokens_to_heads(x) for x in cache_terms)  # [B, H, T, M|1|1]
     peak_cb = ops.reshape(ops.pad(peak_c, [[0, 0], [0, 0], [0, pad], [0, 0]]), (batch, h, blocks, window, 1))
     peak = ops.max(ops.where(allowed, scores, ops.full_like(scores, _NEG)), axis=-1, keepdims=True, initial=_NEG)
     peak = ops.maximum(peak, peak_cb)  # [B, H, NB, W, 1]: the max over the window and the cache
     e = ops.where(allowed, ops.exp(ops.minimum(scores - peak, 0.0)), ops.zeros_like(scores))  # [B, H, NB, W, 2W]
     rescale = ops.exp(ops.minimum(peak_c - ops.reshape(peak, (batch, h, -1, 1))[:, :, :length], 0.0))  # [B, H, T, 1]
-    num_c = heads_first(num_c) * rescale  # [B, H, T, M]
-    den_c = heads_first(den_c) * rescale  # [B, H, T, 1]
+    num_c = num_c * rescale  # [B, H, T, M]
+    den_c = den_c * rescale  # [B, H, T, 1]
     if gamma is not None:
         e = e * gamma[None, :, None, None, None]  # [B, H, NB, W, 2W]
         num_c = num_c * gamma[None, :, None, None]
         den_c = den_c * gamma[None, :, None, None]
     num_sm = ops.reshape(ops.matmul(e, vwin), (batch, h, -1, m))[:, :, :length] + num_c  # [B, H, T, M]
     den_sm = ops.reshape(ops.sum(e, axis=-1), (batch, h, -1, 1))[:, :, :length] + den_c  # [B, H, T, 1]
-
-    den_abs = den_abs + den_sm  # [B, H, T, 1]: the softmax terms are positive
-    out = _normalize(qf, num + num_sm, den + den_sm, eps, den_abs)  # [B, H, T, M]
-    # As the window: a row with a real key that has left its window and no term left is flagged; a row
-    # with a softmax term (window or cache: the largest is 1, or gamma) never is.
-    out = _mark_underflow(out, qf, den_abs, _has_keys(valid_all[:, :length], True, z0, qf, length))
-    out = ops.cast(ops.transpose(out, (0, 2, 1, 3)), out_dtype)  # [B, T, H, M]
-    if return_state:
-        return out, state, cache
-    return out
+    return num_sm, den_sm
 
 
 # ------------------------------------------------------------------ step

@@ -4,7 +4,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_linattn.models import LinearCausalLM, causal_lm
+from keras_linattn.models import LinearCausalLM, _generate_compile
 
 pytestmark = pytest.mark.tf_only("tf.function / XLA choice of the TensorFlow backend")
 
@@ -19,13 +19,13 @@ def _lm():
 def test_auto_picks_xla_on_a_cpu_for_small_models_only(monkeypatch):
     lm = _lm()
     assert lm.generate_jit_compile == "auto"
-    assert causal_lm._generate_uses_xla(lm)  # a few KB of weights, no GPU here
-    monkeypatch.setattr(causal_lm, "XLA_CPU_WEIGHT_BYTES", 0)
-    assert not causal_lm._generate_uses_xla(lm)
+    assert _generate_compile.generate_uses_xla(lm)  # a few KB of weights, no GPU here
+    monkeypatch.setattr(_generate_compile, "XLA_CPU_WEIGHT_BYTES", 0)
+    assert not _generate_compile.generate_uses_xla(lm)
     lm.generate_jit_compile = True
-    assert causal_lm._generate_uses_xla(lm)
+    assert _generate_compile.generate_uses_xla(lm)
     lm.generate_jit_compile = False
-    assert not causal_lm._generate_uses_xla(lm)
+    assert not _generate_compile.generate_uses_xla(lm)
 
 
 def test_the_compiled_functions_follow_the_choice_and_give_the_same_tokens():

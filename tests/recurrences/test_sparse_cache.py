@@ -137,7 +137,7 @@ def test_an_eager_call_runs_the_token_loop_as_one_traced_function(rng):
     # for a 2-layer model at T = 512): an eager call runs it as a function, traced once per shape.
     import tensorflow as tf
 
-    from keras_linattn.ops import sparse_cache as sc
+    from keras_linattn.ops import _sparse_selection as sc
 
     t, window, cache_size = 19, 3, 2
     q, k, qf, kf, v = _inputs(rng, t)

@@ -21,6 +21,8 @@ import importlib
 import pkgutil
 from collections.abc import Callable
 
+from keras_linattn.linearization.families import _pending
+
 __all__ = ["Family", "attention_layers", "get", "names", "register"]
 
 _PACKAGE = "keras_linattn.linearization.families"
@@ -104,8 +106,6 @@ def get(backbone):
         TypeError: for a backbone no family covers, naming what is missing
             where it is known (`_pending.MISSING`) and the covered backbones.
     """
-    from keras_linattn.linearization.families import _pending
-
     _load()
     for base in type(backbone).__mro__:
         if base.__name__ in _REGISTRY:
