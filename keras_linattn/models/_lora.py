@@ -193,7 +193,20 @@ class LoraBackbone:
         add_adapters(attention, rank, alpha, in_config=True, targets=targets)
         self.lora_rank, self.lora_alpha = rank, alpha
         self.lora_targets = None if targets == PROJECTIONS else targets
+        self._record_for_keras_hub(attention, targets)
         return adapter_variables(self)
+
+    def _record_for_keras_hub(self, attention, targets):
+        """What keras-hub's `save_lora_weights` / `load_lora_weights` read: the rank and the adapted layers.
+
+        keras-hub finds the adapted layers by their index among the layers
+        with weights (``_lora_enabled_layers``); its ``.lora.h5`` file keeps
+        the rank only, and its loader enables the adapters with alpha = rank.
+        """
+        adapted = {id(dense) for layer in attention for dense in projections(layer, targets)}
+        weighted = [layer for layer in _compat.flatten_layers(self, include_self=False) if layer.weights]
+        self._lora_enabled_layers = [i for i, layer in enumerate(weighted) if id(layer) in adapted]
+        self._lora_rank = self.lora_rank
 
     def merge_lora(self):
         """Folds the adapters into the kernels, in place: each becomes ``W + (alpha / r) A B``.
@@ -209,7 +222,8 @@ class LoraBackbone:
         if self.lora_rank is None:
             raise ValueError("The backbone has no LoRA adapters to merge; call `enable_lora` first.")
         merge_adapters(attention_layers(self))
-        self.lora_rank = self.lora_alpha = self.lora_targets = None
+        self.lora_rank = self.lora_alpha = self.lora_targets = self._lora_rank = None
+        self._lora_enabled_layers = []
         unfreeze(self)
 
     def _restore_lora(self, lora):

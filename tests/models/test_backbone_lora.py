@@ -81,3 +81,17 @@ def test_bad_arguments_name_the_value():
     backbone.enable_lora(2)
     with pytest.raises(ValueError, match="already enabled"):
         backbone.enable_lora(2)
+
+
+def test_keras_hubs_lora_weights_file_round_trips(tmp_path):
+    backbone = _backbone()
+    backbone.enable_lora(2)  # alpha = rank: the rule of keras-hub's file, which records the rank only
+    for v in backbone.trainable_variables:
+        v.assign(np.random.default_rng(1).normal(size=v.shape).astype("float32"))
+    path = str(tmp_path / "adapters.lora.h5")
+    backbone.save_lora_weights(path)
+    other = _backbone()  # the same seed: the same frozen weights
+    other.load_lora_weights(path)
+    assert _adapted(other) == dict.fromkeys(PROJECTIONS, True)
+    ids = np.arange(12, dtype="int32").reshape(2, 6) % 16
+    np.testing.assert_array_equal(np.asarray(other(ids)), np.asarray(backbone(ids)))
