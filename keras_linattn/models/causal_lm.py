@@ -247,6 +247,22 @@ class LinearCausalLM(CheckpointTracked, _protocol.CausalLMProtocol, keras_hub.mo
         hidden, state = self.backbone.step(token_t, state, training=training)
         return self._head(hidden), state
 
+    # ------------------------------------------------------------- LoRA
+    def enable_lora(self, rank, target_layer_names=None, *, alpha=None):
+        """`LinearBackbone.enable_lora` on the backbone (every weight of the model is the backbone's).
+
+        Args:
+            rank, target_layer_names, alpha: as `LinearBackbone.enable_lora`.
+
+        Returns:
+            The adapters' variables: the model's trainable variables.
+        """
+        return self.backbone.enable_lora(rank, target_layer_names, alpha=alpha)
+
+    def merge_lora(self):
+        """`LinearBackbone.merge_lora` on the backbone: the adapters folded into the kernels, in place."""
+        self.backbone.merge_lora()
+
     # --------------------------------------------------------- compile
     def compile(self, optimizer="auto", loss="auto", *, weighted_metrics="auto", sampler="greedy", **kwargs):
         """`keras.Model.compile` with keras-hub's defaults, plus the default `sampler` of `generate`.

@@ -95,3 +95,15 @@ def test_keras_hubs_lora_weights_file_round_trips(tmp_path):
     assert _adapted(other) == dict.fromkeys(PROJECTIONS, True)
     ids = np.arange(12, dtype="int32").reshape(2, 6) % 16
     np.testing.assert_array_equal(np.asarray(other(ids)), np.asarray(backbone(ids)))
+
+
+def test_the_causal_lm_enables_and_merges_on_its_backbone():
+    from keras_linattn.models import LinearCausalLM
+
+    keras.utils.set_random_seed(0)
+    lm = LinearCausalLM(vocabulary_size=16, num_layers=1, hidden_dim=8, num_heads=2, intermediate_dim=16)
+    adapters = lm.enable_lora(2, ["query", "value"])
+    assert {id(v) for v in lm.trainable_variables} == {id(v) for v in adapters}
+    assert lm.backbone.get_config()["lora"] == {"rank": 2, "alpha": 2, "target_layer_names": ["query", "value"]}
+    lm.merge_lora()
+    assert lm.backbone.lora_rank is None and all(v.trainable for v in lm.variables)
