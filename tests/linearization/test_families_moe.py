@@ -229,3 +229,13 @@ def test_the_decode_step_reads_only_the_picked_experts(qwen3_moe):
     for t in range(PROMPT):
         step_logits, state = student.step(prompt[:, t], state)
     assert_close(np.asarray(step_logits), logits[:, -1], paths=8, n=config["hidden_size"])
+
+
+def test_qwen3_moe_sliding_window_within_the_students_stays_exact_softmax(tmp_path_factory):
+    # keras-hub's Qwen 3 MoE attention applies `sliding_window` whenever it is set (Qwen3-30B-A3B publishes
+    # null); 4 tokens here, shorter than the T = 12 of the check and than the student's 16.
+    config = hf.small_moe("Qwen3-30B-A3B", head_dim=32, sliding_window=4)
+    teacher, student = _linearized(tmp_path_factory, "qwen3_moe_local", "Qwen3MoeCausalLM", config, qk_norm=True)
+    recurrence = student.backbone.decoder_blocks[0].attention.recurrence
+    assert (recurrence.window_size, recurrence.linear_weight) == (4, 0.0)
+    _check_exact_and_greedy(teacher, student, config)
