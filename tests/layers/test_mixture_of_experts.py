@@ -4,6 +4,7 @@ import keras
 import numpy as np
 import pytest
 
+import keras_linattn
 from keras_linattn.layers import MixtureOfExperts
 from keras_linattn.models import LinearBackbone, LinearCausalLM
 from tests.tolerance import assert_close
@@ -86,7 +87,7 @@ def test_bad_sizes_are_refused_naming_the_value():
         LinearBackbone(vocabulary_size=16, num_layers=2, hidden_dim=8, num_heads=2, intermediate_dim=8, moe=[{}])
 
 
-def test_a_backbone_with_moe_layers_saves_and_reloads_them(tmp_path):
+def test_a_backbone_with_moe_layers_saves_reloads_and_relinearizes_them(tmp_path):
     # One block with experts and a shared expert, one dense (Qwen MoE's dense layers), in a `.keras` file.
     keras.utils.set_random_seed(0)
     moe = [{"num_experts": 3, "top_k": 2, "expert_dim": 12, "normalize_top_k": False, "shared_expert_dim": 10}, None]
@@ -111,3 +112,7 @@ def test_a_backbone_with_moe_layers_saves_and_reloads_them(tmp_path):
     ids = np.random.default_rng(3).integers(0, 32, (2, 9)).astype("int32")
     np.testing.assert_array_equal(np.asarray(loaded(ids)), np.asarray(lm(ids)))
     assert loaded.backbone.moe == lm.backbone.moe
+    other = keras_linattn.linearize(lm, feature_map="elu", window_size=4)  # another attention, the same experts
+    assert other.backbone.moe == lm.backbone.moe
+    for ours, theirs in zip(other.decoder_blocks[0]._moe.weights, lm.decoder_blocks[0]._moe.weights, strict=True):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
