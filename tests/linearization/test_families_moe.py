@@ -220,7 +220,7 @@ def test_qwen3_30b_a3b_checkpoint_linearizes_exactly(qwen3_moe):
     _check_exact_greedy_and_flat_state(teacher, student, config)
 
 
-def test_the_decode_step_reads_only_the_picked_experts(qwen3_moe):
+def test_the_decode_step_with_gathered_experts_gives_the_forward_logits(qwen3_moe):
     # The step form gathers the top-k experts' kernels: the same function as the sequence form.
     _, student, config = qwen3_moe
     prompt = _ids(config["vocab_size"], length=PROMPT, seed=4)
