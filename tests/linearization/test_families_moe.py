@@ -171,6 +171,14 @@ def test_qwen1_5_moe_checkpoint_with_a_shared_expert_linearizes_exactly(qwen_moe
     _check_exact_greedy_and_flat_state(teacher, student, config)
 
 
+@pytest.mark.slow  # compiling `generate` (XLA where it can) takes about 30 s on two cores
+def test_qwen1_5_moe_student_generate_gives_the_teachers_greedy_tokens(qwen_moe):
+    teacher, student, config = qwen_moe
+    prompt = _ids(config["vocab_size"], length=PROMPT, seed=2)
+    got = student.generate(prompt, max_length=PROMPT + NEW, sampler="greedy", stop_token_ids=None)
+    np.testing.assert_array_equal(np.asarray(got), _teacher_greedy(teacher, prompt, PROMPT + NEW))
+
+
 def test_qwen_moe_dense_layers_keep_a_dense_feed_forward():
     # The student follows the teacher's layers as built. keras-hub 0.32's Qwen MoE backbone passes no
     # `layer_index` to its decoders, so with decoder_sparse_step 2 every layer is dense (index 0 for all), and
