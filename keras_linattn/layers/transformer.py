@@ -20,6 +20,7 @@ from keras_linattn._validation import (
     check_seed,
 )
 from keras_linattn.layers.linear_attention import LinearAttention
+from keras_linattn.layers.mixture_of_experts import MOE_ARGUMENTS, MixtureOfExperts
 from keras_linattn.layers.spec import MECHANISM_ARGS_DOC, AttentionSpec
 
 # The blocks' public classes live in transformer_encoder.py and transformer_decoder.py.
@@ -73,6 +74,24 @@ def _step_norm(norm, x):
     return norm(x)
 
 
+def _check_moe(moe):
+    """`moe` as a dict of `MixtureOfExperts` arguments (`MOE_ARGUMENTS`), or None.
+
+    Raises:
+        ValueError: for a value that is not None or a dict of those keys
+            with ``num_experts``, ``top_k`` and ``expert_dim``.
+    """
+    if moe is None:
+        return None
+    required = {"num_experts", "top_k", "expert_dim"}
+    if not isinstance(moe, dict) or set(moe) - set(MOE_ARGUMENTS) or not required <= set(moe):
+        raise ValueError(
+            f"`moe` must be None or a dict with {sorted(required)} and optionally the other keys of "
+            f"{list(MOE_ARGUMENTS)}. Received: moe={moe!r}"
+        )
+    return dict(moe)
+
+
 def _make_norm(kind, epsilon, dtype, name):
     """A LayerNormalization or an RMSNormalization (``x / sqrt(mean(x^2) + eps) * scale``)."""
     if kind == "rms_norm":
@@ -116,6 +135,11 @@ _BLOCK_ARGS_DOC = (
         parallel_residual: False (default) or True: the attention and the
             feed-forward both read the block's input, ``x + Attn(LN1(x)) +
             FFN(LN2(x))`` (GPT-NeoX).
+        moe: None (default), or a dict of `MixtureOfExperts` arguments
+            (``num_experts``, ``top_k``, ``expert_dim``, optionally
+            ``normalize_top_k`` and ``shared_expert_dim``): the feed-forward
+            is a mixture of gated experts with `activation` (Mixtral, Qwen
+            MoE) instead of the dense layers.
 """
     + MECHANISM_ARGS_DOC
     + """
@@ -153,6 +177,7 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
         feedforward="dense",
         post_norms=False,
         parallel_residual=False,
+        moe=None,
         *,
         spec=None,
         **kwargs,
@@ -184,7 +209,9 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
         self.seed = check_seed("seed", seed)
         self.post_norms = check_bool("post_norms", post_norms)
         self.parallel_residual = check_bool("parallel_residual", parallel_residual)
+        self.moe = _check_moe(moe)
         self._attention_post_norm = self._ffn_post_norm = None
+        self._moe = self._ffn_gate = self._ffn_intermediate = self._ffn_output = None
         self.supports_masking = True
 
     def _init(self, initializer):
@@ -235,6 +262,28 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
             self.normalization, self.layer_norm_epsilon, self.dtype_policy, "feedforward_layer_norm"
         )
         self._ffn_norm.build(inputs_shape)
+        if self.moe is not None:
+            self._moe = MixtureOfExperts(
+                **self.moe,
+                activation=_serialize_activation(self.activation),
+                dtype=self.dtype_policy,
+                name="feedforward_experts",
+            )
+            self._moe.build(inputs_shape)
+        else:
+            self._build_dense_feedforward(inputs_shape, dim)
+        self._ffn_dropout = keras.layers.Dropout(self.dropout, seed=self.seed, dtype=self.dtype_policy)
+        if self.post_norms:  # last: the weights of blocks without them keep their indices
+            self._attention_post_norm, self._ffn_post_norm = (
+                _make_norm(self.normalization, self.layer_norm_epsilon, self.dtype_policy, name)
+                for name in ("post_attention_norm", "post_feedforward_norm")
+            )
+            self._attention_post_norm.build(inputs_shape)
+            self._ffn_post_norm.build(inputs_shape)
+        self.built = True
+
+    def _build_dense_feedforward(self, inputs_shape, dim):
+        """The dense feed-forward's layers (`feedforward`: gate, intermediate, output)."""
         gated = self.feedforward == "gated"
         if gated:
             self._ffn_gate = keras.layers.Dense(
@@ -266,15 +315,6 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
             name="feedforward_output_dense",
         )
         self._ffn_output.build(tuple(inputs_shape[:-1]) + (self.intermediate_dim,))
-        self._ffn_dropout = keras.layers.Dropout(self.dropout, seed=self.seed, dtype=self.dtype_policy)
-        if self.post_norms:  # last: the weights of blocks without them keep their indices
-            self._attention_post_norm, self._ffn_post_norm = (
-                _make_norm(self.normalization, self.layer_norm_epsilon, self.dtype_policy, name)
-                for name in ("post_attention_norm", "post_feedforward_norm")
-            )
-            self._attention_post_norm.build(inputs_shape)
-            self._ffn_post_norm.build(inputs_shape)
-        self.built = True
 
     @property
     def attention(self):
@@ -290,6 +330,9 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
     def _feedforward_branch(self, x, training, norm=None, step=False):
         """The feed-forward's contribution to the residual stream, from `x` ``[..., dim]``."""
         h = (norm or self._ffn_norm)(x)  # [..., dim]
+        if self._moe is not None:
+            h = self._post_norm(self._ffn_post_norm, self._moe(h, step=step), step)  # [..., dim]
+            return self._ffn_dropout(h, training=training)
         if self.feedforward == "gated":
             h = self._ffn_gate(h) * self._ffn_intermediate(h)  # [..., intermediate_dim]
         else:
@@ -406,4 +449,6 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
             config["post_norms"] = True
         if self.parallel_residual:
             config["parallel_residual"] = True
+        if self.moe is not None:
+            config["moe"] = dict(self.moe)
         return config

@@ -4,6 +4,7 @@ import numpy as np
 
 from keras_linattn import _validation
 from keras_linattn.layers.spec import PRETRAINED_ARGUMENTS, AttentionSpec
+from keras_linattn.layers.transformer import _check_moe
 
 __all__ = []
 
@@ -63,6 +64,28 @@ def _check_layer_attention(layer_attention, num_layers):
             )
         out.append(dict(entry))
     return tuple(out)
+
+
+def _check_layer_moe(moe, num_layers):
+    """`moe` as a tuple of `num_layers` entries (a dict of `MixtureOfExperts` arguments, or None), or None.
+
+    A dict alone applies to every layer. Each dict is checked by the block
+    (`keras_linattn.layers.transformer._check_moe`).
+
+    Raises:
+        ValueError: for a list of another length, or a value that is neither
+            None, a dict nor a list.
+    """
+    if moe is None:
+        return None
+    if isinstance(moe, dict):
+        return tuple(_check_moe(moe) for _ in range(num_layers))
+    if not isinstance(moe, (list, tuple)) or len(moe) != num_layers:
+        raise ValueError(
+            f"`moe` must be None, a dict, or a list of {num_layers} entries (a dict or None per layer). "
+            f"Received: moe={moe!r}"
+        )
+    return tuple(None if entry is None else _check_moe(entry) for entry in moe)
 
 
 def _layer_spec(spec, index, layer_attention):

@@ -13,6 +13,7 @@ from keras_linattn.layers.transformer_decoder import LinearTransformerDecoder
 from keras_linattn.models import _layout_map, _presets
 from keras_linattn.models._block_config import (
     _check_layer_attention,
+    _check_layer_moe,
     _check_sizes,
     _layer_spec,
 )
@@ -71,6 +72,7 @@ def _make_layers(settings, spec, dtype):
             use_bias=settings["use_bias"],
             post_norms=settings.get("post_norms", False),
             parallel_residual=settings.get("parallel_residual", False),
+            moe=None if settings.get("moe") is None else settings["moe"][i],
             dtype=dtype,
             name=f"decoder_block_{i}",
         )
@@ -119,7 +121,7 @@ BACKBONE_SETTINGS = (
     "vocabulary_size", "num_layers", "hidden_dim", "num_heads", "intermediate_dim", "key_dim", "chunk_size",
     "dropout", "max_sequence_length", "tie_embeddings", "activation", "layer_norm_epsilon", "normalization",
     "feedforward", "use_bias", "attention_spec", "layer_attention", "embedding_scale",
-    "post_norms", "parallel_residual",
+    "post_norms", "parallel_residual", "moe",
 )  # fmt: skip
 
 
@@ -206,6 +208,10 @@ class LinearBackbone(CheckpointTracked, LoraBackbone, keras_hub.models.Backbone)
                 them in that block: e.g. ``{"rope_max_wavelength": None}``
                 for a layer without rotary embeddings (SmolLM3), a local
                 layer's own window (Gemma 3).
+            moe: None (default: dense feed-forwards), a dict of
+                `keras_linattn.layers.MixtureOfExperts` arguments (every
+                block's feed-forward is a mixture of experts), or a list of
+                one such dict or None per layer (Qwen MoE's dense layers).
     {mechanism_args}
                 Every block's attention gets them (their decode state joins
                 `state_spec`; decoding stays constant-cost per token).
@@ -257,6 +263,7 @@ class LinearBackbone(CheckpointTracked, LoraBackbone, keras_hub.models.Backbone)
         post_norms=False,
         parallel_residual=False,
         lora=None,
+        moe=None,
         *,
         spec=None,
         dtype=None,
@@ -295,6 +302,7 @@ class LinearBackbone(CheckpointTracked, LoraBackbone, keras_hub.models.Backbone)
             "embedding_scale": _validation.check_positive_float("embedding_scale", embedding_scale, allow_none=True),
             "post_norms": _validation.check_bool("post_norms", post_norms),
             "parallel_residual": _validation.check_bool("parallel_residual", parallel_residual),
+            "moe": _check_layer_moe(moe, num_layers),
         }
 
         layers, inputs, hidden = _build_graph(settings, spec, dtype)
@@ -528,6 +536,8 @@ class LinearBackbone(CheckpointTracked, LoraBackbone, keras_hub.models.Backbone)
             config["embedding_scale"] = self.embedding_scale
         if self.layer_attention is not None:  # only then: configs without it are unchanged
             config["layer_attention"] = [dict(entry) for entry in self.layer_attention]
+        if self.moe is not None:  # only then: configs without it are unchanged
+            config["moe"] = [None if entry is None else dict(entry) for entry in self.moe]
         config["layout"] = CURRENT_LAYOUT  # what tells a current file from one of keras_linattn < 0.3
         return config
 

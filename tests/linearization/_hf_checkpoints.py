@@ -221,6 +221,103 @@ PUBLISHED = {
         "use_cache": True,
         "vocab_size": 262144,
     },
+    # Mixture-of-experts configs: the model cards' config.json values, typed here (not downloaded).
+    "Mixtral-8x7B-v0.1": {
+        "architectures": ["MixtralForCausalLM"],
+        "attention_dropout": 0.0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 32768,
+        "model_type": "mixtral",
+        "num_attention_heads": 32,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+        "output_router_logits": False,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.02,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.36.0.dev0",
+        "use_cache": True,
+        "vocab_size": 32000,
+    },
+    "Qwen1.5-MoE-A2.7B": {
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "decoder_sparse_step": 1,
+        "eos_token_id": 151643,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 5632,
+        "max_position_embeddings": 8192,
+        "max_window_layers": 21,
+        "model_type": "qwen2_moe",
+        "moe_intermediate_size": 1408,
+        "norm_topk_prob": False,
+        "num_attention_heads": 16,
+        "num_experts": 60,
+        "num_experts_per_tok": 4,
+        "num_hidden_layers": 24,
+        "num_key_value_heads": 16,
+        "output_router_logits": False,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.001,
+        "shared_expert_intermediate_size": 5632,
+        "sliding_window": 32768,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.36.0.dev0",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    },
+    "Qwen3-30B-A3B": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "decoder_sparse_step": 1,
+        "eos_token_id": 151645,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 6144,
+        "max_position_embeddings": 40960,
+        "max_window_layers": 48,
+        "mlp_only_layers": [],
+        "model_type": "qwen3_moe",
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+        "num_attention_heads": 32,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 48,
+        "num_key_value_heads": 4,
+        "output_router_logits": False,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.001,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.51.0",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    },
 }
 
 # The sizes a unit test shrinks (every other key keeps its published value).
@@ -299,3 +396,67 @@ def write_checkpoint(directory, config, tensors):
 def load(causal_lm_class, directory):
     """``keras_hub.models.<causal_lm_class>.from_preset(directory, preprocessor=None)``: keras-hub's converter."""
     return getattr(keras_hub.models, causal_lm_class).from_preset(directory, preprocessor=None)
+
+
+# The mixture-of-experts sizes a unit test shrinks on top of `SMALL`: few experts, top-2, narrow experts.
+SMALL_MOE = {
+    "num_local_experts": 4,  # Mixtral's name
+    "num_experts": 4,  # Qwen's
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 48,
+    "shared_expert_intermediate_size": 80,
+}
+
+
+def small_moe(name, **sizes):
+    """`small(name)` with the mixture-of-experts sizes of `SMALL_MOE` (only the keys the published config has)."""
+    config = small(name, **sizes)
+    for key, value in SMALL_MOE.items():
+        if key in PUBLISHED[name] and key not in sizes:
+            config[key] = value
+    return config
+
+
+def moe_tensors(config, seed=0, attention_bias=False, qk_norm=False):
+    """``{name: float32 array}`` of a mixture-of-experts checkpoint (Mixtral, Qwen MoE, Qwen 3 MoE).
+
+    The Llama-layout tensors (`llama_layout_tensors`) with each sparse
+    layer's dense MLP replaced by a router and experts: Mixtral's
+    ``block_sparse_moe.{gate, experts.<e>.w1/w2/w3}``, Qwen's
+    ``mlp.{gate, experts.<e>.gate_proj/up_proj/down_proj}`` and, where the
+    config has ``shared_expert_intermediate_size``, Qwen MoE's shared expert
+    and its sigmoid gate. Router weights are N(0, 0.5) so that the top-k
+    choice differs across tokens.
+    """
+    tensors = llama_layout_tensors(config, seed=seed, attention_bias=attention_bias, qk_norm=qk_norm)
+    rng = np.random.default_rng(seed + 1)
+    d = config["hidden_size"]
+    mixtral = "num_local_experts" in config
+    experts = config["num_local_experts"] if mixtral else config["num_experts"]
+    inter = config["intermediate_size"] if mixtral else config["moe_intermediate_size"]
+    step = config.get("decoder_sparse_step", 1)
+    dense_layers = set(config.get("mlp_only_layers") or [])
+
+    def dense(*shape):
+        return rng.normal(0.0, 0.02, shape).astype("float32")
+
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        if i in dense_layers or (i + 1) % step:
+            continue  # a dense layer keeps its Llama-layout MLP
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            del tensors[p + f"mlp.{name}.weight"]
+        moe = p + ("block_sparse_moe." if mixtral else "mlp.")
+        tensors[moe + "gate.weight"] = rng.normal(0.0, 0.5, (experts, d)).astype("float32")
+        for e in range(experts):
+            names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+            tensors[moe + f"experts.{e}.{names[0]}.weight"] = dense(inter, d)
+            tensors[moe + f"experts.{e}.{names[1]}.weight"] = dense(inter, d)
+            tensors[moe + f"experts.{e}.{names[2]}.weight"] = dense(d, inter)
+        shared = config.get("shared_expert_intermediate_size")
+        if shared:
+            tensors[moe + "shared_expert.gate_proj.weight"] = dense(shared, d)
+            tensors[moe + "shared_expert.up_proj.weight"] = dense(shared, d)
+            tensors[moe + "shared_expert.down_proj.weight"] = dense(d, shared)
+            tensors[moe + "shared_expert_gate.weight"] = rng.normal(0.0, 0.5, (1, d)).astype("float32")
+    return tensors

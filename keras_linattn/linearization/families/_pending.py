@@ -9,10 +9,7 @@ MISSING = {
     "FalconBackbone": "the parallel attention/MLP residual and ALiBi/rotary variants are not mapped",
     "Gemma4Backbone": "per-layer embeddings and its local/global attention layers are not mapped",
     "GptOssBackbone": "attention sinks, its mixture-of-experts feed-forward and YaRN RoPE are not mapped",
-    "MixtralBackbone": "its mixture-of-experts feed-forward is not mapped",
     "OPTBackbone": "learned positions with an offset of 2 and ReLU feed-forwards are not mapped",
-    "QwenMoeBackbone": "its mixture-of-experts feed-forward with a shared expert is not mapped",
-    "Qwen3MoeBackbone": "its mixture-of-experts feed-forward is not mapped",
     "Qwen3_5Backbone": "its Gated DeltaNet layers (the delta rule) and gated attention are not mapped",
     "Qwen3_5MoeBackbone": "its Gated DeltaNet layers and its mixture-of-experts feed-forward are not mapped",
 }
