@@ -1,13 +1,20 @@
-"""Weights' precision x {Keras, onnxruntime}: file size, decode ms/token at batch 1, greedy tokens against float32.
+"""Weights' precision x {Keras, onnxruntime}: file size, decode ms/token at batch 1 beside the weights-read floor,
+greedy tokens against float32.
 
     python -m benchmarks.bench_precision                       # width 768, 6 layers, vocabulary 16,384 (~55M)
+    python -m benchmarks.bench_precision --layers 12 --vocabulary 50257 --out benchmarks/results/precision_gpt2.json
     python -m benchmarks.bench_precision --layers 2 --width 128 --vocabulary 512 --out /tmp/p.json   # a quick one
 
-One process, the precisions in turn (float32, bfloat16, int8 by `Model.quantize`), each from the same seed:
-Keras `generate` and `OnnxGenerator` (CPU), prompt of 8 tokens, 32 greedy tokens, the fastest of 3 runs per
-length (`benchmarks.device_check._decode_ms_per_token`). bfloat16 is not exported to ONNX: tf2onnx's Gemm
-rewriter binds float16 and bfloat16 in one node, which onnxruntime refuses to load. Random weights: greedy
-tokens are near ties, so the agreement with float32 measures the logits' perturbation, not a trained model's.
+One process. Each precision (float32, bfloat16 by the `dtype=` policy, int8 by `Model.quantize`) is built from the
+same seed and exported to ONNX; then the timings run interleaved, `--rounds` rounds of every precision in turn
+(Keras `generate`, then `OnnxGenerator` on CPU; prompt of 8 tokens, 32 greedy tokens, prefill apart:
+`benchmarks.device_check._decode_ms_per_token` with one run a length), and each figure is the median over the
+rounds. The floor is the weights' bytes (what decode at batch 1 reads per token) over the memory bandwidth of a
+large float32 matrix-vector product (`bench_linearized_decode.bandwidth_gib_s`, median of 3 before and 3 after
+the timings). A bfloat16 model's ONNX graphs compute in float32 on its bfloat16 weights (`export._float_compute`):
+onnxruntime folds the casts at session start, so its session holds and reads float32 weights (its floor is
+float32's; its files are half). Random weights: greedy tokens are near ties, so the agreement with float32
+measures the logits' perturbation, not a trained model's.
 """
 
 import argparse
@@ -23,6 +30,20 @@ from benchmarks.device_check import DECODE_PROMPT, _decode_ms_per_token
 
 
 def _lm(args, dtype):
+    """The seeded model; a bfloat16 one holds the float32 model's weights rounded (initializers that draw in
+    bfloat16 draw other values: the tokens' agreement would compare two different models)."""
+    import keras
+
+    if dtype is not None:
+        lm = _lm(args, None)
+        rounded = _lm_of(args, dtype)
+        for target, source in zip(rounded.weights, lm.weights, strict=True):
+            target.assign(keras.ops.cast(source, target.dtype))
+        return rounded
+    return _lm_of(args, None)
+
+
+def _lm_of(args, dtype):
     import keras
 
     from keras_linattn.models import LinearBackbone, LinearCausalLM
@@ -40,31 +61,46 @@ def _lm(args, dtype):
     return LinearCausalLM(backbone=backbone, preprocessor=None)
 
 
-def run_precision(args, precision, prompt, base):
-    """One precision's row: parameters, file bytes, ms/token and tokens (Keras and onnxruntime)."""
+def _rss_bytes():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def setup_precision(args, precision, base):
+    """One precision's model, its export and its onnxruntime generator; the row's sizes."""
     from keras_linattn import export
     from keras_linattn.export import OnnxGenerator
 
     lm = _lm(args, "bfloat16" if precision == "bfloat16" else None)
     if precision == "int8":
         lm.quantize("int8")
-    row = {"precision": precision, "parameters": int(sum(np.prod(w.shape) for w in lm.weights))}
-    row["keras_ms_per_token"], ids = _decode_ms_per_token(
-        lambda p, n: np.asarray(lm.generate(p, max_length=n, sampler="greedy")), prompt
-    )
-    row["keras_tokens"] = ids[0, DECODE_PROMPT:].tolist()
-    if precision == "bfloat16":
-        return row
+    weights = {id(w): w for w in lm.weights}.values()
+    row = {
+        "precision": precision,
+        "parameters": int(sum(np.prod(w.shape) for w in weights)),
+        "weight_bytes": int(sum(np.prod(w.shape) * np.dtype(str(w.dtype)).itemsize for w in weights)),
+    }
     start = time.perf_counter()
     paths = export.export_onnx(lm, os.path.join(base, f"{precision}.onnx"))
     row["export_s"] = time.perf_counter() - start
     row["onnx_bytes"] = {k: os.path.getsize(p) for k, p in paths.items() if isinstance(p, str)}
     generator = OnnxGenerator(paths["step"], device="cpu")
-    row["onnx_ms_per_token"], ids = _decode_ms_per_token(
-        lambda p, n: np.asarray(generator.generate(p, max_length=n, sampler="greedy")), prompt
+    row["rss_after_setup_bytes"] = _rss_bytes()  # the process, with this and the earlier precisions loaded
+    return row, lm, generator
+
+
+def time_round(lm, generator, prompt):
+    """One round: (Keras ms/token, tokens), (onnxruntime ms/token, tokens)."""
+    keras_ms, keras_ids = _decode_ms_per_token(
+        lambda p, n: np.asarray(lm.generate(p, max_length=n, sampler="greedy")), prompt, repeats=1
     )
-    row["onnx_tokens"] = ids[0, DECODE_PROMPT:].tolist()
-    return row
+    onnx_ms, onnx_ids = _decode_ms_per_token(
+        lambda p, n: np.asarray(generator.generate(p, max_length=n, sampler="greedy")), prompt, repeats=1
+    )
+    return (keras_ms, keras_ids[0, DECODE_PROMPT:].tolist()), (onnx_ms, onnx_ids[0, DECODE_PROMPT:].tolist())
 
 
 def main(argv=None):
@@ -72,25 +108,51 @@ def main(argv=None):
     p.add_argument("--width", type=int, default=768)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--vocabulary", type=int, default=16384)
-    p.add_argument("--precisions", default="float32,bfloat16,int8")
+    p.add_argument("--precisions", default="float32,bfloat16,int8", help="float32 first: the tokens' reference")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (the median is reported)")
     p.add_argument(
         "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "precision.json")
     )
     args = p.parse_args(argv)
     prompt = np.random.RandomState(1).randint(0, args.vocabulary, (1, DECODE_PROMPT)).astype("int32")
-    rows = []
+    from benchmarks.bench_linearized_decode import bandwidth_gib_s
+
+    precisions = args.precisions.split(",")
+    rows, models = [], []
     with tempfile.TemporaryDirectory() as base:
-        for precision in args.precisions.split(","):
-            rows.append(run_precision(args, precision, prompt, base))
-            print(json.dumps({k: v for k, v in rows[-1].items() if not k.endswith("tokens")}), flush=True)
+        for precision in precisions:
+            row, lm, generator = setup_precision(args, precision, base)
+            rows.append(row)
+            models.append((lm, generator))
+            print(json.dumps(row), flush=True)
+        bandwidths = [bandwidth_gib_s() for _ in range(3)]
+        times = [{"keras": [], "onnx": []} for _ in rows]
+        for _ in range(args.rounds):
+            for row, (lm, generator), timing in zip(rows, models, times, strict=True):
+                for kind, (ms, tokens) in zip(("keras", "onnx"), time_round(lm, generator, prompt), strict=True):
+                    timing[kind].append(ms)
+                    row[f"{kind}_tokens"] = tokens
+        bandwidths += [bandwidth_gib_s() for _ in range(3)]
+    bandwidth = float(np.median(bandwidths))
     reference = rows[0]["keras_tokens"]
-    for row in rows:
+    for row, timing in zip(rows, times, strict=True):
+        # onnxruntime folds a bfloat16 graph's casts at session start: its session reads float32 weights.
+        floor_bytes = row["parameters"] * 4 if row["precision"] == "bfloat16" else row["weight_bytes"]
+        row["floor_ms_per_token"] = {
+            "keras": 1000.0 * row["weight_bytes"] / (bandwidth * 2**30),
+            "onnx": 1000.0 * floor_bytes / (bandwidth * 2**30),
+        }
         for kind in ("keras", "onnx"):
-            if f"{kind}_tokens" in row:
-                row[f"{kind}_agreement_with_float32"] = float(np.mean(np.equal(row[f"{kind}_tokens"], reference)))
+            row[f"{kind}_ms_per_token"] = float(np.median(timing[kind]))
+            row[f"{kind}_ms_per_token_all"] = [round(t, 2) for t in timing[kind]]
+            row[f"{kind}_x_floor"] = row[f"{kind}_ms_per_token"] / row["floor_ms_per_token"][kind]
+            row[f"{kind}_agreement_with_float32"] = float(np.mean(np.equal(row[f"{kind}_tokens"], reference)))
+        print(json.dumps({k: v for k, v in row.items() if not k.endswith("tokens")}), flush=True)
+    args.bandwidth_gib_s = bandwidth
+    args.bandwidth_gib_s_all = [round(b, 2) for b in bandwidths]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"shape": vars(args), "rows": rows}, f, indent=1)
+        json.dump({"shape": vars(args), "rows": rows, "command": " ".join(sys.argv)}, f, indent=1)
     print(f"[bench] wrote {args.out}")
     return 0
 

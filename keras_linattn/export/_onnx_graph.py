@@ -1,5 +1,7 @@
-"""Graph surgery on converted ONNX graphs: weights as named inputs, loop invariants hoisted out of Loops."""
+"""Graph surgery on converted ONNX graphs: weights as named inputs, loop invariants hoisted out of Loops,
+int8 activations of integer products made unsigned (the fast onnxruntime kernel)."""
 
+import collections
 import re
 
 __all__ = []
@@ -134,3 +136,177 @@ def _name_weight_inputs(proto, names):
         if graph_input.name in used:
             graph_input.name = names[used[graph_input.name]]
     return sorted(used.values())
+
+
+# ------------------------------------------------------- int8 products
+# Ops that pass their first input's values through unchanged (only the shape moves).
+_SHAPE_OPS = {"Reshape", "Squeeze", "Unsqueeze", "Transpose", "Flatten", "Identity"}
+# Ops of a clip to the int8 range (`keras.quantizers.abs_max_quantize`: round, then clip).
+_CLIP_OPS = {"Max", "Min", "Clip"}
+# Ops that read only a tensor's shape: its type may change under them.
+_SHAPE_READERS = {"Shape", "Size"}
+_FLOAT_TYPES = {"FLOAT", "FLOAT16", "BFLOAT16", "DOUBLE"}
+
+
+def _constants(graph, outer):
+    """``{name: TensorProto}`` of the initializers and Constant nodes of `graph`, over those of `outer`."""
+    import onnx
+
+    constants = dict(outer)
+    constants.update({init.name: init for init in graph.initializer})
+    for node in graph.node:
+        if node.op_type == "Constant":
+            for attribute in node.attribute:
+                if attribute.name == "value" and attribute.type == onnx.AttributeProto.TENSOR:
+                    constants[node.output[0]] = attribute.t
+    return constants
+
+
+def _rounded_float_type(name, producer, constants):
+    """The float type (a `TensorProto` data type) of `name` if it is rounded values clipped by constants, else None.
+
+    Walks up Max / Min / Clip nodes to a Round; their constant operands give
+    the type (the converted graphs carry no value_info for these tensors).
+    """
+    import onnx
+
+    dtype = None
+    node = producer.get(name)
+    while node is not None and node.op_type in _CLIP_OPS:
+        for other in node.input[1:]:
+            if other in constants and onnx.TensorProto.DataType.Name(constants[other].data_type) in _FLOAT_TYPES:
+                dtype = constants[other].data_type
+        node = producer.get(node.input[0])
+    return dtype if node is not None and node.op_type == "Round" else None
+
+
+def _is_zero(name, constants):
+    from onnx import numpy_helper
+
+    return not name or (name in constants and not numpy_helper.to_array(constants[name]).any())
+
+
+def _int8_readers(name, readers, outer_read):
+    """The MatMulInteger nodes that read the int8 tensor `name` as their ``A`` (through shape-only ops), or None.
+
+    None when any other node (or a subgraph, or the graph's output) reads the
+    values: only a product's ``A`` input (or an op that reads only the shape) may change type.
+    """
+    products, frontier = [], [name]
+    while frontier:
+        name = frontier.pop()
+        if name in outer_read:
+            return None
+        for node, index in readers[name]:
+            if node.op_type in _SHAPE_OPS and index == 0:
+                frontier.append(node.output[0])
+            elif node.op_type == "MatMulInteger" and index == 0:
+                products.append(node)
+            elif node.op_type in _SHAPE_READERS:
+                continue
+            else:
+                return None
+    return products
+
+
+def _unsigned_int8_products(graph):
+    """Makes the int8 activations of `MatMulInteger` nodes uint8 with zero point 128; returns how many casts changed.
+
+    Keras' int8 layers quantize their inputs to int8 (``round`` then a clip
+    to [-127, 127]) and multiply int8 by int8. onnxruntime's CPU kernel for
+    int8 x int8 (without AVX-VNNI-INT8) is its portable one, several times
+    slower than its float32 product; uint8 x int8 is its fast one (VNNI /
+    AVX2). ``x + 128`` of a value in [-127, 127] is exact in any float type
+    and in uint8, and ``(x + 128 - 128) * w`` is ``x * w`` in int32: the
+    products' results are unchanged, bit for bit. A cast is rewritten only
+    where its input is a clipped ``Round`` and every reader of its values
+    is a product's ``A`` (with zero point 0 or none), through shape-only
+    ops. Subgraphs (Loop and If bodies) are rewritten too, and the zero
+    points the products no longer read leave the initializers (onnxruntime
+    warns about each unused one at every session start).
+    """
+    replaced = set()
+    changed = _rewrite_int8_products(graph, {}, replaced)
+    if replaced:
+        _drop_unread_initializers(graph, replaced, _names_read(graph))
+    return changed
+
+
+def _drop_unread_initializers(graph, candidates, read):
+    """Removes the initializers named in `candidates` that no node of `graph` or of its subgraphs reads."""
+    import onnx
+
+    kept = [init for init in graph.initializer if init.name not in candidates or init.name in read]
+    if len(kept) != len(graph.initializer):
+        kept = [type(init).FromString(init.SerializeToString()) for init in kept]
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
+    for node in graph.node:
+        for attribute in node.attribute:
+            subgraphs = [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs
+            for sub in subgraphs:
+                _drop_unread_initializers(sub, candidates, read)
+
+
+def _rewrite_int8_products(graph, outer, replaced):
+    """`_unsigned_int8_products` on `graph` (outer-scope constants in `outer`); adds the replaced zero points'
+    names to `replaced`."""
+    import onnx
+    from onnx import helper
+
+    constants = _constants(graph, outer)
+    changed = 0
+    for node in graph.node:
+        for attribute in node.attribute:
+            subgraphs = [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else attribute.graphs
+            for sub in subgraphs:
+                changed += _rewrite_int8_products(sub, constants, replaced)
+    producer = {output: node for node in graph.node for output in node.output}
+    readers = collections.defaultdict(list)
+    outer_read = {output.name for output in graph.output}
+    for node in graph.node:
+        for index, name in enumerate(node.input):
+            readers[name].append((node, index))
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                outer_read |= _names_read(attribute.g)
+            elif attribute.type == onnx.AttributeProto.GRAPHS:
+                for sub in attribute.graphs:
+                    outer_read |= _names_read(sub)
+    zero_point = f"{graph.name}__kla_u8_zero_point"
+    before = {}  # position of a cast -> the nodes to insert before it
+    for position, cast in enumerate(graph.node):
+        to = next((a.i for a in cast.attribute if a.name == "to"), None)
+        if cast.op_type != "Cast" or to != onnx.TensorProto.INT8:
+            continue
+        dtype = _rounded_float_type(cast.input[0], producer, constants)
+        products = _int8_readers(cast.output[0], readers, outer_read) if dtype is not None else None
+        if not products or not all(_is_zero(p.input[2] if len(p.input) > 2 else "", constants) for p in products):
+            continue
+        offset, shifted = f"{cast.output[0]}__kla_u8_offset", f"{cast.output[0]}__kla_u8_shifted"
+        before[position] = [
+            helper.make_node("Constant", [], [offset], value=helper.make_tensor(offset, dtype, [], [128.0])),
+            helper.make_node("Add", [cast.input[0], offset], [shifted]),
+        ]
+        cast.input[0] = shifted
+        for attribute in cast.attribute:
+            if attribute.name == "to":
+                attribute.i = onnx.TensorProto.UINT8
+        for product in products:
+            while len(product.input) < 3:
+                product.input.append("")
+            replaced.add(product.input[2])
+            product.input[2] = zero_point
+    if before:
+        nodes = [
+            helper.make_node(
+                "Constant", [], [zero_point], value=helper.make_tensor(zero_point, onnx.TensorProto.UINT8, [], [128])
+            )
+        ]
+        for position, node in enumerate(graph.node):
+            nodes.extend(before.get(position, []))
+            nodes.append(node)
+        nodes = [type(node).FromString(node.SerializeToString()) for node in nodes]
+        del graph.node[:]
+        graph.node.extend(nodes)
+    return changed + len(before)

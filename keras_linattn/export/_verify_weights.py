@@ -82,6 +82,11 @@ def model_weights(model, skip_constant=True):
     return out
 
 
+def _is_float(array):
+    """Whether `array` holds floats: numpy's kinds, and bfloat16 (an ml_dtypes type numpy files under "V")."""
+    return array.dtype.kind == "f" or array.dtype.name == "bfloat16"
+
+
 def _value_key(array):
     """Size, dtype and sorted values: equal for a weight stored transposed, reshaped or split nowhere."""
     array = np.asarray(array)
@@ -145,7 +150,7 @@ def check_by_value(weights, tensors, allow_folded=False):
     keys = set()
     for tensor in tensors():
         tensor = np.asarray(tensor)
-        if tensor.dtype.kind == "f":
+        if _is_float(tensor):
             keys.add(_value_key(tensor))
     unmatched = {}
     for path, variable in weights.items():
@@ -158,7 +163,7 @@ def check_by_value(weights, tensors, allow_folded=False):
         sizes = {value.size for value in unmatched.values()}
         for tensor in tensors():
             tensor = np.asarray(tensor)
-            if tensor.dtype.kind != "f" or tensor.size not in sizes:
+            if not _is_float(tensor) or tensor.size not in sizes:
                 continue
             for path, value in unmatched.items():
                 if value.size != tensor.size:

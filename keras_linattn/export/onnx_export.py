@@ -38,7 +38,15 @@ import uuid
 import numpy as np
 
 from keras_linattn import _atomic, _lazy
-from keras_linattn.export import _onnx_files, _onnx_graph, _onnx_handlers, _onnx_publish, _onnx_text, _specs
+from keras_linattn.export import (
+    _float_compute,
+    _onnx_files,
+    _onnx_graph,
+    _onnx_handlers,
+    _onnx_publish,
+    _onnx_text,
+    _specs,
+)
 
 tf = _lazy.module("tensorflow")  # loaded on first use: OnnxGenerator reads `_read_metadata` without it
 
@@ -180,6 +188,7 @@ def _convert(fn, input_signature, opset, metadata, fast=True, variables=None):
             raise
         proto = _from_function(tf_fn, input_signature, opset, fast=False)
     _onnx_graph._hoist_loop_invariants(proto.graph)
+    _onnx_graph._unsigned_int8_products(proto.graph)  # onnxruntime's fast integer kernel is uint8 x int8
     try:
         onnx.checker.check_model(proto)
     except onnx.checker.ValidationError as e:
@@ -330,12 +339,14 @@ def export_onnx(
     external = weight_bytes > EXTERNAL_DATA_THRESHOLD if external_data == "auto" else bool(external_data)
     weights_meta = {"weights": "named", "weight_bytes": weight_bytes, "external_data": external}
     protos, used = {}, {}
-    for kind, fn, signature, graph_opset, meta in _graph_jobs(
-        specs, path, companions, opset, description, export_id, weights_meta
-    ):
-        say(f"converting the {kind} graph to ONNX (opset {graph_opset})")
-        protos[kind] = _convert(fn, signature, graph_opset, meta, variables=variables)
-        used[kind] = _onnx_graph._name_weight_inputs(protos[kind], names)
+    # 16-bit float weights: stored as they are, computed in float32 (`_float_compute`).
+    with _float_compute.float32_compute(model):
+        for kind, fn, signature, graph_opset, meta in _graph_jobs(
+            specs, path, companions, opset, description, export_id, weights_meta
+        ):
+            say(f"converting the {kind} graph to ONNX (opset {graph_opset})")
+            protos[kind] = _convert(fn, signature, graph_opset, meta, variables=variables)
+            used[kind] = _onnx_graph._name_weight_inputs(protos[kind], names)
     if tokenizer_dir:
         say(f"writing the tokenizer ({tokenizer_dir})")
         _onnx_text.write_tokenizer(model, os.path.join(_parent(targets["step"]), tokenizer_dir))

@@ -7,7 +7,7 @@ import uuid
 import keras
 
 from keras_linattn import _atomic, _compat
-from keras_linattn.export import _specs
+from keras_linattn.export import _float_compute, _specs
 from keras_linattn.export import warmup as warmup_lib
 
 __all__ = ["check_integrity", "export_saved_model", "latest_version_dir", "read_description"]
@@ -218,8 +218,9 @@ def export_saved_model(
         with _atomic.staging_dir(base_dir) as tmp_dir:  # also removes what killed exports left
             export_dir = os.path.join(tmp_dir, "export")
             say(f"tracing and writing the signatures ({', '.join(_signature_names(specs, include_generate))})")
-            archive = _build_archive(specs, include_generate=include_generate)
-            _write_out(archive, export_dir, verbose=verbose)
+            with _float_compute.float32_compute(model):  # 16-bit weights, float32 computation
+                archive = _build_archive(specs, include_generate=include_generate)
+                _write_out(archive, export_dir, verbose=verbose)
             _atomic.fault_point("saved_model:written")
             extra = os.path.join(export_dir, "assets.extra")
             os.makedirs(extra, exist_ok=True)

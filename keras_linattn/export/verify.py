@@ -11,6 +11,7 @@ import os
 import numpy as np
 
 from keras_linattn.export import (
+    _float_compute,
     _specs,
     _verify_bounds,
     _verify_decoding,
@@ -209,6 +210,20 @@ def verify(
     predictor = None
     if onnx_path is not None:
         predictor = OnnxPredictor(onnx_path, device=onnx_device, prepacking=False)  # one copy of the weights
+    paths = (saved_model_dir, onnx_path, onnx_step_path, onnx_generate_path, check_weights)
+    tolerances = (saved_model_tolerance, onnx_tolerance)
+    # The exports of a 16-bit model compute in float32 on its weights (`_float_compute`): so does the reference.
+    with _float_compute.float32_compute(model):
+        _check_all(run, model, specs, inputs, shapes, runner, predictor, paths, decode_steps, limit, tolerances)
+    if raise_on_failure and not report.ok:
+        raise VerificationError(report)
+    return report
+
+
+def _check_all(run, model, specs, inputs, shapes, runner, predictor, paths, decode_steps, limit, tolerances):
+    """`verify`'s checks: the stored weights, the outputs, then the step and generate graphs of a causal LM."""
+    saved_model_dir, onnx_path, onnx_step_path, onnx_generate_path, check_weights = paths
+    saved_model_tolerance, onnx_tolerance = tolerances
     try:
         if check_weights:
             _verify_weights.check_files(run, model, saved_model_dir, (onnx_path, onnx_step_path, onnx_generate_path))
@@ -231,6 +246,3 @@ def verify(
     finally:
         if runner is not None:
             runner.close()
-    if raise_on_failure and not report.ok:
-        raise VerificationError(report)
-    return report

@@ -96,6 +96,38 @@ def test_onnx_multiplies_every_int8_kernel_as_integers(int8_export):
         assert "DequantizeLinear" not in types
 
 
+def _integer_products(graph, outer=None):
+    """``(op type, zero point of A)`` of every integer product of `graph` and its subgraphs (Loop bodies)."""
+    constants = dict(outer or {})
+    constants.update({t.name: t for t in graph.initializer})
+    constants.update({n.output[0]: a.t for n in graph.node if n.op_type == "Constant" for a in n.attribute})
+    found = []
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                found += _integer_products(attribute.g, constants)
+        if node.op_type in INTEGER_PRODUCTS:
+            zero_point = node.input[2] if len(node.input) > 2 else ""
+            found.append((node.op_type, constants[zero_point].data_type if zero_point in constants else None))
+    return found
+
+
+@pytest.mark.slow
+def test_onnxruntime_runs_uint8_by_int8_products(int8_export, tmp_path):
+    """In the graphs onnxruntime runs (after its optimizations), every integer product takes a uint8 A:
+    its int8 x int8 CPU kernel is the portable one, slower than float32 (`_onnx_graph._unsigned_int8_products`)."""
+    import onnxruntime as ort
+
+    _, _, paths = int8_export
+    for kind in ("model", "step", "generate"):
+        options = ort.SessionOptions()
+        options.optimized_model_filepath = str(tmp_path / f"{kind}_optimized.onnx")
+        ort.InferenceSession(paths[kind], options, providers=["CPUExecutionProvider"])
+        products = _integer_products(onnx.load(options.optimized_model_filepath).graph)
+        assert len(products) >= 6 * 2 + 1, (kind, products)  # q, k, v, o, two feed-forwards a block; the head
+        assert {zero_point for _, zero_point in products} == {onnx.TensorProto.UINT8}, (kind, products)
+
+
 @pytest.mark.slow
 def test_int8_exports_pass_verify(int8_export):
     lm, version_dir, paths = int8_export
@@ -114,9 +146,9 @@ def test_quantized_and_bfloat16_files_carry_the_small_weights(tmp_path):
         base = str(tmp_path / name)
         version_dir = export.export_saved_model(lm, os.path.join(base, "sm"), warmup=False)
         sizes[name] = {"saved_model": _size(os.path.join(version_dir, "variables"))}
-        if name != "bfloat16":
-            paths = export.export_onnx(lm, os.path.join(base, "lm.onnx"))
-            sizes[name]["onnx"] = sum(_size(p) for p in paths.values())
+        paths = export.export_onnx(lm, os.path.join(base, "lm.onnx"))
+        sizes[name]["onnx"] = sum(_size(p) for p in paths.values())
     assert sizes["int8"]["saved_model"] < 0.35 * sizes["float32"]["saved_model"], sizes
     assert sizes["int8"]["onnx"] < 0.35 * sizes["float32"]["onnx"], sizes
     assert sizes["bfloat16"]["saved_model"] < 0.6 * sizes["float32"]["saved_model"], sizes
+    assert sizes["bfloat16"]["onnx"] < 0.6 * sizes["float32"]["onnx"], sizes
