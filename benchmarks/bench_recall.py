@@ -444,8 +444,11 @@ def attention_layers(model):
     return layers(model)
 
 
-def transfer(student, teacher, cfg, seed):
-    """LoLCATs attention transfer on the task's rows (feature maps and window gamma only)."""
+def transfer(student, teacher, cfg, seed, objective="output", freeze=None):
+    """LoLCATs attention transfer on the task's rows (feature maps and window gamma only).
+
+    ``objective`` and ``freeze`` as `keras_linattn.attention_transfer`'s.
+    """
     import tensorflow as tf
 
     import keras_linattn
@@ -462,9 +465,17 @@ def transfer(student, teacher, cfg, seed):
         learning_rate=cfg["transfer_learning_rate"],
         pairs=pairs,
         verbose=0,
+        objective=objective,
+        freeze=freeze,
     )
     losses = history.history["loss"]
-    return {"steps": cfg["transfer_steps"], "first_loss": float(losses[0]), "last_loss": float(losses[-1])}
+    return {
+        "steps": cfg["transfer_steps"],
+        "objective": objective,
+        "freeze": list(freeze or ()),
+        "first_loss": float(losses[0]),
+        "last_loss": float(losses[-1]),
+    }
 
 
 def accuracy_by_bucket(model, tokens, targets, distances, cfg):
@@ -508,6 +519,10 @@ ROWS = (
     "sparse_cache_fixed",
     "sparse_cache_lolcats",
     "delta",
+    "sparse_cache_clamped",
+    "sparse_cache_clamped_output",
+    "sparse_cache_clamped_attention",
+    "sparse_cache_clamped_both",
 )
 ROW_TITLES = {
     "teacher": "teacher (softmax, full KV cache)",
@@ -519,6 +534,16 @@ ROW_TITLES = {
     "sparse_cache_fixed": "sparse cache, unrotated linear part, cache scored at distance W, no training",
     "sparse_cache_lolcats": "sparse cache (LoLA) on the small-linear-weight LoLCATs maps",
     "delta": "delta rule (hedgehog, no window), attention transfer",
+    "sparse_cache_clamped": "sparse cache, unrotated linear part, cache at distance min(d, T), no training",
+    "sparse_cache_clamped_output": "the min(d, T) cache after output-MSE transfer (gamma, linear weight frozen)",
+    "sparse_cache_clamped_attention": "the min(d, T) cache after attention-weight transfer (gamma, weight frozen)",
+    "sparse_cache_clamped_both": "the min(d, T) cache after output + attention transfer (gamma, weight frozen)",
+}
+# The min(d, L) cache's transferred rows: the objective of each (gamma and the linear weight frozen).
+_CLAMPED_OBJECTIVE = {
+    "sparse_cache_clamped_output": "output",
+    "sparse_cache_clamped_attention": "attention",
+    "sparse_cache_clamped_both": "both",
 }
 # Rows built from another row's trained student (its weights copied; the cache itself is not trained).
 _BASE_ROW = {"sparse_cache_lolcats": "lolcats_lw"}
@@ -546,6 +571,17 @@ def make_student(name, teacher, cfg):
         n = cfg["cache_size"]
         return keras_linattn.linearize(
             teacher, window_size=w, cache_size=n, window_gamma=gamma, linear_weight=lw, linear_rope=False, **fixed
+        )
+    if name == "sparse_cache_clamped" or name in _CLAMPED_OBJECTIVE:  # real distance up to T, T beyond
+        n, bound = cfg["cache_size"], cfg["sequence_length"]
+        return keras_linattn.linearize(
+            teacher,
+            window_size=w,
+            cache_size=n,
+            window_gamma=gamma,
+            linear_weight=lw,
+            linear_rope=False,
+            cache_max_distance=bound,
         )
     if name == "delta":
         return keras_linattn.linearize(teacher, window_size=None, update="delta", normalize=False)
@@ -576,6 +612,9 @@ def run(cfg, rows, log):
             keras.utils.set_random_seed(1)
             model = make_student(name, teacher, cfg)
             info = transfer(model, teacher, cfg, seed=20_000) if name in _TRANSFERRED else None
+            if name in _CLAMPED_OBJECTIVE:
+                frozen = ("gamma", "linear_weight")
+                info = transfer(model, teacher, cfg, seed=20_000, objective=_CLAMPED_OBJECTIVE[name], freeze=frozen)
             built[name] = (model, info)
         return built[name]
 
