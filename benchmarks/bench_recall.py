@@ -366,10 +366,10 @@ def build_teacher(cfg, seed=0):
     return keras_hub.models.LlamaCausalLM(backbone, preprocessor=None)
 
 
-def train_teacher(teacher, cfg, log):
+def train_teacher(teacher, cfg, log, seed=0):
     import keras
 
-    tokens, targets, _ = training_rows(cfg, cfg["num_train"], seed=10_000)
+    tokens, targets, _ = training_rows(cfg, cfg["num_train"], seed=10_000 + seed)
     weights = (targets != IGNORE).astype("float32")
     labels = np.where(targets == IGNORE, 0, targets)
     steps = cfg["teacher_steps"]
@@ -593,13 +593,14 @@ def run(cfg, rows, log):
 
     started = time.perf_counter()
     out = {"rows": []}
-    teacher = build_teacher(cfg)
+    seed = cfg.get("seed", 0)  # the teacher's init, its training rows, each student's transfer rows
+    teacher = build_teacher(cfg, seed=seed)
     if cfg.get("load_teacher"):
         teacher(as_inputs(np.ones((1, 8), "int32")))
         teacher.load_weights(cfg["load_teacher"])
         out["teacher_training"] = {"loaded_from": cfg["load_teacher"]}
     else:
-        out["teacher_training"] = train_teacher(teacher, cfg, log)
+        out["teacher_training"] = train_teacher(teacher, cfg, log, seed=seed)
         if cfg.get("save_teacher"):
             teacher.save_weights(cfg["save_teacher"])
             out["teacher_training"]["saved_to"] = cfg["save_teacher"]
@@ -609,12 +610,13 @@ def run(cfg, rows, log):
     def trained(name):
         """The row's student, its attention transfer done once (a base row is shared)."""
         if name not in built:
-            keras.utils.set_random_seed(1)
+            keras.utils.set_random_seed(1 + seed)
             model = make_student(name, teacher, cfg)
-            info = transfer(model, teacher, cfg, seed=20_000) if name in _TRANSFERRED else None
+            info = transfer(model, teacher, cfg, seed=20_000 + seed) if name in _TRANSFERRED else None
             if name in _CLAMPED_OBJECTIVE:
                 frozen = ("gamma", "linear_weight")
-                info = transfer(model, teacher, cfg, seed=20_000, objective=_CLAMPED_OBJECTIVE[name], freeze=frozen)
+                objective = _CLAMPED_OBJECTIVE[name]
+                info = transfer(model, teacher, cfg, seed=20_000 + seed, objective=objective, freeze=frozen)
             built[name] = (model, info)
         return built[name]
 
@@ -690,6 +692,9 @@ def parse_args(argv=None):
         help="initial linear weight of the *_lw and sparse-cache rows (the LoLCATs row keeps 1)",
     )
     p.add_argument("--no-jit", action="store_true", help="train the teacher without XLA")
+    p.add_argument(
+        "--seed", type=int, default=0, help="teacher init, training and transfer rows (evaluation rows stay fixed)"
+    )
     p.add_argument("--save-teacher", default=None, help="write the trained teacher's weights (.weights.h5)")
     p.add_argument("--load-teacher", default=None, help="load the teacher's weights instead of training it")
     p.add_argument("--out", default=RESULTS_PATH)
@@ -728,6 +733,7 @@ def config_from_args(args):
     cfg["window_gamma"] = args.window_gamma
     cfg["linear_weight"] = args.linear_weight
     cfg["save_teacher"], cfg["load_teacher"] = args.save_teacher, args.load_teacher
+    cfg["seed"] = args.seed
     return cfg
 
 
