@@ -28,6 +28,9 @@ weights trained). Rows (``--students``):
   cache's softmax scores every cached pair as if it sat just past the
   window, so a pair far back is not scored at a RoPE distance the teacher
   never saw.
+- ``cache_clamped``, ``cache_clamped_mean``: the two unrotated cache rows
+  with ``cache_max_distance=T`` (the training length) instead: a cached
+  pair at its real distance up to T, at T beyond (RoPE distance ``min(d, T)``).
 
 The two mean rows start the learned linear weight at ``--mean-linear-weight``
 (default 8: a mean of hedgehog kernels at copy is about 2/C, so weight 1
@@ -82,6 +85,9 @@ STUDENTS = {
         "linear_mean": True,
         "cache_distance": None,
     },
+    # cache_max_distance is the training length
+    "cache_clamped": {"cache_size": None, "linear_rope": False, "cache_max_distance": None},
+    "cache_clamped_mean": {"cache_size": None, "linear_rope": False, "linear_mean": True, "cache_max_distance": None},
 }
 SCRATCH = {
     "delta_conv": {"feature_map": None, "update": "delta", "normalize": False, "conv_size": 4},
@@ -213,6 +219,8 @@ def run(args):
                     options["cache_size"] = args.cache_size
                 if "cache_distance" in options:
                     options["cache_distance"] = W
+                if "cache_max_distance" in options:
+                    options["cache_max_distance"] = T
                 if options.get("linear_mean") and args.mean_linear_weight:
                     options["linear_weight"] = args.mean_linear_weight
                 student = keras_linattn.linearize(teacher, window_size=W, window_gamma=args.window_gamma, **options)

@@ -366,10 +366,10 @@ def build_teacher(cfg, seed=0):
     return keras_hub.models.LlamaCausalLM(backbone, preprocessor=None)
 
 
-def train_teacher(teacher, cfg, log):
+def train_teacher(teacher, cfg, log, seed=0):
     import keras
 
-    tokens, targets, _ = training_rows(cfg, cfg["num_train"], seed=10_000)
+    tokens, targets, _ = training_rows(cfg, cfg["num_train"], seed=10_000 + seed)
     weights = (targets != IGNORE).astype("float32")
     labels = np.where(targets == IGNORE, 0, targets)
     steps = cfg["teacher_steps"]
@@ -444,8 +444,11 @@ def attention_layers(model):
     return layers(model)
 
 
-def transfer(student, teacher, cfg, seed):
-    """LoLCATs attention transfer on the task's rows (feature maps and window gamma only)."""
+def transfer(student, teacher, cfg, seed, objective="output", freeze=None):
+    """LoLCATs attention transfer on the task's rows (feature maps and window gamma only).
+
+    ``objective`` and ``freeze`` as `keras_linattn.attention_transfer`'s.
+    """
     import tensorflow as tf
 
     import keras_linattn
@@ -462,9 +465,17 @@ def transfer(student, teacher, cfg, seed):
         learning_rate=cfg["transfer_learning_rate"],
         pairs=pairs,
         verbose=0,
+        objective=objective,
+        freeze=freeze,
     )
     losses = history.history["loss"]
-    return {"steps": cfg["transfer_steps"], "first_loss": float(losses[0]), "last_loss": float(losses[-1])}
+    return {
+        "steps": cfg["transfer_steps"],
+        "objective": objective,
+        "freeze": list(freeze or ()),
+        "first_loss": float(losses[0]),
+        "last_loss": float(losses[-1]),
+    }
 
 
 def accuracy_by_bucket(model, tokens, targets, distances, cfg):
@@ -508,6 +519,10 @@ ROWS = (
     "sparse_cache_fixed",
     "sparse_cache_lolcats",
     "delta",
+    "sparse_cache_clamped",
+    "sparse_cache_clamped_output",
+    "sparse_cache_clamped_attention",
+    "sparse_cache_clamped_both",
 )
 ROW_TITLES = {
     "teacher": "teacher (softmax, full KV cache)",
@@ -519,6 +534,16 @@ ROW_TITLES = {
     "sparse_cache_fixed": "sparse cache, unrotated linear part, cache scored at distance W, no training",
     "sparse_cache_lolcats": "sparse cache (LoLA) on the small-linear-weight LoLCATs maps",
     "delta": "delta rule (hedgehog, no window), attention transfer",
+    "sparse_cache_clamped": "sparse cache, unrotated linear part, cache at distance min(d, T), no training",
+    "sparse_cache_clamped_output": "the min(d, T) cache after output-MSE transfer (gamma, linear weight frozen)",
+    "sparse_cache_clamped_attention": "the min(d, T) cache after attention-weight transfer (gamma, weight frozen)",
+    "sparse_cache_clamped_both": "the min(d, T) cache after output + attention transfer (gamma, weight frozen)",
+}
+# The min(d, L) cache's transferred rows: the objective of each (gamma and the linear weight frozen).
+_CLAMPED_OBJECTIVE = {
+    "sparse_cache_clamped_output": "output",
+    "sparse_cache_clamped_attention": "attention",
+    "sparse_cache_clamped_both": "both",
 }
 # Rows built from another row's trained student (its weights copied; the cache itself is not trained).
 _BASE_ROW = {"sparse_cache_lolcats": "lolcats_lw"}
@@ -547,6 +572,17 @@ def make_student(name, teacher, cfg):
         return keras_linattn.linearize(
             teacher, window_size=w, cache_size=n, window_gamma=gamma, linear_weight=lw, linear_rope=False, **fixed
         )
+    if name == "sparse_cache_clamped" or name in _CLAMPED_OBJECTIVE:  # real distance up to T, T beyond
+        n, bound = cfg["cache_size"], cfg["sequence_length"]
+        return keras_linattn.linearize(
+            teacher,
+            window_size=w,
+            cache_size=n,
+            window_gamma=gamma,
+            linear_weight=lw,
+            linear_rope=False,
+            cache_max_distance=bound,
+        )
     if name == "delta":
         return keras_linattn.linearize(teacher, window_size=None, update="delta", normalize=False)
     raise ValueError(f"Unknown row {name!r}")
@@ -557,13 +593,14 @@ def run(cfg, rows, log):
 
     started = time.perf_counter()
     out = {"rows": []}
-    teacher = build_teacher(cfg)
+    seed = cfg.get("seed", 0)  # the teacher's init, its training rows, each student's transfer rows
+    teacher = build_teacher(cfg, seed=seed)
     if cfg.get("load_teacher"):
         teacher(as_inputs(np.ones((1, 8), "int32")))
         teacher.load_weights(cfg["load_teacher"])
         out["teacher_training"] = {"loaded_from": cfg["load_teacher"]}
     else:
-        out["teacher_training"] = train_teacher(teacher, cfg, log)
+        out["teacher_training"] = train_teacher(teacher, cfg, log, seed=seed)
         if cfg.get("save_teacher"):
             teacher.save_weights(cfg["save_teacher"])
             out["teacher_training"]["saved_to"] = cfg["save_teacher"]
@@ -573,9 +610,13 @@ def run(cfg, rows, log):
     def trained(name):
         """The row's student, its attention transfer done once (a base row is shared)."""
         if name not in built:
-            keras.utils.set_random_seed(1)
+            keras.utils.set_random_seed(1 + seed)
             model = make_student(name, teacher, cfg)
-            info = transfer(model, teacher, cfg, seed=20_000) if name in _TRANSFERRED else None
+            info = transfer(model, teacher, cfg, seed=20_000 + seed) if name in _TRANSFERRED else None
+            if name in _CLAMPED_OBJECTIVE:
+                frozen = ("gamma", "linear_weight")
+                objective = _CLAMPED_OBJECTIVE[name]
+                info = transfer(model, teacher, cfg, seed=20_000 + seed, objective=objective, freeze=frozen)
             built[name] = (model, info)
         return built[name]
 
@@ -651,6 +692,9 @@ def parse_args(argv=None):
         help="initial linear weight of the *_lw and sparse-cache rows (the LoLCATs row keeps 1)",
     )
     p.add_argument("--no-jit", action="store_true", help="train the teacher without XLA")
+    p.add_argument(
+        "--seed", type=int, default=0, help="teacher init, training and transfer rows (evaluation rows stay fixed)"
+    )
     p.add_argument("--save-teacher", default=None, help="write the trained teacher's weights (.weights.h5)")
     p.add_argument("--load-teacher", default=None, help="load the teacher's weights instead of training it")
     p.add_argument("--out", default=RESULTS_PATH)
@@ -689,6 +733,7 @@ def config_from_args(args):
     cfg["window_gamma"] = args.window_gamma
     cfg["linear_weight"] = args.linear_weight
     cfg["save_teacher"], cfg["load_teacher"] = args.save_teacher, args.load_teacher
+    cfg["seed"] = args.seed
     return cfg
 
 

@@ -49,6 +49,7 @@ SHORTHAND_ARGUMENTS = (
     "linear_rope",
     "linear_mean",
     "cache_distance",
+    "cache_max_distance",
 )
 # Arguments for pretrained softmax models (rotary positions, grouped-query attention).
 PRETRAINED_ARGUMENTS = (
@@ -127,6 +128,10 @@ MECHANISM_ARGS_DOC = """\
             cached pair as if it sat d tokens before its query (rotary
             embeddings), so a pair far back is not scored at a distance the
             model never saw. Keyword-only.
+        cache_max_distance: None (default) or an int L >= 0, with
+            `cache_size` and ``linear_rope=False`` (not with
+            `cache_distance`): a cached pair is scored at its real distance
+            up to L and at L beyond (``min(d, L)``). Keyword-only.
         recurrence: the state update and readout for any recurrence,
             built-in or registered: a registered name
             (`keras_linattn.recurrences.available()`: ``"additive"``,
@@ -189,6 +194,7 @@ def _shorthand_recurrence(
     linear_rope=None,
     linear_mean=None,
     cache_distance=None,
+    cache_max_distance=None,
 ):
     """The built-in recurrence the shorthand arguments describe.
 
@@ -203,11 +209,12 @@ def _shorthand_recurrence(
             "`cache_size` is the sparse cache beside a softmax window (LoLA): it needs `window_size`. "
             f"Received: cache_size={cache_size!r}, window_size=None"
         )
-    if cache_distance is not None and cache_size is None:
-        raise ValueError(
-            "`cache_distance` is an option of the sparse cache: it needs `cache_size` (and `window_size`). "
-            f"Received: cache_distance={cache_distance!r}, cache_size=None"
-        )
+    for name, value in (("cache_distance", cache_distance), ("cache_max_distance", cache_max_distance)):
+        if value is not None and cache_size is None:
+            raise ValueError(
+                f"`{name}` is an option of the sparse cache: it needs `cache_size` (and `window_size`). "
+                f"Received: {name}={value!r}, cache_size=None"
+            )
     if window_gamma is not None and window_size is None:
         raise ValueError(
             "`window_gamma` weights the softmax window's terms: it needs `window_size`. "
@@ -261,6 +268,8 @@ def _shorthand_recurrence(
         if cache_size is not None:
             if cache_distance is not None:
                 options["cache_distance"] = cache_distance
+            if cache_max_distance is not None:
+                options["cache_max_distance"] = cache_max_distance
             return SparseCacheRecurrence(
                 window_size, cache_size, gamma=window_gamma, linear_weight=linear_weight, **options
             )
@@ -376,7 +385,7 @@ class AttentionSpec:
             **arguments: the mechanism arguments (`ARGUMENTS`): the shorthand
                 ``decay``, ``normalize``, ``window_size``, ``update``,
                 ``window_gamma``, ``cache_size``, ``linear_weight``, ``linear_rope``,
-                ``linear_mean``, ``cache_distance``, or ``recurrence``; and ``conv_size``,
+                ``linear_mean``, ``cache_distance``, ``cache_max_distance``, or ``recurrence``; and ``conv_size``,
                 ``num_key_value_heads``, ``rope_max_wavelength``,
                 ``rope_scaling_factor``.
 
@@ -388,7 +397,7 @@ class AttentionSpec:
         if unknown:
             raise TypeError(f"Unknown attention arguments: {unknown}. Expected some of {list(ARGUMENTS)}")
         shorthand = {name: arguments[name] for name in SHORTHAND_ARGUMENTS if name in arguments}
-        for name in ("window_gamma", "cache_size", "linear_weight", "linear_rope", "linear_mean", "cache_distance"):
+        for name in SHORTHAND_ARGUMENTS[4:]:  # window_gamma ... cache_max_distance
             if name in shorthand and shorthand[name] is None:
                 del shorthand[name]  # the default, e.g. from a config
         recurrence = arguments.get("recurrence")
@@ -397,7 +406,8 @@ class AttentionSpec:
         elif shorthand:
             raise ValueError(
                 "Pass either `recurrence` or the shorthand arguments (decay, normalize, window_size, update, "
-                "window_gamma, cache_size, linear_weight, linear_rope, linear_mean, cache_distance), "
+                "window_gamma, cache_size, linear_weight, linear_rope, linear_mean, cache_distance, "
+                "cache_max_distance), "
                 f"not both. Received: recurrence={recurrence!r}, "
                 + ", ".join(f"{k}={v!r}" for k, v in shorthand.items())
             )

@@ -43,7 +43,7 @@ from keras_linattn._trainer import DivergenceWarning, NonFiniteLossError, Object
 from keras_linattn._trainer import as_dataset as _as_dataset
 from keras_linattn._validation import check_one_of, check_positive_int
 from keras_linattn.layers.linear_attention import LinearAttention
-from keras_linattn.linearization import families
+from keras_linattn.linearization import _attention_objective, families
 from keras_linattn.linearization._generic import is_softmax_attention
 
 __all__ = ["DivergenceWarning", "NonFiniteLossError", "attention_pairs", "attention_transfer", "transfer_variables"]
@@ -169,7 +169,7 @@ def _first(output):
     return output[0] if isinstance(output, (list, tuple)) else output
 
 
-def _transfer_objective(teacher, student, pairs, names):
+def _transfer_objective(teacher, student, pairs, names, objective_name="output"):
     teacher_layers = [t for t, _ in pairs]
     student_layers = [s for _, s in pairs]
     calls = {"teacher": [], "student": []}
@@ -191,8 +191,16 @@ def _transfer_objective(teacher, student, pairs, names):
         arguments.arguments["query"] = ops.stop_gradient(query)
         arguments.arguments["value"] = ops.stop_gradient(value)
         arguments.arguments["key"] = None if key is None else ops.stop_gradient(key)
-        output = call(*arguments.args, **arguments.kwargs)
-        done.append((_first(output), target, _query_mask(arguments.arguments)))
+        mask = _query_mask(arguments.arguments)
+        entropy = None
+        if objective_name != "output":
+            named = arguments.arguments
+            entropy = _attention_objective.attention_cross_entropy(
+                student_layers[index], named["query"], named["value"], named["key"], mask
+            )
+        # The attention objective alone needs no student output: the later layers are teacher-forced too.
+        output = target if objective_name == "attention" else call(*arguments.args, **arguments.kwargs)
+        done.append((_first(output), target, mask, entropy))
         return output
 
     def objective(x):
@@ -202,7 +210,7 @@ def _transfer_objective(teacher, student, pairs, names):
             teacher(x, training=False)
         with CallHooks(student_layers, force_student):
             student(x, training=False)
-        errors = []
+        errors, entropies = [], []
         for index, (recorded, done) in enumerate(zip(calls["teacher"], calls["student"], strict=True)):
             if not done or len(done) != len(recorded):
                 raise ValueError(
@@ -211,9 +219,17 @@ def _transfer_objective(teacher, student, pairs, names):
                     "(a layer used only through `step`, or inside a while_loop / RNN cell, cannot be captured). "
                     f"Received: {len(recorded)} and {len(done)} call(s)"
                 )
-            errors.append(ops.mean(ops.stack([_mse(out, target, mask) for out, target, mask in done])))
-        logs = {"loss": ops.mean(ops.stack(errors))}
-        logs.update({f"mse/{name}": error for name, error in zip(names, errors, strict=True)})
+            if objective_name != "attention":
+                errors.append(ops.mean(ops.stack([_mse(out, target, mask) for out, target, mask, _ in done])))
+            if objective_name != "output":
+                entropies.append(ops.mean(ops.stack([entropy for *_, entropy in done])))
+        loss = ops.mean(ops.stack(errors)) if errors else 0.0
+        if entropies:  # "both": the output MSE plus the cross-entropy
+            loss = loss + ops.mean(ops.stack(entropies))
+        logs = {"loss": loss}
+        for prefix, values in (("mse", errors), ("ce", entropies)):
+            if values:  # one per layer, or none for an objective that leaves it out
+                logs.update({f"{prefix}/{name}": value for name, value in zip(names, values, strict=True)})
         return logs
 
     return objective
@@ -382,8 +398,10 @@ def attention_transfer(
     validation_steps=None,
     jit_compile=False,
     verbose=1,
+    objective="output",
+    freeze=None,
 ):
-    """Trains a linearized model's feature maps (and window gammas) to match its teacher's attention outputs.
+    """Trains a linearized model's feature maps (and window gammas) to match its teacher's attention.
 
     See the module docstring for the loss (mean over attention layers of the
     MSE between each student layer's output and its teacher layer's, the
@@ -419,10 +437,20 @@ def attention_transfer(
         validation_steps: batches of `validation_data` per evaluation.
         jit_compile: compile the training step with XLA.
         verbose: 0 silent, 1 progress bar, 2 one line per epoch.
+        objective: ``"output"`` (default: the MSE of the layers' outputs,
+            as above), ``"attention"`` (Hedgehog's cross-entropy between the
+            teacher's softmax weights and the student's window + linear
+            weights, per layer, head and row:
+            `keras_linattn.linearization._attention_objective`; causal
+            self-attention) or ``"both"`` (their sum).
+        freeze: None (default), or a tuple of ``"gamma"`` and
+            ``"linear_weight"``: those window weights stay as they are (the
+            feature map still trains).
 
     Returns:
         ``(student, history)``: the student, and the `keras.callbacks.History`
-        of ``fit`` (per-epoch means of ``loss`` and ``mse/<student layer>``;
+        of ``fit`` (per-epoch means of ``loss``, ``mse/<student layer>`` and,
+        with the attention objective, ``ce/<student layer>``;
         a student layer whose name repeats an earlier one's is logged as
         ``mse/<name>_<index>``).
 
@@ -454,6 +482,8 @@ def attention_transfer(
     ['loss', 'mse/attention']
     """
     steps = check_positive_int("steps", steps)
+    check_one_of("objective", objective, _attention_objective.OBJECTIVES)
+    frozen = _attention_objective.frozen_names(freeze)
     epochs = check_positive_int("epochs", epochs)
     check_one_of("verbose", verbose, (0, 1, 2))
     if student is teacher:
@@ -476,7 +506,7 @@ def attention_transfer(
     variables, seen = [], set()
     for _, layer in pairs:
         for v in transfer_variables(layer):
-            if id(v) not in seen:
+            if id(v) not in seen and v.name not in frozen:
                 seen.add(id(v))
                 variables.append(v)
     if not variables:
@@ -485,8 +515,9 @@ def attention_transfer(
             f"e.g. 'hedgehog', or a window gamma). Received: layers={[s.name for _, s in pairs]}"
         )
     names = layer_names([s for _, s in pairs])
-    log_names = ["loss"] + [f"mse/{name}" for name in names]
-    objective = _transfer_objective(teacher, student, pairs, names)
+    log_names = ["loss"] + [f"mse/{name}" for name in names if objective != "attention"]
+    log_names += [f"ce/{name}" for name in names if objective != "output"]
+    objective = _transfer_objective(teacher, student, pairs, names, objective)
     trainer = ObjectiveTrainer(
         objective, variables, {"student": student, "teacher": teacher}, log_names, name="attention_transfer"
     )

@@ -72,6 +72,7 @@ float32 rounding.
 from keras import ops
 
 from keras_linattn._validation import check_epsilon, check_non_negative_int, check_positive_int, check_rank
+from keras_linattn.ops import _sparse_cache_distance as _distance
 from keras_linattn.ops._common import (
     _causal_chunked,
     _check_state,
@@ -84,7 +85,7 @@ from keras_linattn.ops._common import (
     _normalize,
     _validate_inputs,
 )
-from keras_linattn.ops._sparse_selection import _admit, _check_cache, _empty_cache, _selection
+from keras_linattn.ops._sparse_selection import _admit, _check_cache, _empty_cache
 from keras_linattn.ops.core import DEFAULT_EPSILON
 from keras_linattn.ops.window import (
     _NEG,
@@ -136,6 +137,7 @@ def sparse_cache_attention(
     gamma=None,
     cache_q=None,
     cache_k_all=None,
+    cache_max_distance=None,
 ):
     """Causal window + sparse cache + linear attention over a piece of T tokens, continuing from a state.
 
@@ -161,6 +163,12 @@ def sparse_cache_attention(
             keys. The window's softmax always scores `q` against `k_all`.
             ``SparseCacheRecurrence(cache_distance=d)`` passes the keys
             before the rotary embedding and the queries rotated to d here.
+        cache_max_distance: None (default) or an int L >= 0 (needs
+            `cache_q` and `cache_k_all`): a cached pair d tokens before its
+            query is scored with `q` . `k_all` while d <= L, with `cache_q` .
+            `cache_k_all` beyond (`keras_linattn.ops._sparse_cache_distance`).
+            The cache's keys are then ``[k, cache_k, age]`` packed,
+            ``[B, N, H, 2D + 1]``, in `initial_cache` and the returned cache.
 
     Returns:
         ``[B, T, H, M]`` in ``v_all``'s dtype; with `return_state`,
@@ -171,7 +179,7 @@ def sparse_cache_attention(
     Raises:
         KernelUnderflowError: eagerly, as `window_attention`.
     """
-    window, cache_size, scale, gamma = _check_arguments(
+    window, cache_size, scale, gamma, d_cache = _check_arguments(
         q,
         q_features,
         k_all,
@@ -187,8 +195,9 @@ def sparse_cache_attention(
         gamma,
         cache_q,
         cache_k_all,
+        cache_max_distance,
     )
-    h, d, c, m = q.shape[2], q.shape[3], q_features.shape[3], v_all.shape[3]
+    h, c, m = q.shape[2], q_features.shape[3], v_all.shape[3]
     out_dtype = v_all.dtype
     batch, length = ops.shape(q)[0], ops.shape(q)[1]
     if valid_all is None:
@@ -202,7 +211,7 @@ def sparse_cache_attention(
         s0, z0 = (f32(x) for x in initial_state)
         state = (s0, z0)
     if initial_cache is None:
-        cache = _empty_cache(batch, cache_size, h, d, c, m)
+        cache = _empty_cache(batch, cache_size, h, d_cache, c, m)
     else:
         keys, feats, values, ok = (f32(x) for x in initial_cache)
         cache = tuple(_mask_keys(x, ok > 0) for x in (keys, feats, values)) + (ok,)
@@ -220,9 +229,14 @@ def sparse_cache_attention(
     tokens_first = lambda x: ops.moveaxis(x[:, :length], 1, 0)  # noqa: E731  [T, B, ...]
     q_cache = f32(q if cache_q is None else cache_q) * scale  # [B, T, H, D]: the cache's scores read these
     k_cache = kk if cache_k_all is None else f32(cache_k_all)  # [B, W + T, H, D]
+    if cache_max_distance is not None:  # both forms of each query and key, and each key's age on leaving
+        q_cache, k_cache = _distance.packed_inputs(
+            f32(q) * scale, q_cache, kk, k_cache, window, cache_max_distance
+        )  # [B, T, H, 2D], [B, W + T, H, 2D + 1]
     xs = [tokens_first(x) for x in (q_cache, k_cache, kf_all, vv, f32(valid_all))]
 
-    carry, (kf_e, v_e, num_c, den_c, peak_c) = _selection(tuple(state + cache), tuple(xs), eps)
+    selected = _distance.selection(tuple(state + cache), tuple(xs), eps, cache_max_distance)
+    carry, (kf_e, v_e, num_c, den_c, peak_c) = selected
     state, cache = carry[:2], carry[2:]
 
     # Linear part: query i over the pairs that entered the state at or before step i.
@@ -261,11 +275,13 @@ def _check_arguments(
     gamma,
     cache_q,
     cache_k_all,
+    cache_max_distance,
 ):
     """Checks `sparse_cache_attention`'s arguments.
 
     Returns:
-        ``(window, cache_size, scale, gamma)`` as the readout uses them.
+        ``(window, cache_size, scale, gamma, d_cache)`` as the readout uses them
+        (``d_cache``: the cache's key width, D or the packed 2D + 1).
 
     Raises:
         ValueError: naming the argument received, for a shape, size or
@@ -283,6 +299,7 @@ def _check_arguments(
             f"Received: k_all.shape={tuple(k_all.shape)}, q.shape={tuple(q.shape)}"
         )
     h, d, c, m = q.shape[2], q.shape[3], q_features.shape[3], v_all.shape[3]
+    d_cache = _distance.cache_key_width(cache_max_distance, cache_q, cache_k_all, d)  # D, or 2D + 1 packed
     for name, x, like, of in (("cache_q", cache_q, q, "q"), ("cache_k_all", cache_k_all, k_all, "k_all")):
         if x is None:
             continue
@@ -295,14 +312,17 @@ def _check_arguments(
             )
     if initial_state is not None:
         _check_state(initial_state, h, c, m, name="initial_state")
-    if initial_cache is not None and _check_cache(initial_cache, h, d, c, m, "initial_cache") not in (None, cache_size):
+    if initial_cache is not None and _check_cache(initial_cache, h, d_cache, c, m, "initial_cache") not in (
+        None,
+        cache_size,
+    ):
         raise ValueError(
             f"`initial_cache` must have N = cache_size = {cache_size} slots. "
             f"Received: keys.shape={tuple(initial_cache[0].shape)}"
         )
     scale = _check_scale(scale, q)
     check_epsilon("eps", eps, allow_zero=True)
-    return window, cache_size, scale, _check_gamma(gamma, h)
+    return window, cache_size, scale, _check_gamma(gamma, h), d_cache
 
 
 def _tokens_to_heads(x):
@@ -382,6 +402,7 @@ def sparse_cache_attention_step(
     gamma=None,
     q_cache_t=None,
     k_cache_evicted=None,
+    cache_max_distance=None,
 ):
     """One decoding step: the oldest window pair goes through the selection, the new one enters the window.
 
@@ -409,6 +430,9 @@ def sparse_cache_attention_step(
             `sparse_cache_attention`'s `cache_q` and `cache_k_all`: the query
             the cache is scored with (default `q_t`) and the leaving pair's
             key as the cache keeps it (default the buffer's oldest key).
+        cache_max_distance: as in `sparse_cache_attention` (needs
+            `q_cache_t` and `k_cache_evicted`; the cache's keys packed,
+            ``[B, N, H, 2D + 1]``).
 
     Returns:
         ``(out_t [B, H, M], (S, z), buffer, cache)``, all state float32.
@@ -419,7 +443,7 @@ def sparse_cache_attention_step(
     _check_state(state, h, c, m)
     if not isinstance(buffer, (tuple, list)) or len(buffer) != 3:
         raise ValueError(f"`buffer` must be (keys, values, valid). Received: buffer={buffer!r}")
-    _check_cache(cache, h, d, c, m, "cache")
+    _check_cache(cache, h, _distance.cache_key_width(cache_max_distance, q_cache_t, k_cache_evicted, d), c, m, "cache")
     groups = _query_heads_per_key_head(q_t, k_t, v_t, buffer)
     scale = _check_scale(scale, q_t)
     gamma = _check_gamma(gamma, h)
@@ -429,6 +453,11 @@ def sparse_cache_attention_step(
     ck, ckf, cv, cok = (f32(x) for x in cache)
     cache = tuple(_mask_keys(x, cok > 0) for x in (ck, ckf, cv)) + (cok,)
     leaving_key = _repeat_heads(keys[:, 0], groups) if k_cache_evicted is None else f32(k_cache_evicted)  # [B, H, D]
+    if cache_max_distance is not None:  # the cached pairs age by one; the leaving one is W tokens back
+        cache = _distance.age_cache(cache, cache_max_distance)
+        leaving_age = ops.minimum(ops.cast(ops.shape(keys)[1], "float32"), float(cache_max_distance) + 1.0)
+        real_key = _repeat_heads(keys[:, 0], groups)  # [B, H, D]
+        leaving_key = _distance.pack_keys(real_key, leaving_key, ops.ones_like(real_key[..., 0]) * leaving_age)
     leaving = (leaving_key, f32(k_features_evicted), _repeat_heads(values[:, 0], groups), valid[:, 0])
     (s, z), cache, _ = _admit(tuple(f32(x) for x in state), cache, leaving, eps)
     ck, _, cv, cok = cache
@@ -451,7 +480,7 @@ def sparse_cache_attention_step(
         window_scores = _grouped_scores(q, keys, groups)  # [B, H, W]: each group of heads against its keys
     e_w, e_c = _joint_softmax_terms(
         (window_scores, (valid > 0)[:, None, :]),  # [B, H, W], [B, 1, W]
-        (ops.einsum("bhd,bnhd->bhn", q_c, ck), ops.transpose(cok, (0, 2, 1)) > 0),  # [B, H, N], [B, H, N]
+        (_distance.step_scores(q, q_c, ck, cache_max_distance), ops.transpose(cok, (0, 2, 1)) > 0),  # [B, H, N] x2
     )
     if gamma is not None:
         e_w, e_c = e_w * gamma[None, :, None], e_c * gamma[None, :, None]
@@ -485,6 +514,7 @@ def sparse_cache_attention_reference(
     mean=False,
     cache_q=None,
     cache_k=None,
+    cache_max_distance=None,
 ):
     """The oracle: one token at a time, every memory a set of positions, every weight written out.
 
@@ -500,7 +530,9 @@ def sparse_cache_attention_reference(
     (`keras_linattn.recurrences.SparseCacheRecurrence`'s ``linear_mean``).
     ``cache_q``, ``cache_k`` ``[B, T, H, D]``: the cached positions' logits
     are ``scale * cache_q_i . cache_k_j`` (default `q`, `k`), the window's
-    ``scale * q_i . k_j``, under one max.
+    ``scale * q_i . k_j``, under one max. ``cache_max_distance`` L: a
+    cached position j is scored with ``q_i . k_j`` while ``i - j <= L``,
+    with ``cache_q_i . cache_k_j`` beyond.
     """
     window = check_positive_int("window", window)
     cache_size = check_non_negative_int("cache_size", cache_size)
@@ -544,7 +576,10 @@ def sparse_cache_attention_reference(
             in_state = ops.logical_or(in_state, evicted)
         in_window = ops.logical_and(ops.logical_and(pos <= i, pos > i - window), real_bh)  # [B, H, T]
         soft = ops.logical_or(in_window, in_cache)  # [B, H, T]
-        s_i = ops.where(in_cache, cache_scores[:, :, i], scores[:, :, i])  # [B, H, T]: window and cache are apart
+        cached_i = cache_scores[:, :, i]  # [B, H, T]
+        if cache_max_distance is not None:
+            cached_i = ops.where(i - pos <= cache_max_distance, scores[:, :, i], cached_i)
+        s_i = ops.where(in_cache, cached_i, scores[:, :, i])  # [B, H, T]: window and cache are apart
         peak = ops.max(ops.where(soft, s_i, ops.full_like(s_i, _NEG)), axis=-1, keepdims=True)
         weights = ops.where(soft, ops.exp(ops.minimum(s_i - peak, 0.0)), ops.zeros_like(s_i))  # [B, H, T]
         if g is not None:

@@ -10,6 +10,7 @@ rule, the readout and the costs are in `keras_linattn.ops.sparse_cache`.
 from keras import ops
 
 from keras_linattn import _state, _validation
+from keras_linattn.ops import _sparse_cache_distance as _distance
 from keras_linattn.ops import rotary as rotary_ops
 from keras_linattn.ops import sparse_cache as sparse_cache_ops
 from keras_linattn.ops._common import _mask_keys
@@ -77,6 +78,16 @@ class SparseCacheRecurrence(WindowRecurrence):
             fixed one does not depend on position. The window keeps the
             real distances. ``cache_k`` then holds the unrotated keys.
             Without rotary embeddings it changes nothing.
+        cache_max_distance: None (default), or an int L >= 0 (needs
+            ``linear_rope=False``; not with `cache_distance`): the cache
+            scores a pair d tokens before its query at its real distance
+            while d <= L and at L beyond (RoPE distance ``min(d, L)``;
+            `keras_linattn.ops._sparse_cache_distance`). With L the training
+            length the cache recalls as the real-distance one within it and
+            never meets a distance the model did not see past it. The state
+            keeps each cached pair's unrotated key (``cache_k_plain``) and
+            its age (``cache_age [N, H]``, clamped at L + 1) beside the
+            rotated ``cache_k``.
     """
 
     contract_configs = (
@@ -85,6 +96,7 @@ class SparseCacheRecurrence(WindowRecurrence):
         {"window_size": 2, "cache_size": 2, "gamma": 0.5, "linear_weight": 0.3},
         {"window_size": 2, "cache_size": 2, "linear_weight": 0.5, "linear_rope": False, "linear_mean": True},
         {"window_size": 2, "cache_size": 2, "linear_rope": False, "cache_distance": 2},
+        {"window_size": 2, "cache_size": 2, "gamma": 0.5, "linear_rope": False, "cache_max_distance": 5},
     )
 
     def __init__(
@@ -96,6 +108,7 @@ class SparseCacheRecurrence(WindowRecurrence):
         linear_rope=True,
         linear_mean=False,
         cache_distance=None,
+        cache_max_distance=None,
     ):
         # the window's checks, its gamma, linear weight and length options, and their weights
         super().__init__(
@@ -111,16 +124,30 @@ class SparseCacheRecurrence(WindowRecurrence):
                 "which the state keeps for the linear part (`window_k_plain`). "
                 f"Received: cache_distance={cache_distance!r}, linear_rope={linear_rope!r}"
             )
+        self.cache_max_distance = (
+            None
+            if cache_max_distance is None
+            else _validation.check_non_negative_int("cache_max_distance", cache_max_distance)
+        )
+        if self.cache_max_distance is not None and (self.linear_rope or self.cache_distance is not None):
+            raise ValueError(
+                "`cache_max_distance` needs `linear_rope=False` (the state then keeps the unrotated keys it scores "
+                "beyond the bound) and no `cache_distance` (one distance rule). "
+                f"Received: cache_max_distance={cache_max_distance!r}, linear_rope={linear_rope!r}, "
+                f"cache_distance={cache_distance!r}"
+            )
 
     def get_config(self):
         config = super().get_config()
         config = {"window_size": config.pop("window_size"), "cache_size": self.cache_size, **config}
         if self.cache_distance is not None:  # configs with the default stay as they were
             config["cache_distance"] = self.cache_distance
+        if self.cache_max_distance is not None:
+            config["cache_max_distance"] = self.cache_max_distance
         return config
 
     def _cache_queries(self, q_plain):
-        """The queries the cache scores with `cache_distance` d: ``q_plain`` rotated to position d.
+        """The queries the cache scores with `cache_distance` d (or `cache_max_distance`): ``q_plain`` rotated to d.
 
         Against keys before the rotary embedding (position 0), RoPE's score
         is that of a key d tokens before the query. ``q_plain [B, T, H, D]``
@@ -129,7 +156,8 @@ class SparseCacheRecurrence(WindowRecurrence):
         wavelength = getattr(self.layer, "rope_max_wavelength", None)
         if wavelength is None:
             return q_plain
-        positions = ops.full(ops.shape(q_plain)[:-2], float(self.cache_distance), "float32")  # [B, T] or [B]
+        distance = self.cache_distance if self.cache_max_distance is None else self.cache_max_distance
+        positions = ops.full(ops.shape(q_plain)[:-2], float(distance), "float32")  # [B, T] or [B]
         adjustment = getattr(self.layer, "rope_frequency_adjustment", None)
         rotary_dim = getattr(self.layer, "rope_rotary_dim", None)
         return rotary_ops.rotary_embedding(
@@ -145,6 +173,9 @@ class SparseCacheRecurrence(WindowRecurrence):
         ]
         if not self.linear_rope:
             spec.append(_state.StateSpec("cache_f", (n, h, self.feature_dim), "float32"))
+        if self.cache_max_distance is not None:
+            spec.append(_state.StateSpec("cache_k_plain", (n, h, d), "float32"))
+            spec.append(_state.StateSpec("cache_age", (n, h), "float32"))
         return spec
 
     def _cache(self, state, dtype, training):
@@ -154,6 +185,8 @@ class SparseCacheRecurrence(WindowRecurrence):
         (those of the unrotated keys, which the cache does not keep).
         """
         keys = state["cache_k"]  # [B, N, H, D]
+        if self.cache_max_distance is not None:  # both forms and the age, packed as the op reads them
+            keys = _distance.pack_keys(keys, state["cache_k_plain"], state["cache_age"])  # [B, N, H, 2D + 1]
         if self.linear_rope:
             features = self.features(ops.cast(keys, dtype), False, True, training)  # [B, N, H, C]
         else:
@@ -178,12 +211,13 @@ class SparseCacheRecurrence(WindowRecurrence):
         ok_all = ops.concatenate([ops.cast(state["window_valid"], "float32"), real], axis=1)  # [B, W + S]
         qf, kf_all, new = self._piece_features(q, k, k_all, ok_all, state, training, unrotated)
         scored = {}
-        if self.cache_distance is not None:
+        if self.cache_distance is not None or self.cache_max_distance is not None:
             q_plain, k_plain = (q, k) if unrotated is None else unrotated
             plain = self._expand(ops.cast(state["window_k_plain"], k.dtype))  # [B, W, H, D]
             scored = {
                 "cache_q": self._cache_queries(q_plain),  # [B, T, H, D]
                 "cache_k_all": ops.concatenate([plain, k_plain], axis=1),  # [B, W + S, H, D]
+                "cache_max_distance": self.cache_max_distance,
             }
         out, (s, z), (ck, cf, cv, cok) = sparse_cache_ops.sparse_cache_attention(
             q,
@@ -208,12 +242,19 @@ class SparseCacheRecurrence(WindowRecurrence):
             "window_k": self._shrink(ops.cast(k_all[:, -w:], "float32")),
             "window_v": self._shrink(ops.cast(_mask_keys(v_all, ok_all > 0)[:, -w:], "float32")),
             "window_valid": ok_all[:, -w:],
-            "cache_k": ck,
+            **self._cache_keys(ck),
             "cache_v": cv,
             "cache_valid": cok,
             **self._cache_features(cf),
             **new,
         }
+
+    def _cache_keys(self, keys):
+        """The state's ``cache_k`` (with `cache_max_distance`: and ``cache_k_plain``, ``cache_age``, unpacked)."""
+        if self.cache_max_distance is None:
+            return {"cache_k": keys}
+        k, k_plain, age = _distance.unpack_keys(keys)
+        return {"cache_k": k, "cache_k_plain": k_plain, "cache_age": age}
 
     def _cache_features(self, features):
         """The state's ``cache_f`` with ``linear_rope=False`` (else nothing)."""
@@ -225,10 +266,12 @@ class SparseCacheRecurrence(WindowRecurrence):
         oldest_k = self._expand(state["window_k"][:, :1])  # [B, 1, H, D]
         qf, kf_old, new = self._step_features(q, k, oldest_k, state, training, unrotated)
         scored = {}
-        if self.cache_distance is not None:  # the leaving pair's unrotated key is the oldest of window_k_plain
+        if self.cache_distance is not None or self.cache_max_distance is not None:
+            # the leaving pair's unrotated key is the oldest of window_k_plain
             scored = {
                 "q_cache_t": self._cache_queries(q if unrotated is None else unrotated[0]),  # [B, H, D]
                 "k_cache_evicted": self._expand(state["window_k_plain"][:, :1])[:, 0],  # [B, H, D]
+                "cache_max_distance": self.cache_max_distance,
             }
         # The window's buffers stay at their buffer_heads: the op reads them per group (never repeated to H).
         out, (s, z), (wk, wv, wok), (ck, cf, cv, cok) = sparse_cache_ops.sparse_cache_attention_step(
@@ -250,7 +293,7 @@ class SparseCacheRecurrence(WindowRecurrence):
             "window_k": wk,
             "window_v": wv,
             "window_valid": wok,
-            "cache_k": ck,
+            **self._cache_keys(ck),
             "cache_v": cv,
             "cache_valid": cok,
             **self._cache_features(cf),
@@ -261,7 +304,10 @@ class SparseCacheRecurrence(WindowRecurrence):
         q_lin, k_lin = (q, k) if self.linear_rope or unrotated is None else unrotated
         qf = self.features(q_lin, True, True, training)
         kf = self.features(k_lin, False, True, training)
-        scored = {} if self.cache_distance is None else {"cache_q": self._cache_queries(q_lin), "cache_k": k_lin}
+        scored = {}
+        if self.cache_distance is not None or self.cache_max_distance is not None:
+            scored = {"cache_q": self._cache_queries(q_lin), "cache_k": k_lin}
+            scored["cache_max_distance"] = self.cache_max_distance
         return sparse_cache_ops.sparse_cache_attention_reference(
             q,
             qf,

@@ -99,6 +99,9 @@ def test_quick_run_writes_every_row(tmp_path):
         assert set(r["accuracy"]) == {*names, "all"}
         assert all(0.0 <= a <= 1.0 for a in r["accuracy"].values()), r
         assert sum(r["count"][n] for n in names) == r["count"]["all"] == 3 * bench.QUICK["num_eval"]
+        if r["name"] in bench._CLAMPED_OBJECTIVE:  # transferred with its objective, gamma and weight frozen
+            assert r["transfer"]["objective"] == bench._CLAMPED_OBJECTIVE[r["name"]]
+            assert r["transfer"]["freeze"] == ["gamma", "linear_weight"]
     memory = results["memory"]
     assert memory["cache_size"] >= 1 and memory["window_plus_cache_over_kv"] <= 0.25
     assert results["command"].endswith("--quick --out " + str(out))

@@ -182,8 +182,9 @@ def _as_multi_head(layer, **kwargs):
         dict(linear_rope=False, linear_mean=True),
         dict(cache_size=2),
         dict(cache_size=2, linear_rope=False, cache_distance=4),
+        dict(cache_size=2, linear_rope=False, cache_max_distance=5),
     ],
-    ids=["window", "length", "lola", "lola_fixed_distance"],
+    ids=["window", "length", "lola", "lola_fixed_distance", "lola_clamped_distance"],
 )
 def test_gqa_window_buffers_keep_the_key_value_heads(rng, kwargs):
     """Under GQA the window's key/value buffers hold one head per group (a quarter at Llama 3.2 1B's
