@@ -44,6 +44,12 @@ class Copier:
         Raises:
             ValueError: for shapes that differ.
         """
+        if transform is None and str(source.dtype) == str(target.dtype) and tuple(source.shape) == tuple(target.shape):
+            # Variable to variable: TensorFlow's assign takes the teacher's buffer (copy-on-write: a later write
+            # to either model copies it), so a large teacher is not held twice over through numpy copies.
+            target.assign(source)
+            self.used.add(id(source))
+            return
         value = np.asarray(keras.ops.convert_to_numpy(source))
         if transform is not None:
             value = np.asarray(transform(value))
