@@ -67,3 +67,28 @@ def test_the_student_keeps_no_reference_to_the_teacher():
     gc.collect()
     assert [r for r in refs if r() is not None] == []
     assert student.backbone.token_embedding.embeddings.shape == (50, 16)
+
+
+def test_copied_weights_are_never_filled_by_their_initializer(monkeypatch):
+    from keras.src import backend
+    from keras.src.backend.common import global_state
+
+    teacher = _teacher()
+    initialized = []
+    original = backend.Variable._initialize_with_initializer
+
+    def spy(self, initializer):
+        initialized.append(self.path)
+        return original(self, initializer)
+
+    monkeypatch.setattr(backend.Variable, "_initialize_with_initializer", spy)
+    pending_before = len(global_state.get_global_attribute("uninitialized_variables", []) or [])
+    student = keras_linattn.linearize(teacher, window_size=4)
+    copied = {"token_embedding/embeddings", "decoder_block_0/feedforward_gate_dense/kernel"}
+    assert copied <= {w.path for w in student.backbone.weights}
+    assert not copied & set(initialized)  # the teacher's values are their first values
+    assert initialized  # weights of the new attention (the feature maps) kept their initializer
+    # Nothing is left in Keras' list of variables awaiting initialization.
+    assert len(global_state.get_global_attribute("uninitialized_variables", []) or []) == pending_before
+    for ours, theirs in _copied((teacher, student)):
+        np.testing.assert_array_equal(_buffer(ours), _buffer(theirs))
