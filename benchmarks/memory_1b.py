@@ -59,7 +59,7 @@ def _load(workdir):
     return keras.saving.load_model(os.path.join(workdir, "student.keras"), compile=False)
 
 
-def run_step(step, workdir, family, size):
+def run_step(step, workdir, family, size, onnx_dir=None):
     """Runs one step in this process; returns its phases (peak and RSS after each)."""
     import gc
 
@@ -70,7 +70,7 @@ def run_step(step, workdir, family, size):
 
         from keras_linattn.serving import OnnxGenerator
 
-        generator = OnnxGenerator(os.path.join(workdir, "onnx", "lm_step.onnx"))
+        generator = OnnxGenerator(os.path.join(onnx_dir or os.path.join(workdir, "onnx"), "lm_step.onnx"))
         _phase_peak(phases, "open", t)
         t = time.perf_counter()
         tokens = generator.generate(np.array([[1, 2, 3, 4, 5, 6, 7, 8]], "int32"), max_length=12)
@@ -134,6 +134,8 @@ def measure(step, args):
     """One step under ``/usr/bin/time -v`` with an RSS watchdog; returns its row."""
     command = [sys.executable, "-m", "benchmarks.memory_1b", "--child", step, "--workdir", args.workdir]
     command += ["--family", args.family, "--size", args.size]
+    if args.onnx_dir:
+        command += ["--onnx-dir", args.onnx_dir]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     t = time.perf_counter()
     process = subprocess.Popen(
@@ -192,11 +194,15 @@ def main(argv=None):
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--label", default="after", help="the key of this run in --out (e.g. before, after)")
     parser.add_argument("--out", default=os.path.join("benchmarks", "results", "memory_1b.json"))
+    parser.add_argument("--onnx-dir", default=None, help="onnx_generate: the export to serve (default: the workdir's)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     os.makedirs(os.path.join(args.workdir, "onnx"), exist_ok=True)
     if args.child:
-        print("RESULT " + json.dumps(run_step(args.child, args.workdir, args.family, args.size)), flush=True)
+        print(
+            "RESULT " + json.dumps(run_step(args.child, args.workdir, args.family, args.size, args.onnx_dir)),
+            flush=True,
+        )
         return 0
     results = {}
     if os.path.isfile(args.out):
@@ -207,7 +213,9 @@ def main(argv=None):
         row = measure(step, args)
         print(json.dumps(row), flush=True)
         rows.append(row)
-        results[args.label] = rows
+        results[args.label] = rows + [
+            r for r in results.get(args.label, []) if r["step"] not in {x["step"] for x in rows}
+        ]
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
     return 0
