@@ -77,7 +77,8 @@ dist: $(STAMP)
 # files, the editable install among them, are not run), and the wheel goes in with --no-deps;
 # tests/dist_smoke.py checks that keras_linattn comes from that venv, not from this tree, that every
 # base requirement the wheel declares is installed (tensorflow-serving-api among them: no extra is
-# needed to export), and runs the console script: --help without TensorFlow, then export + verify.
+# needed to export), and runs the console script: --help without TensorFlow, then export + verify; then
+# a second venv with the wheel (--no-deps), numpy and onnxruntime only serves an ONNX export (no TensorFlow).
 DIST_VENV := build/dist-venv
 dist-check: dist
 	rm -rf $(DIST_VENV)

@@ -6,6 +6,9 @@ source tree or an editable install), that its version is the one in the wheel's 
 ``--help`` without importing TensorFlow, then ``keras-linattn export`` (SavedModel with TF Serving
 warmup records, and ONNX) and ``keras-linattn verify`` of a tiny model, with no TensorFlow log line
 in their output, and that every Python block of the README runs as written with the wheel.
+Then a second, fresh venv with the wheel (``--no-deps``), numpy and onnxruntime only: there
+``import tensorflow`` fails and `OnnxGenerator` decodes a tiny LM exported here to Keras' tokens
+(``--serving-only`` runs this check alone).
 Every base requirement the wheel declares must be installed, and the export needs no
 extra: tensorflow-serving-api is one of them.
 Not collected by pytest (no `test_` prefix).
@@ -22,15 +25,90 @@ import sys
 import tempfile
 import zipfile
 
+# Run in the serving venv: TensorFlow and Keras absent, `OnnxGenerator` from the wheel, its tokens printed.
+_SERVING_PROBE = """
+import json, sys
+import numpy as np
+try:
+    import tensorflow  # noqa: F401
+    absent = False
+except ImportError:
+    absent = True
+assert absent, "tensorflow is importable in the serving venv"
+from keras_linattn.serving import OnnxGenerator
+generator = OnnxGenerator(sys.argv[1], device="cpu")
+tokens = generator.generate(np.array(json.loads(sys.argv[2]), "int32"), max_length=int(sys.argv[3]))
+loaded = sorted({m.split(".")[0] for m in sys.modules} & {"tensorflow", "keras", "keras_hub", "tf2onnx"})
+print(json.dumps({"tokens": tokens.tolist(), "loaded": loaded, "from": __import__("keras_linattn").__file__}))
+"""
+
+
+def check_serving_without_tensorflow(wheel, work):
+    """`OnnxGenerator` from the wheel alone in a venv with numpy and onnxruntime only (no TensorFlow, no Keras).
+
+    A tiny `LinearCausalLM` is exported here (this venv has TensorFlow); a fresh venv (no system
+    site-packages) gets the wheel with ``--no-deps`` plus numpy and onnxruntime at this venv's versions
+    (pip's cache or the registry); there ``import tensorflow`` fails, and greedy `generate` through the
+    exported graphs returns Keras' tokens.
+
+    Returns:
+        A one-line summary.
+    """
+    import keras
+    import numpy as np
+
+    from keras_linattn import export
+    from keras_linattn.models import LinearCausalLM
+
+    keras.utils.set_random_seed(0)
+    lm = LinearCausalLM(vocabulary_size=32, num_layers=1, hidden_dim=16, num_heads=2, intermediate_dim=32)
+    prompt, max_length = [[1, 2, 3], [4, 5, 6]], 9
+    expected = np.asarray(lm.generate(np.array(prompt, "int32"), max_length=max_length)).tolist()
+    step = export.export_onnx(lm, os.path.join(work, "serving", "lm.onnx"))["step"]
+
+    serving = os.path.join(work, "serving-venv")
+    # Nothing of this process's paths leaks in (a PYTHONPATH would show pip another keras_linattn as installed).
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    subprocess.run([sys._base_executable, "-m", "venv", serving], check=True, env=env)
+    python = os.path.join(serving, "bin", "python")
+    import onnxruntime
+
+    # The CPU onnxruntime at this venv's version (which may be onnxruntime-gpu): pip's cache is likely to hold it.
+    pins = [f"numpy=={np.__version__}", f"onnxruntime=={onnxruntime.__version__}"]
+    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", wheel], check=True, env=env)
+    subprocess.run([python, "-m", "pip", "install", "-q", "--no-warn-conflicts", *pins], check=True, env=env)
+    result = subprocess.run(
+        [python, "-c", _SERVING_PROBE, step, json.dumps(prompt), str(max_length)],
+        capture_output=True,
+        text=True,
+        cwd=work,
+        env=env,
+        timeout=600,
+    )
+    assert result.returncode == 0, f"OnnxGenerator without TensorFlow failed: {(result.stdout + result.stderr)[-3000:]}"
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert os.path.realpath(found["from"]).startswith(os.path.realpath(serving) + os.sep), found["from"]
+    assert found["loaded"] == [], f"the serving path loaded {found['loaded']}"
+    assert found["tokens"] == expected, (found["tokens"], expected)
+    return f"OnnxGenerator in a venv without TensorFlow ({', '.join(pins)}) returned Keras' tokens"
+
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--venv", required=True, help="the venv the wheel was installed into")
     parser.add_argument("--dist", required=True, help="the folder with the sdist and the wheel")
     parser.add_argument("--source", required=True, help="the source tree, which must not be imported")
+    parser.add_argument(
+        "--serving-only", action="store_true", help="only the serving check (a venv without TensorFlow)"
+    )
     args = parser.parse_args()
     venv, source = os.path.realpath(args.venv), os.path.realpath(args.source)
 
+    if args.serving_only:
+        wheel = glob.glob(os.path.join(args.dist, "keras_linattn-*.whl"))
+        assert len(wheel) == 1, wheel
+        print("dist-check: " + check_serving_without_tensorflow(wheel[0], tempfile.mkdtemp(prefix="dist-check-")))
+        return 0
     wheels = glob.glob(os.path.join(args.dist, "keras_linattn-*.whl"))
     sdists = glob.glob(os.path.join(args.dist, "keras_linattn-*.tar.gz"))
     assert len(wheels) == 1 and len(sdists) == 1, (wheels, sdists)
@@ -129,10 +207,11 @@ def main():
     result = subprocess.run(runner, cwd=blocks_dir, capture_output=True, text=True, env=block_env, timeout=900)
     assert result.returncode == 0, f"a README block failed with the wheel: {(result.stdout + result.stderr)[-4000:]}"
     ran = result.stdout.count("=== block ")
+    serving = check_serving_without_tensorflow(wheels[0], work)
     print(
         f"dist-check: keras_linattn {kla.__version__} from {where}; LinearAttention forward max error {error:.1e}; "
         f"{os.path.basename(cli)} --help ok without TensorFlow; export (SavedModel + warmup, ONNX) and verify ok; "
-        f"{ran} README Python blocks ran; "
+        f"{ran} README Python blocks ran; {serving}; "
         f"{os.path.basename(wheels[0])}, {os.path.basename(sdists[0])}"
     )
     return 0

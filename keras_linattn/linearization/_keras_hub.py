@@ -16,7 +16,7 @@ docs/dev/families.md.
 import keras_hub
 
 from keras_linattn.layers.spec import ARGUMENTS, PRETRAINED_ARGUMENTS
-from keras_linattn.linearization import families
+from keras_linattn.linearization import _deferred, families
 from keras_linattn.linearization.families._common import Copier, weights_by_path
 from keras_linattn.models.backbone import LinearBackbone
 from keras_linattn.models.causal_lm import LinearCausalLM
@@ -107,10 +107,11 @@ def linearize_keras_hub(teacher, *, feature_map="hedgehog", window_size=64, **at
         config.update(attention_kwargs)  # a `dtype` there is the student's policy
         config.update(local)
         config.setdefault("window_size", window_size)
-        student = LinearBackbone(feature_map=feature_map, **config)
-        copier = Copier(backbone)
-        family.weights(copier, student, backbone)
-        copier.check_all_used()
+        # Built with its variables' initialization deferred: the teacher's weights are their first values.
+        with _deferred.deferred(lambda: LinearBackbone(feature_map=feature_map, **config)) as student:
+            copier = Copier(backbone)
+            family.weights(copier, student, backbone)
+            copier.check_all_used()
     if not is_task:
         return student
     preprocessor = None

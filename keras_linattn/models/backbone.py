@@ -10,7 +10,7 @@ from keras_linattn._tracking import CheckpointTracked
 from keras_linattn.layers.spec import MECHANISM_ARGS_DOC, AttentionSpec
 from keras_linattn.layers.transformer import _make_norm, _step_norm
 from keras_linattn.layers.transformer_decoder import LinearTransformerDecoder
-from keras_linattn.models import _layout_map, _presets
+from keras_linattn.models import _layout_map, _presets, _saving
 from keras_linattn.models._block_config import (
     _check_layer_attention,
     _check_layer_moe,
@@ -551,3 +551,7 @@ class LinearBackbone(CheckpointTracked, LoraBackbone, keras_hub.models.Backbone)
                 f"another layout): {UPGRADE_HINT}. Received: layout={layout!r}"
             )
         return super().from_config(config)
+
+
+# `.keras` save and load of a large LinearBackbone / LinearCausalLM stream the weights through disk.
+_saving.install()

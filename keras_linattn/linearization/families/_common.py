@@ -3,6 +3,8 @@
 import keras
 import numpy as np
 
+from keras_linattn.linearization import _deferred
+
 __all__ = ["Copier", "copy_attention", "copy_rms_decoder", "weights_by_path"]
 
 
@@ -44,6 +46,12 @@ class Copier:
         Raises:
             ValueError: for shapes that differ.
         """
+        if transform is None and str(source.dtype) == str(target.dtype) and tuple(source.shape) == tuple(target.shape):
+            # Variable to variable: TensorFlow's assign takes the teacher's buffer (copy-on-write: a later write
+            # to either model copies it), so a large teacher is not held twice over through numpy copies.
+            _deferred.put(target, source)
+            self.used.add(id(source))
+            return
         value = np.asarray(keras.ops.convert_to_numpy(source))
         if transform is not None:
             value = np.asarray(transform(value))
@@ -52,7 +60,7 @@ class Copier:
                 f"Weight '{source.path}' has shape {value.shape} in the teacher and {tuple(target.shape)} in the "
                 "student."
             )
-        target.assign(value.astype(target.dtype))
+        _deferred.put(target, value.astype(target.dtype))
         self.used.add(id(source))
 
     def derived(self, source):
@@ -61,7 +69,7 @@ class Copier:
 
     def zero(self, target):
         """Sets a student weight the teacher has no counterpart for to zero (e.g. a bias it lacks)."""
-        target.assign(np.zeros(tuple(target.shape), target.dtype))
+        _deferred.put(target, np.zeros(tuple(target.shape), target.dtype))
 
     def check_all_used(self):
         """Raises ValueError naming the teacher weights that were not copied."""
