@@ -28,6 +28,7 @@ __all__ = ["STREAM_BYTES", "install", "streams_weights"]
 STREAM_BYTES = 256 * 2**20
 
 _MARK = "_keras_linattn_streams"
+_BACKBONE_CLASSES = []  # `LinearBackbone`, given by `install` (backbone.py imports this module, not the reverse)
 
 
 def _weight_bytes(model):
@@ -44,15 +45,23 @@ def streams_weights(model):
         True for a `LinearBackbone` or `LinearCausalLM` whose variables hold
         at least `STREAM_BYTES` bytes, False for any other model.
     """
-    from keras_linattn.models.backbone import LinearBackbone
-
-    if not isinstance(model, LinearBackbone) and not isinstance(getattr(model, "backbone", None), LinearBackbone):
+    backbones = tuple(_BACKBONE_CLASSES)
+    if not backbones or (
+        not isinstance(model, backbones) and not isinstance(getattr(model, "backbone", None), backbones)
+    ):
         return False
     return _weight_bytes(model) >= STREAM_BYTES
 
 
-def install():
-    """Makes Keras' `.keras` save and load stream this package's large models' weights (idempotent)."""
+def install(backbone_class):
+    """Makes Keras' `.keras` save and load stream this package's large models' weights (idempotent).
+
+    Args:
+        backbone_class: `LinearBackbone`: its instances, and models whose
+            ``backbone`` is one, are this package's models.
+    """
+    if backbone_class not in _BACKBONE_CLASSES:
+        _BACKBONE_CLASSES.append(backbone_class)
     try:
         from keras.src.saving import saving_lib
     except ImportError:  # another Keras layout: its own rule stays

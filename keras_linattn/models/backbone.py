@@ -554,4 +554,4 @@ class LinearBackbone(CheckpointTracked, LoraBackbone, keras_hub.models.Backbone)
 
 
 # `.keras` save and load of a large LinearBackbone / LinearCausalLM stream the weights through disk.
-_saving.install()
+_saving.install(LinearBackbone)

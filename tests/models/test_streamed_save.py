@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from keras.src.saving import saving_lib
 
-from keras_linattn.models import LinearCausalLM, _saving
+from keras_linattn.models import LinearBackbone, LinearCausalLM, _saving
 
 pytestmark = pytest.mark.tf_only("saves a .keras file with TensorFlow variables")
 
@@ -64,5 +64,7 @@ def test_only_this_packages_models_past_the_threshold_stream(lm, monkeypatch):
 
 def test_install_is_idempotent():
     wrapped = saving_lib.is_memory_sufficient
-    _saving.install()
+    classes = list(_saving._BACKBONE_CLASSES)
+    _saving.install(LinearBackbone)
     assert saving_lib.is_memory_sufficient is wrapped
+    assert _saving._BACKBONE_CLASSES == classes
