@@ -19,7 +19,10 @@ TINY_LM = dict(vocabulary_size=32, num_layers=1, hidden_dim=16, num_heads=2, int
 def _entries(config):
     """The feature-map and convolution entries of a config, as `OLD_CONFIG_ENTRIES` states them."""
     feature_map = config["feature_map"]
-    return {"feature_map": (feature_map["registered_name"], feature_map["class_name"]), "conv_size": config["conv_size"]}
+    return {
+        "feature_map": (feature_map["registered_name"], feature_map["class_name"]),
+        "conv_size": config["conv_size"],
+    }
 
 
 def _is_taylor_with_conv(spec):
