@@ -115,3 +115,20 @@ def test_linearize_defaults_window_gamma_and_no_convolution():
     assert layer.conv_size is None
     assert layer.attention_spec.recurrence["config"]["gamma"] == pytest.approx(0.9)
     assert keras_linattn.linearize(teacher, window_size=6, conv_size=2).get_layer("att").conv_size == 2
+
+
+@pytest.mark.tf_only("traces with an unknown length through tf.function(input_signature=...)")
+def test_distillation_of_the_default_layer_takes_a_length_known_only_at_run_time(rng):
+    """`distill_attention` compares weights after the short convolution, whose output length is not static
+    in a traced function: the reference weights read the length at run time."""
+    import tensorflow as tf
+
+    from keras_linattn.ops import reference
+
+    spec = tf.TensorSpec((None, None, 2, 4), tf.float32)  # [B, T, H, D], T unknown
+    q, k = (rng.standard_normal((1, 5, 2, 4)).astype("float32") for _ in range(2))
+    for weights in (reference.softmax_attention_weights, reference.kernel_attention_weights):
+        traced = tf.function(lambda a, b, weights=weights: weights(a, b, causal=True), input_signature=[spec, spec])
+        # Positive features for the kernel weights (exp), raw ones for softmax: the same ops in graph and eager.
+        a, b = (np.exp(q), np.exp(k)) if weights is reference.kernel_attention_weights else (q, k)
+        assert_close(traced(a, b), weights(a, b, causal=True), n=4 + 5, paths=2)
