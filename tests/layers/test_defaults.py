@@ -132,3 +132,13 @@ def test_distillation_of_the_default_layer_takes_a_length_known_only_at_run_time
         # Positive features for the kernel weights (exp), raw ones for softmax: the same ops in graph and eager.
         a, b = (np.exp(q), np.exp(k)) if weights is reference.kernel_attention_weights else (q, k)
         assert_close(traced(a, b), weights(a, b, causal=True), n=4 + 5, paths=2)
+
+
+@pytest.mark.parametrize("method", ["depthwise", "shifted"])
+def test_the_short_convolution_of_an_empty_batch_is_empty(method):
+    """The default layer's convolution on a batch of 0 (TensorFlow's depthwise kernel returned the padded length)."""
+    from keras_linattn.ops import short_conv
+
+    x = np.zeros((0, 3, 2, 4), "float32")  # [B = 0, T, H, D]
+    y, buffer = short_conv.causal_conv(x, np.ones((4, 2, 4), "float32"), return_buffer=True, method=method)
+    assert tuple(y.shape) == (0, 3, 2, 4) and tuple(buffer.shape) == (0, 3, 2, 4)
