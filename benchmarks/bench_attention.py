@@ -260,17 +260,23 @@ class Impl:
         keras.utils.set_random_seed(args.seed)
         causal = False
         if name in ("linear", "linear_causal"):
-            layer = LinearAttention(num_heads=h, key_dim=d, feature_map="elu", chunk_size=args.chunk_size)
+            layer = LinearAttention(
+                num_heads=h, key_dim=d, feature_map="elu", chunk_size=args.chunk_size, conv_size=None
+            )
             causal = name == "linear_causal"
         elif name in MECHANISMS:
             layer = LinearAttention(
-                num_heads=h, key_dim=d, feature_map="elu", chunk_size=args.chunk_size, **MECHANISMS[name]
+                num_heads=h,
+                key_dim=d,
+                feature_map="elu",
+                chunk_size=args.chunk_size,
+                **{"conv_size": None, **MECHANISMS[name]},
             )
             causal = True
         elif name == "projections":
-            layer = LinearAttention(num_heads=h, key_dim=d, feature_map="elu")
+            layer = LinearAttention(num_heads=h, key_dim=d, feature_map="elu", conv_size=None)
         elif name == "naive_causal":
-            layer = anchors.NaiveCausalLinearAttention(num_heads=h, key_dim=d, feature_map="elu")
+            layer = anchors.NaiveCausalLinearAttention(num_heads=h, key_dim=d, feature_map="elu", conv_size=None)
         elif name == "mha":
             layer = anchors.make_mha(h, d)
         elif name == "kernel_attention":

@@ -70,6 +70,8 @@ def build_ours(chunk_size=64, feature_map="elu", **mechanisms):
     """The benchmark's LinearCausalLM; `mechanisms` are `LinearAttention`'s recall arguments."""
     from keras_linattn.models import LinearCausalLM
 
+    # No convolution unless a mechanism names one: the figures on record are of that configuration.
+    mechanisms = {"conv_size": None, **mechanisms}
     return LinearCausalLM(feature_map=feature_map, chunk_size=chunk_size, **CONFIG, **mechanisms, name="ours")
 
 

@@ -42,6 +42,7 @@ def build_causal_lm(args, feature_map):
         num_heads=args.num_heads,
         intermediate_dim=2 * args.hidden_dim,
         feature_map=feature_maps.get(feature_map),
+        conv_size=None,  # the figures on record are of this configuration, not of the package's default
         chunk_size=args.chunk_size,
     )
     rng = np.random.default_rng(0)
@@ -55,7 +56,11 @@ def build_encoder(args, feature_map):
     h = inp
     for _ in range(2):
         h = LinearTransformerEncoder(
-            args.num_heads, 2 * args.hidden_dim, feature_map=feature_maps.get(feature_map), chunk_size=args.chunk_size
+            args.num_heads,
+            2 * args.hidden_dim,
+            feature_map=feature_maps.get(feature_map),
+            conv_size=None,  # the figures on record are of this configuration, not of the package's default
+            chunk_size=args.chunk_size,
         )(h)
     model = keras.Model(inp, keras.layers.Dense(1)(h))
     rng = np.random.default_rng(0)

@@ -56,6 +56,8 @@ def _lm_of(args, dtype):
         num_heads=args.width // 64,
         intermediate_dim=4 * args.width,
         activation="gelu_approximate",
+        feature_map="elu",  # the figures on record are of this configuration, not of the package's default
+        conv_size=None,
         dtype=dtype,
     )
     return LinearCausalLM(backbone=backbone, preprocessor=None)

@@ -72,7 +72,8 @@ def _lm(shape, dtype=None):
     from keras_linattn.models import LinearBackbone, LinearCausalLM
 
     keras.utils.set_random_seed(0)
-    backbone = LinearBackbone(**shape, activation="gelu_approximate", dtype=dtype)
+    # elu without a convolution: the figures on record are of this configuration, not of the package's default.
+    backbone = LinearBackbone(**shape, activation="gelu_approximate", feature_map="elu", conv_size=None, dtype=dtype)
     return LinearCausalLM(backbone=backbone, preprocessor=None)
 
 

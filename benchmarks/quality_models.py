@@ -114,6 +114,7 @@ def make_attention(kwargs, width, num_heads, seed=None, name="attention"):
         raise ValueError(f"`attention` must be {SOFTMAX!r} or {LINEAR!r}. Received: attention={attention!r}")
     if isinstance(kwargs.get("feature_map"), str):
         kwargs["feature_map"] = _feature_map(kwargs["feature_map"], seed)
+    kwargs.setdefault("conv_size", None)  # a contender's convolution is named in its arguments
     try:
         return LinearAttention(num_heads, key_dim, value_dim=value_dim, name=name, **kwargs)
     except (TypeError, ValueError) as e:

@@ -198,7 +198,12 @@ class EncoderBlock(keras.layers.Layer):
         else:
             self.feature_map = feature_maps.get(feature_map)
             self.attention = LinearAttention(
-                num_heads, key_dim, feature_map=self.feature_map, dtype=self.dtype_policy, name="attention"
+                num_heads,
+                key_dim,
+                feature_map=self.feature_map,
+                conv_size=None,  # the figures on record are of the feature map alone
+                dtype=self.dtype_policy,
+                name="attention",
             )
         self.norm1 = keras.layers.LayerNormalization(epsilon=1e-5, dtype=self.dtype_policy)
         self.norm2 = keras.layers.LayerNormalization(epsilon=1e-5, dtype=self.dtype_policy)

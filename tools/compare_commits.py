@@ -34,10 +34,10 @@ def median_ms(fn, n=5):
     return statistics.median(times)
 
 x = np.random.default_rng(0).normal(size=(1, 2048, 128)).astype("float32")
-layer = LinearAttention(4, 32, feature_map="hedgehog", window_size=32, chunk_size=64)
+layer = LinearAttention(4, 32, feature_map="hedgehog", window_size=32, chunk_size=64, conv_size=None)
 fwd = median_ms(lambda: np.asarray(layer(x, x, use_causal_mask=True)))
 lm = LinearCausalLM(vocabulary_size=256, num_layers=2, hidden_dim=64, num_heads=4, intermediate_dim=128,
-                    feature_map="hedgehog", window_size=16)
+                    feature_map="hedgehog", window_size=16, conv_size=None)
 lm.generate_jit_compile = False
 prompt = np.ones((1, 8), "int32")
 gen = median_ms(lambda: lm.generate(prompt, max_length=72))

@@ -60,6 +60,7 @@ def build_model(args, vocabulary_size):
         num_heads=args.num_heads,
         intermediate_dim=args.intermediate_dim,
         feature_map=make_feature_map(args.feature_map, args.seed),
+        conv_size=None,  # the feature map alone: the figures on record (docs/examples.md) are of it
         chunk_size=args.chunk_size,
         dropout=args.dropout,
     )

@@ -177,7 +177,11 @@ def main(argv=None):
 
     def linear(feature_map):
         model = build(
-            lambda name: LinearAttention(args.heads, key_dim, feature_map=feature_maps.get(feature_map), name=name)
+            # No short convolution: the student copies the teacher's projections, and a random one would
+            # change what they compute.
+            lambda name: LinearAttention(
+                args.heads, key_dim, feature_map=feature_maps.get(feature_map), conv_size=None, name=name
+            )
         )
         copy_weights(teacher, model)
         compile_model(model, 1e-3, jit)

@@ -259,6 +259,7 @@ def main(argv=None):
             num_heads=args.num_heads,
             intermediate_dim=args.intermediate_dim,
             feature_map=_feature_map(args.feature_map, args.seed),
+            conv_size=None,  # the feature map alone, as the example has always trained it
             chunk_size=args.chunk_size,
             dropout=args.dropout,
         )

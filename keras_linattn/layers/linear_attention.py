@@ -11,7 +11,7 @@ from keras_linattn._docstrings import fill
 from keras_linattn.layers import _attention_base
 from keras_linattn.layers._output_norm import OutputNorm
 from keras_linattn.layers._short_conv import ShortConvolution
-from keras_linattn.layers.spec import MECHANISM_ARGS_DOC, AttentionSpec
+from keras_linattn.layers.spec import DEFAULT_FEATURE_MAP, MECHANISM_ARGS_DOC, AttentionSpec
 from keras_linattn.ops import core as la_ops
 from keras_linattn.ops import rotary as rotary_ops
 
@@ -56,8 +56,16 @@ class LinearAttention(_attention_base.ProjectedAttention):
             value_dim: size of each value head M; defaults to `key_dim`.
             feature_map: a registered name (`keras_linattn.feature_maps.available()`),
                 a serialized feature-map config, or a `FeatureMap` instance.
-                Default ``"elu"`` (elu + 1). None is the identity (with
-                ``update="delta"`` only, as in DeltaNet).
+                Default ``"taylor"`` (Based's second-order Taylor map) with
+                the default ``conv_size=4``: the recommended attention
+                (docs/results.md, "Which attention to pick"). Its feature
+                dim is ``C = 1 + D + D^2``: at ``key_dim=16`` C = 273, at
+                ``key_dim=64`` C = 4161, a state ``S [H, C, M]`` of 1.1 MB
+                per head at M = 64 (float32), 65 times elu's; use a small
+                key dim (16, as Based) with a wider `value_dim`. The seed
+                map is one argument away: ``feature_map="elu"`` (elu + 1;
+                add ``conv_size=None`` for plain linear attention). None is
+                the identity (with ``update="delta"`` only, as in DeltaNet).
             chunk_size: chunk length of the causal algorithm. Default 64.
             epsilon: relative guard of the normalizer (see
                 `keras_linattn.ops.linear_attention`). Keyword-only.
@@ -101,7 +109,7 @@ class LinearAttention(_attention_base.ProjectedAttention):
         num_heads,
         key_dim,
         value_dim=None,
-        feature_map="elu",
+        feature_map=DEFAULT_FEATURE_MAP,
         chunk_size=64,
         *,
         epsilon=la_ops.DEFAULT_EPSILON,

@@ -139,11 +139,14 @@ MECHANISM_ARGS_DOC = """\
             serialized config or a `Recurrence` instance (each attention
             layer builds its own copy). Default: the additive recurrence,
             or the one the shorthand arguments describe. Keyword-only.
-        conv_size: None (default) or an int K >= 2: a causal depthwise
+        conv_size: an int K >= 2 (default 4) or None: a causal depthwise
             convolution of size K over time on the projected q, k and v,
             before the feature map (Based, "short convolution"). Padded
             positions enter it as zeros. Its last ``K - 1`` inputs are part
-            of the decode state. Keyword-only.
+            of the decode state. None turns it off (the seed mechanisms:
+            ``feature_map="elu", conv_size=None`` is plain linear attention;
+            a random convolution would also break a linearized model's
+            exactness). Keyword-only.
         num_key_value_heads: None (default: `num_heads`) or a divisor of
             `num_heads` (grouped-query attention, as in Llama): the key and
             value projections have that many heads (kernels
@@ -316,8 +319,12 @@ def _thawed(config):
     return copy.deepcopy(config)
 
 
-# The values of the layer's own arguments when no spec-holding value is given.
-DEFAULT_FEATURE_MAP = "elu"
+# The values of the layer's own arguments when no spec-holding value is given. The default attention is
+# the recommended one: taylor + a short convolution leads associative recall (MQAR) with DeltaNet + conv
+# (docs/results.md, "Which attention to pick"), and unlike the delta rule it also runs non-causally.
+# The seed maps stay one argument away (``feature_map="elu"``; ``conv_size=None`` turns the convolution off).
+DEFAULT_FEATURE_MAP = "taylor"
+DEFAULT_CONV_SIZE = 4
 DEFAULT_CHUNK_SIZE = 64
 
 
@@ -387,7 +394,8 @@ class AttentionSpec:
                 ``window_gamma``, ``cache_size``, ``linear_weight``, ``linear_rope``,
                 ``linear_mean``, ``cache_distance``, ``cache_max_distance``, or ``recurrence``; and ``conv_size``,
                 ``num_key_value_heads``, ``rope_max_wavelength``,
-                ``rope_scaling_factor``.
+                ``rope_scaling_factor``. ``conv_size`` absent is
+                `DEFAULT_CONV_SIZE` (4); ``conv_size=None`` is no convolution.
 
         Raises:
             TypeError: for an argument that is not an attention argument.
@@ -421,7 +429,7 @@ class AttentionSpec:
         return cls(
             feature_map_config=_frozen(None if feature_map is None else feature_maps_lib.serialize(feature_map)),
             recurrence_config=_frozen(registry.serialize(recurrence)),
-            conv_size=_check_conv_size(arguments.get("conv_size")),
+            conv_size=_check_conv_size(arguments.get("conv_size", DEFAULT_CONV_SIZE)),
             num_key_value_heads=_validation.check_optional_positive_int(
                 "num_key_value_heads", arguments.get("num_key_value_heads")
             ),

@@ -21,7 +21,7 @@ from keras_linattn._validation import (
 )
 from keras_linattn.layers.linear_attention import LinearAttention
 from keras_linattn.layers.mixture_of_experts import MOE_ARGUMENTS, MixtureOfExperts
-from keras_linattn.layers.spec import MECHANISM_ARGS_DOC, AttentionSpec
+from keras_linattn.layers.spec import DEFAULT_FEATURE_MAP, MECHANISM_ARGS_DOC, AttentionSpec
 
 # The blocks' public classes live in transformer_encoder.py and transformer_decoder.py.
 __all__ = []
@@ -110,7 +110,12 @@ _BLOCK_ARGS_DOC = (
         feature_map: a registered feature-map name
             (`keras_linattn.feature_maps.available()`), a serialized
             feature-map config, or a `FeatureMap` instance (used as a
-            template: the attention layer owns a copy).
+            template: the attention layer owns a copy). Default ``"taylor"``
+            with the default ``conv_size=4``, the recommended attention
+            (`keras_linattn.layers.LinearAttention`); its feature dim is
+            ``1 + D + D^2`` (4161 at D = 64), so give it a small `key_dim`
+            (16). ``feature_map="elu", conv_size=None`` is plain linear
+            attention.
         chunk_size: chunk length of the causal algorithm. Default 64. (The
             encoder keeps it for a uniform config; its non-causal path does
             not chunk.)
@@ -164,7 +169,7 @@ class _LinearTransformerBlock(CheckpointTracked, keras.layers.Layer):
         intermediate_dim,
         key_dim=None,
         value_dim=None,
-        feature_map="elu",
+        feature_map=DEFAULT_FEATURE_MAP,
         chunk_size=64,
         dropout=0.0,
         activation="gelu",

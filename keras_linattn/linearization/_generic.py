@@ -80,7 +80,9 @@ def _fresh_feature_map(feature_map):
 
 class _Converter:
     def __init__(self, feature_map, window_size, attention_kwargs):
-        attention_kwargs = dict(attention_kwargs)
+        # No random short convolution unless asked for: the student computes the teacher's function
+        # where the window covers the sequence.
+        attention_kwargs = {"conv_size": None, **attention_kwargs}
         # `dtype` is the student's policy: every rebuilt layer's, not the attention's alone.
         self.dtype = attention_kwargs.pop("dtype", None)
         self.feature_map = feature_map

@@ -92,6 +92,9 @@ def linearize_keras_hub(teacher, *, feature_map="hedgehog", window_size=64, **at
         ValueError: if a teacher weight has no place in the student or a
             shape differs (nothing is copied silently in part).
     """
+    # The student computes the teacher's function where the window covers the sequence: no random
+    # short convolution unless asked for (the feature map is passed on explicitly too).
+    attention_kwargs = {"conv_size": None, **attention_kwargs}
     is_task = isinstance(teacher, keras_hub.models.CausalLM)
     backbone = teacher.backbone if is_task else teacher
     if not isinstance(backbone, keras_hub.models.Backbone):

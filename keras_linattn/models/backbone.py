@@ -172,7 +172,13 @@ class LinearBackbone(CheckpointTracked, LoraBackbone, keras_hub.models.Backbone)
             num_heads: attention heads per block.
             intermediate_dim: feed-forward width.
             feature_map: feature-map name, config or `FeatureMap` (template; each
-                block owns a copy). Default ``"elu"``. A seeded map (``seed=s``)
+                block owns a copy). Default ``"taylor"`` with the default
+                ``conv_size=4``, the recommended attention (docs/results.md,
+                "Which attention to pick"); its feature dim is
+                ``1 + D + D^2`` for key dim D (273 at 16, 4161 at 64: 65
+                times elu's state), so give wide heads ``key_dim=16``.
+                ``feature_map="elu", conv_size=None`` is plain linear
+                attention. A seeded map (``seed=s``)
                 gives block 0 seed s and block i a seed derived from (s, i): each
                 block draws its own projection or weights, reproducibly.
             key_dim: per-head query/key size; defaults to ``hidden_dim // num_heads``.
@@ -247,7 +253,7 @@ class LinearBackbone(CheckpointTracked, LoraBackbone, keras_hub.models.Backbone)
         hidden_dim,
         num_heads,
         intermediate_dim,
-        feature_map="elu",
+        feature_map="taylor",
         key_dim=None,
         chunk_size=64,
         dropout=0.0,

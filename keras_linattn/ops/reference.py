@@ -18,6 +18,12 @@ __all__ = [
 ]
 
 
+def _length(x):
+    """The length (axis 1) of ``x [B, T, ...]``: static where known, else the tensor's (e.g. after a short
+    convolution inside a traced function, whose output's length is not static)."""
+    return x.shape[1] if x.shape[1] is not None else ops.shape(x)[1]
+
+
 def _pair_mask(batch_t, batch_s, causal, key_mask, t, s):
     """[B, 1, T, S] boolean mask of allowed (query, key) pairs, or None."""
     mask = None
@@ -43,7 +49,7 @@ def kernel_attention_reference(q_features, k_features, v, causal=False, key_mask
     q = ops.cast(q_features, compute_dtype)
     k = ops.cast(k_features, compute_dtype)
     v32 = ops.cast(v, compute_dtype)
-    t, s = q.shape[1], k.shape[1]
+    t, s = _length(q), _length(k)
     scores = ops.einsum("bthc,bshc->bhts", q, k)  # [B, H, T, S]
     mask = _pair_mask(None, None, causal, key_mask, t, s)
     if mask is not None:
@@ -64,7 +70,7 @@ def kernel_attention_weights(q_features, k_features, causal=False, key_mask=None
     q = ops.cast(q_features, compute_dtype)
     k = ops.cast(k_features, compute_dtype)
     scores = ops.einsum("bthc,bshc->bhts", q, k)  # [B, H, T, S]
-    mask = _pair_mask(None, None, causal, key_mask, q.shape[1], k.shape[1])
+    mask = _pair_mask(None, None, causal, key_mask, _length(q), _length(k))
     if mask is not None:
         scores = ops.where(mask, scores, ops.zeros_like(scores))
     den = ops.sum(scores, axis=-1, keepdims=True)
@@ -86,7 +92,7 @@ def softmax_attention_weights(q, k, causal=False, key_mask=None, scale=None, com
     if scale is None:
         scale = float(q.shape[-1]) ** -0.5
     logits = ops.einsum("bthd,bshd->bhts", q, k) * scale  # [B, H, T, S]
-    mask = _pair_mask(None, None, causal, key_mask, q.shape[1], k.shape[1])
+    mask = _pair_mask(None, None, causal, key_mask, _length(q), _length(k))
     if mask is not None:
         logits = ops.where(mask, logits, ops.full_like(logits, -1e30))
     weights = ops.softmax(logits, axis=-1)

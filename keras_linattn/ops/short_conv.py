@@ -109,12 +109,14 @@ def causal_conv(x, kernel, buffer=None, mask=None, return_buffer=False, method="
         width *= dim
     # One depthwise convolution ("valid" over the buffered sequence): measured
     # ~7x faster forward+backward than summing K shifted slices on CPU.
-    flat = ops.reshape(full, (ops.shape(full)[0], -1, width))  # [B, K-1+T, X]
+    # Every length explicit, no -1: with an empty batch (B = 0) a -1 cannot be inferred.
+    flat = ops.reshape(full, (ops.shape(full)[0], ops.shape(full)[1], width))  # [B, K-1+T, X]
     y = ops.depthwise_conv(flat, ops.reshape(w, (size, width, 1)), strides=1, padding="valid")  # [B, T, X]
-    y = ops.reshape(y, (ops.shape(xf)[0], -1) + channels)  # [B, T, ...]
-    if x.shape[1] is None or x.shape[1] == 0:
-        # TensorFlow's convolution of an input shorter than the kernel (T = 0)
-        # does not give an empty output: keep the first T rows.
+    y = ops.reshape(y, (ops.shape(xf)[0], ops.shape(y)[1]) + channels)  # [B, T, ...]
+    if x.shape[1] is None or x.shape[1] == 0 or x.shape[0] is None or x.shape[0] == 0:
+        # TensorFlow's convolution of an input shorter than the kernel (T = 0), or
+        # of an empty batch (B = 0: the input's length comes back), is not "valid":
+        # keep the first T rows.
         y = y[:, : ops.shape(xf)[1]]
     y = ops.cast(y, out_dtype)
     if return_buffer:

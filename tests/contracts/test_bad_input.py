@@ -61,6 +61,10 @@ def _built(layer, *input_shapes):
     return layer
 
 
+# Plain linear attention (the seed map, no convolution): the expected messages below name its state shapes.
+PLAIN = {"feature_map": "elu", "conv_size": None}
+
+
 class Env:
     """Lazily built objects shared by the rows (built once per module, on first use)."""
 
@@ -85,34 +89,41 @@ class Env:
         os.makedirs(d, exist_ok=True)
         return d
 
+    # The models below: elu, no convolution. The expected messages name their (S, z) state shapes.
     @cached_property
     def attention(self):
-        return _built(LinearAttention(num_heads=2, key_dim=4), (None, None, 8), (None, None, 8))
+        return _built(LinearAttention(num_heads=2, key_dim=4, **PLAIN), (None, None, 8), (None, None, 8))
 
     @cached_property
     def lm(self):
         return LinearCausalLM(
-            vocabulary_size=16, num_layers=1, hidden_dim=8, num_heads=2, intermediate_dim=16, chunk_size=4
+            vocabulary_size=16, num_layers=1, hidden_dim=8, num_heads=2, intermediate_dim=16, chunk_size=4, **PLAIN
         )
 
     @cached_property
     def lm_positions(self):
         return LinearCausalLM(
-            vocabulary_size=16, num_layers=1, hidden_dim=8, num_heads=2, intermediate_dim=16, max_sequence_length=6
+            vocabulary_size=16,
+            num_layers=1,
+            hidden_dim=8,
+            num_heads=2,
+            intermediate_dim=16,
+            max_sequence_length=6,
+            **PLAIN,
         )
 
     @cached_property
     def encoder(self):
-        return _built(LinearTransformerEncoder(num_heads=2, intermediate_dim=16), (None, None, 8))
+        return _built(LinearTransformerEncoder(num_heads=2, intermediate_dim=16, **PLAIN), (None, None, 8))
 
     @cached_property
     def decoder(self):
-        return _built(LinearTransformerDecoder(num_heads=2, intermediate_dim=16), (None, None, 8))
+        return _built(LinearTransformerDecoder(num_heads=2, intermediate_dim=16, **PLAIN), (None, None, 8))
 
     @cached_property
     def functional(self):
         inp = keras.Input((None, 8), name="features")
-        out = LinearAttention(2, 4)(inp, inp)
+        out = LinearAttention(2, 4, **PLAIN)(inp, inp)
         return keras.Model(inp, out)
 
     @cached_property

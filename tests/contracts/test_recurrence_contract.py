@@ -35,6 +35,8 @@ from tests.tolerance import assert_close
 pytestmark = pytest.mark.numeric
 
 DIM, HEADS, KEY_DIM, T, CHUNK, CONV = 16, 2, 8, 11, 4, 3
+# Every recurrence with the seed map (elu): the contract is the recurrence's, not the default map's.
+MAP = "elu"
 FAST_EXPORT = {"scratch_fixed_decay"}
 
 
@@ -56,6 +58,7 @@ def _recurrence(case):
 
 
 def _layer(case, **extra):
+    extra = {"feature_map": MAP, **extra}
     layer = LinearAttention(HEADS, KEY_DIM, chunk_size=CHUNK, recurrence=_recurrence(case), conv_size=case[2], **extra)
     layer.build((None, None, DIM), (None, None, DIM))
     # Weights that start at zero (data-independent gates, biases) get values,
@@ -163,7 +166,9 @@ def test_mixed_bfloat16_is_close_to_float32_with_a_float32_state(rng, case):
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_keras_round_trip(rng, tmp_path, case):
     inp = keras.Input((None, DIM))
-    layer = LinearAttention(HEADS, KEY_DIM, chunk_size=CHUNK, recurrence=_recurrence(case), conv_size=case[2])
+    layer = LinearAttention(
+        HEADS, KEY_DIM, feature_map=MAP, chunk_size=CHUNK, recurrence=_recurrence(case), conv_size=case[2]
+    )
     model = keras.Model(inp, layer(inp, inp, use_causal_mask=True))
     x, _ = _inputs(rng)
     path = str(tmp_path / "m.keras")
@@ -202,6 +207,7 @@ def test_saved_model_and_onnx_parity_and_identical_tokens(tmp_path, case):
         intermediate_dim=32,
         chunk_size=CHUNK,
         recurrence=recurrences.serialize(_recurrence(case)),
+        feature_map=MAP,
         conv_size=case[2],
     )
     rng = np.random.default_rng(7)

@@ -59,8 +59,9 @@ def test_naive_layer_equals_chunked_causal_layer(rng):
     # T=70 is not a multiple of the chunk (16): several chunks plus padding.
     b, t, dim, heads, key_dim = 2, 70, 12, 2, 8
     x = tf.constant(rng.standard_normal((b, t, dim)), tf.float32)  # [B, T, dim]
-    ours = LinearAttention(num_heads=heads, key_dim=key_dim, feature_map="elu", chunk_size=16)
-    naive = anchors.NaiveCausalLinearAttention(num_heads=heads, key_dim=key_dim, feature_map="elu")
+    # The naive anchor replaces the core alone (no convolution in its call): both without one.
+    ours = LinearAttention(num_heads=heads, key_dim=key_dim, feature_map="elu", conv_size=None, chunk_size=16)
+    naive = anchors.NaiveCausalLinearAttention(num_heads=heads, key_dim=key_dim, feature_map="elu", conv_size=None)
     ours(x, x, use_causal_mask=True)
     naive(x, x)
     naive.set_weights(ours.get_weights())

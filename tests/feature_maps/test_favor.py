@@ -275,7 +275,7 @@ def _map(name):
 def test_layer_matches_oracle_outputs_and_gradients(rng, name, causal):
     x = tf.constant(rng.normal(size=(2, 21, 8)).astype("float32") * 0.5)
     fm = _map(name)
-    layer = LinearAttention(num_heads=2, key_dim=4, feature_map=fm, chunk_size=8)
+    layer = LinearAttention(num_heads=2, key_dim=4, feature_map=fm, conv_size=None, chunk_size=8)  # the map alone
     layer(x, x)
     # Gradients (the larger n): D_in = 8 input projection + D = 4 random
     # projection + S = 21 keys + C features + H*M = 8 output projection +

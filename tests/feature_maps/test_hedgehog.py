@@ -111,7 +111,7 @@ def test_positive_finite_and_normalized_for_large_inputs(rng, dtype):
 def test_layer_matches_oracle_outputs_and_gradients(rng, causal, share_qk):
     x = tf.constant(rng.normal(size=(2, 21, 8)).astype("float32"))
     fm = HedgehogFeatureMap(feature_dim=12, share_qk=share_qk)
-    layer = LinearAttention(num_heads=2, key_dim=4, feature_map=fm, chunk_size=8)
+    layer = LinearAttention(num_heads=2, key_dim=4, feature_map=fm, conv_size=None, chunk_size=8)  # the map alone
     layer(x, x)
     for w in fm.trainable_weights:  # move away from the identity
         w.assign(w.numpy() + 0.3 * rng.normal(size=w.shape).astype("float32"))

@@ -84,7 +84,7 @@ def test_functional_model_with_both_layers(rng):
 
 def test_symbolic_call_with_return_state(rng):
     inp = keras.Input((None, 12))
-    layer = LinearAttention(2, 4, value_dim=3, feature_map="taylor")
+    layer = LinearAttention(2, 4, value_dim=3, feature_map="taylor", conv_size=None)  # the (S, z) state alone
     out, (s, z) = layer(inp, inp, use_causal_mask=True, return_state=True)
     c = layer.feature_dim
     assert tuple(out.shape) == (None, None, 12)

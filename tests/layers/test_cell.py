@@ -27,6 +27,8 @@ FEATURE_MAPS = feature_maps.available()
 
 
 def _layer(feature_map="elu", **kwargs):
+    # Each feature map's (S, z) state and bounds, without the default's convolution (its buffers join the state).
+    kwargs.setdefault("conv_size", None)
     layer = LinearAttention(
         num_heads=2, key_dim=4, feature_map=step_test_feature_map(feature_map), chunk_size=CHUNK, **kwargs
     )

@@ -39,6 +39,8 @@ CONFIGS = {
     "delta": dict(update="delta", normalize=False),
     "gated_delta_conv_identity": dict(update="delta", normalize=False, decay="scalar", conv_size=4, feature_map=None),
 }
+# Each mechanism as its entry names it: elu and no convolution unless named (not the package's default).
+CONFIGS = {name: {"feature_map": "elu", "conv_size": None, **cfg} for name, cfg in CONFIGS.items()}
 
 
 def _layer(name, **extra):

@@ -32,6 +32,7 @@ def _layer(window_size=4, gamma=0.1, kv=KV_HEADS, rope=ROPE, **kwargs):
     if window_size is not None:
         args.update(window_size=window_size, window_gamma=gamma)
     args.setdefault("feature_map", feature_maps.get("hedgehog", share_qk=False))
+    args.setdefault("conv_size", None)  # the float64 reference and the state layouts here have no convolution
     layer = LinearAttention(**args)
     layer.build((None, None, DIM), (None, None, DIM))
     rng = np.random.default_rng(5)
@@ -297,7 +298,7 @@ def rel_change(a, b):
 
 
 def test_default_window_has_no_gamma_weight_and_a_round2_config():
-    layer = LinearAttention(2, 4, window_size=3)
+    layer = LinearAttention(2, 4, window_size=3, conv_size=None)  # the window's state alone
     layer.build((None, None, 8), (None, None, 8))
     assert not any("gamma" in w.path for w in layer.weights)
     assert layer.get_config()["recurrence"]["config"] == {"window_size": 3}
@@ -427,6 +428,7 @@ def test_copied_llama_attention_weights_give_the_teachers_output(rng):
         dim // heads,
         feature_map=feature_maps.get("hedgehog", share_qk=False),
         use_bias=False,
+        conv_size=None,  # the teacher's function: no convolution
         window_size=t,
         window_gamma=0.1,
         num_key_value_heads=kv,
@@ -463,8 +465,16 @@ def test_attention_inputs_are_the_rotated_repeated_heads(rng):
 
 def test_fits_under_xla(rng):
     inputs = keras.Input((16, 8))
-    layer = LinearAttention(
-        4, 4, chunk_size=8, window_size=4, window_gamma=0.1, num_key_value_heads=2, rope_max_wavelength=10000
+    layer = LinearAttention(  # the mechanisms under test, without the default's taylor map and convolution
+        4,
+        4,
+        feature_map="elu",
+        conv_size=None,
+        chunk_size=8,
+        window_size=4,
+        window_gamma=0.1,
+        num_key_value_heads=2,
+        rope_max_wavelength=10000,
     )
     model = keras.Model(inputs, keras.layers.Dense(8)(layer(inputs, inputs, use_causal_mask=True)))
     assert_fits_with_xla(model, rng)

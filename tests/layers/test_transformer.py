@@ -26,6 +26,8 @@ def _block(cls, feature_map="elu", **kwargs):
     kwargs.setdefault("num_heads", 2)
     kwargs.setdefault("intermediate_dim", 16)
     kwargs.setdefault("chunk_size", 3)
+    # The oracles and the (S, z) state here are of the feature map alone, not of the default's convolution.
+    kwargs.setdefault("conv_size", None)
     if isinstance(feature_map, str):
         feature_map = step_test_feature_map(feature_map)
     block = cls(feature_map=feature_map, **kwargs)

@@ -230,8 +230,10 @@ class _Decoder(keras.Model):
 
 def test_subclassed_decoders_are_paired_and_teacher_forced():
     teacher = _Decoder([mha("t1", 12), mha("t2", 13)], name="teacher")
+    # A hand-linearized student: the teacher's weights, one for one, so no convolution (as `linearize` builds it).
     student = _Decoder(
-        [LinearAttention(2, 8, feature_map="hedgehog", window_size=WINDOW, name=n) for n in "ab"], name="student"
+        [LinearAttention(2, 8, feature_map="hedgehog", conv_size=None, window_size=WINDOW, name=n) for n in "ab"],
+        name="student",
     )
     x = data(16, seed=3)
     teacher(x), student(x)

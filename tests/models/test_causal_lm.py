@@ -36,6 +36,8 @@ def _lm(feature_map="elu", **kwargs):
     kwargs.setdefault("num_heads", 2)
     kwargs.setdefault("intermediate_dim", 16)
     kwargs.setdefault("chunk_size", 3)
+    # Each feature map's LM without the default's convolution: the bounds and chosen tokens here are of it.
+    kwargs.setdefault("conv_size", None)
     return LinearCausalLM(vocabulary_size=VOCAB, feature_map=step_test_feature_map(feature_map), **kwargs)
 
 

@@ -44,6 +44,7 @@ def _attention(seed=1, feature_map=None, name="attention"):
         key_dim=KEY_DIM,
         feature_map=feature_maps.get(feature_map) if feature_map is not None else ExpTestMap(seed=seed),
         kernel_initializer=keras.initializers.RandomNormal(stddev=0.6, seed=seed),
+        conv_size=None,  # the NumPy KL reads the bare projections: no convolution between
         name=name,
     )
 

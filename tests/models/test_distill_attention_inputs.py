@@ -24,6 +24,7 @@ def _model():
         HEADS,
         KEY_DIM,
         feature_map=feature_maps.get("hedgehog", share_qk=False),
+        conv_size=None,  # the oracle rotates the bare projections: no convolution between
         rope_max_wavelength=WAVELENGTH,
         kernel_initializer=keras.initializers.RandomNormal(stddev=0.7, seed=3),
         name="attention",

@@ -13,7 +13,8 @@ import pytest
 from keras_linattn.models import LinearBackbone, LinearCausalLM, LinearCausalLMPreprocessor
 from tests.models.test_keras_hub_shape import char_tokenizer
 
-SMALL = dict(vocabulary_size=258, hidden_dim=16, num_heads=2, intermediate_dim=32)
+# Plain linear attention: the layer counts the messages below name are of the model without a convolution.
+SMALL = dict(vocabulary_size=258, hidden_dim=16, num_heads=2, intermediate_dim=32, feature_map="elu", conv_size=None)
 
 
 def _lm(seed=0, num_layers=2):

@@ -42,6 +42,7 @@ def _layer(rope=ROPE, seed=3, cache=None, **options):
         HEADS,
         KEY_DIM,
         feature_map="hedgehog",
+        conv_size=None,  # the float64 oracles here have no convolution
         chunk_size=4,
         recurrence=recurrence,
         rope_max_wavelength=rope,

@@ -127,7 +127,8 @@ def test_linearize_passes_the_linear_weight():
     teacher, _ = causal_teacher()
     student = keras_linattn.linearize(teacher, window_size=3, cache_size=1, linear_weight=0.05)
     recurrence = student.get_layer("att1").recurrence
-    assert recurrence.get_config() == {"window_size": 3, "cache_size": 1, "gamma": 0.1, "linear_weight": 0.05}
+    # linearize's default gamma (0.9) and the weight given.
+    assert recurrence.get_config() == {"window_size": 3, "cache_size": 1, "gamma": 0.9, "linear_weight": 0.05}
     assert np.all(np.isfinite(np.asarray(student(data(2)))))
 
 
@@ -145,7 +146,9 @@ def test_linear_weight_zero_is_the_window_alone(rng):
     # W = 4 < T: each output is exact softmax over the last 4 tokens, i.e. the same layer's output at the
     # end of those 4 tokens alone (where the window covers the sequence). No weight is learned.
     window = 4
-    layer = LinearAttention(HEADS, KEY_DIM, feature_map="hedgehog", chunk_size=4, window_size=window, linear_weight=0)
+    # No convolution: a piece alone would not see the inputs before it that the convolution reads in the full pass.
+    plain = dict(feature_map="hedgehog", conv_size=None, chunk_size=4, window_size=window)
+    layer = LinearAttention(HEADS, KEY_DIM, linear_weight=0, **plain)
     x = rng.normal(size=(1, T, DIM)).astype("float32")
     full = np.asarray(layer(x, x, use_causal_mask=True))
     assert "window_linear_weight_log" not in [w.name for w in layer.weights]
@@ -153,7 +156,7 @@ def test_linear_weight_zero_is_the_window_alone(rng):
         part = x[:, i - window + 1 : i + 1]
         alone = np.asarray(layer(part, part, use_causal_mask=True))[:, -1]
         assert_close(full[:, i], alone, paths=4, n=window * KEY_DIM)
-    with_linear = LinearAttention(HEADS, KEY_DIM, feature_map="hedgehog", chunk_size=4, window_size=window)
+    with_linear = LinearAttention(HEADS, KEY_DIM, **plain)
     with_linear.build((None, None, DIM), (None, None, DIM))
     with_linear.set_weights(layer.get_weights())
     assert np.abs(np.asarray(with_linear(x, x, use_causal_mask=True)) - full).max() > 1e-3

@@ -380,7 +380,7 @@ def test_a_layer_without_a_cache_is_the_window_layer(rng):
 
 
 def test_state_size_does_not_grow_with_the_length(rng):
-    layer = LinearAttention(2, 8, chunk_size=4, recurrence=SparseCacheRecurrence(3, 2))
+    layer = LinearAttention(2, 8, chunk_size=4, conv_size=None, recurrence=SparseCacheRecurrence(3, 2))  # no buffers
     shapes = []
     for t in (5, 40):
         x = rng.normal(size=(1, t, 16)).astype("float32")
@@ -435,11 +435,11 @@ def test_linearize_with_a_cache_covering_the_sequence_is_the_teacher():
     student = keras_linattn.linearize(teacher, window_size=4, cache_size=T - 4)
     attention = student.get_layer("att1")
     assert isinstance(attention.recurrence, SparseCacheRecurrence)
-    # linearize's defaults with a cache: LoLCATs' gamma and LoLA's small linear weight.
+    # linearize's defaults with a cache: its gamma (0.9) and LoLA's small linear weight.
     assert attention.recurrence.get_config() == {
         "window_size": 4,
         "cache_size": T - 4,
-        "gamma": 0.1,
+        "gamma": 0.9,
         "linear_weight": 0.001,
     }
     x = data(4)
