@@ -53,14 +53,29 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+SLOW_CASES_FILE = os.path.join(os.path.dirname(__file__), "slow_cases.txt")
+
+
+def read_slow_cases(path=SLOW_CASES_FILE):
+    """The node ids listed in tests/slow_cases.txt (comments and blank lines dropped)."""
+    with open(path, encoding="utf-8") as f:
+        return [line.split("#", 1)[0].strip() for line in f if line.split("#", 1)[0].strip()]
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Skips `slow` tests without --runslow, and `tf_only` tests on a backend other than TensorFlow.
+    """Marks the cases of tests/slow_cases.txt `slow`; skips `slow` tests without --runslow, and `tf_only`
+    tests on a backend other than TensorFlow.
 
     ``@pytest.mark.tf_only("reason")`` marks a test of something only
     TensorFlow has (a SavedModel, `tf.data`...): under `KERAS_BACKEND=jax` it
     is skipped with ``tf_only: reason``, which `-rs` prints. The reason is
     required: a bare marker is an error, not a silent skip.
     """
+    slow_cases = set(read_slow_cases())
+    for item in items:
+        if item.nodeid in slow_cases:  # before `-m` selects: `-m slow` picks these up
+            item.add_marker(pytest.mark.slow)
     runslow = config.getoption("--runslow")
     slow = pytest.mark.skip(reason="slow: run `make test-slow` (pytest --runslow)")
     backend = keras.backend.backend()
