@@ -40,6 +40,7 @@ def _make_layers(settings, spec, dtype):
         settings["hidden_dim"],
         tie_weights=settings["tie_embeddings"],
         embeddings_initializer=keras.initializers.RandomNormal(stddev=0.02),
+        logit_soft_cap=settings.get("final_logit_soft_cap"),  # the head's (reverse=True) logits only
         dtype=dtype,
         name="token_embedding",
     )
@@ -118,7 +119,7 @@ BACKBONE_SETTINGS = (
     "vocabulary_size", "num_layers", "hidden_dim", "num_heads", "intermediate_dim", "key_dim", "chunk_size",
     "dropout", "max_sequence_length", "tie_embeddings", "activation", "layer_norm_epsilon", "normalization",
     "feedforward", "use_bias", "attention_spec", "layer_attention", "embedding_scale",
-    "post_norms", "parallel_residual",
+    "post_norms", "parallel_residual", "final_logit_soft_cap",
 )  # fmt: skip
 
 
@@ -193,6 +194,9 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
             embedding_scale: None (default) or a number the token embeddings
                 are multiplied by before the first block (Gemma:
                 ``sqrt(hidden_dim)``); a tied head reads the unscaled table.
+            final_logit_soft_cap: None (default) or ``c > 0``: the head's
+                logits (`token_embedding(x, reverse=True)`) are capped,
+                ``c * tanh(logits / c)``, as Gemma 2 caps its final logits.
             layer_attention: None (default: every block's attention takes
                 the arguments below), or one dict per layer of the
                 pretrained-model attention arguments (``rope_max_wavelength``,
@@ -253,6 +257,7 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
         post_norms=False,
         parallel_residual=False,
         lora=None,
+        final_logit_soft_cap=None,
         *,
         spec=None,
         dtype=None,
@@ -291,6 +296,9 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
             "embedding_scale": _validation.check_positive_float("embedding_scale", embedding_scale, allow_none=True),
             "post_norms": _validation.check_bool("post_norms", post_norms),
             "parallel_residual": _validation.check_bool("parallel_residual", parallel_residual),
+            "final_logit_soft_cap": _validation.check_positive_float(
+                "final_logit_soft_cap", final_logit_soft_cap, allow_none=True
+            ),
         }
 
         layers, inputs, hidden = _build_graph(settings, spec, dtype)
@@ -522,6 +530,8 @@ class LinearBackbone(CheckpointTracked, keras_hub.models.Backbone):
             config["parallel_residual"] = True
         if self.embedding_scale is not None:  # only then: configs without it are unchanged
             config["embedding_scale"] = self.embedding_scale
+        if self.final_logit_soft_cap is not None:  # only then: configs without it are unchanged
+            config["final_logit_soft_cap"] = self.final_logit_soft_cap
         if self.layer_attention is not None:  # only then: configs without it are unchanged
             config["layer_attention"] = [dict(entry) for entry in self.layer_attention]
         config["layout"] = CURRENT_LAYOUT  # what tells a current file from one of keras_linattn < 0.3

@@ -87,6 +87,9 @@ class SparseCacheRecurrence(WindowRecurrence):
         {"window_size": 2, "cache_size": 2, "linear_rope": False, "cache_distance": 2},
     )
 
+    # The cache's scores (and its self-recall scoring) take no logit soft cap: the spec refuses one.
+    caps_logits = False
+
     def __init__(
         self,
         window_size,
