@@ -152,6 +152,17 @@ def test_one_post_norm_alone_is_named_in_the_error():
         keras_linattn.linearize(backbone)
 
 
+@pytest.fixture
+def eager_functions():
+    """`tf.function`s run eagerly: `fit`'s train step runs the same code without tracing it (a smoke test's cost)."""
+    import tensorflow as tf
+
+    tf.config.run_functions_eagerly(True)
+    yield
+    tf.config.run_functions_eagerly(False)
+
+
+@pytest.mark.usefixtures("eager_functions")
 def test_gemma_2_attention_transfer_and_lora_run(gemma2):
     from keras_linattn.linearization import enable_lora, merge_lora
 
