@@ -203,3 +203,19 @@ def test_gemma_2_student_generates_the_teachers_tokens_and_its_exports_verify(ge
         decode_steps=8,
     )
     assert report.ok, report
+
+
+def test_without_a_window_there_is_no_softmax_score_to_cap(gemma2):
+    teacher, _, _ = gemma2
+    student = keras_linattn.linearize(teacher, window_size=None)
+    blocks = student.backbone.decoder_blocks
+    assert [b.attention.logit_soft_cap for b in blocks] == [None, None]
+    assert [type(b.attention.recurrence).__name__ for b in blocks] == ["AdditiveRecurrence"] * 2
+    assert student.backbone.final_logit_soft_cap == FINAL_CAP  # the head's cap does not need a window
+
+
+def test_a_final_logit_soft_cap_must_be_positive():
+    with pytest.raises(ValueError, match="final_logit_soft_cap.*Received.*0"):
+        LinearBackbone(
+            vocabulary_size=8, num_layers=1, hidden_dim=8, num_heads=2, intermediate_dim=8, final_logit_soft_cap=0
+        )
