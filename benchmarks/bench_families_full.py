@@ -368,13 +368,17 @@ def run_stage(args, stage):
     watchdog.join(timeout=5)
     row["wall_s"], row["peak_rss_gib"] = _time_v(stderr)
     row["exit"] = process.returncode
+    partial = []
     for line in stdout.splitlines():
         if line.startswith("RESULT "):
             row.update(json.loads(line[len("RESULT ") :]))
         else:
             print("   " + line, flush=True)
+            if line.startswith("{"):
+                partial.append(json.loads(line))  # a decode row, printed as soon as it is measured
     if "RESULT " not in stdout:
         row["failed"] = "timeout" if process.returncode == 124 else f"exit {process.returncode}"
+        row["rows_before_failure"] = partial
         row["stderr_tail"] = [line for line in stderr.splitlines() if "Traceback" in line or "Error" in line][-5:]
     print("   " + json.dumps({k: v for k, v in row.items() if k != "command"}), flush=True)
     return row
