@@ -374,8 +374,11 @@ def run_stage(args, stage):
             row.update(json.loads(line[len("RESULT ") :]))
         else:
             print("   " + line, flush=True)
-            if line.startswith("{"):
-                partial.append(json.loads(line))  # a decode row, printed as soon as it is measured
+            if line.startswith('{"'):  # a decode row, printed as soon as it is measured
+                try:
+                    partial.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass
     if "RESULT " not in stdout:
         row["failed"] = "timeout" if process.returncode == 124 else f"exit {process.returncode}"
         row["rows_before_failure"] = partial
