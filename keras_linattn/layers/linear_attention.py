@@ -127,6 +127,7 @@ class LinearAttention(_attention_base.ProjectedAttention):
         self.rope_frequency_adjustment = spec.rope_frequency_adjustment
         self.rope_rotary_dim = spec.rope_rotary_dim
         self.qk_norm_epsilon = spec.qk_norm_epsilon
+        self.logit_soft_cap = spec.logit_soft_cap  # read by a window recurrence (its softmax scores)
         self.query_norm = self.key_norm = None
         self.recurrence = spec.make_recurrence()
         self.conv_size = spec.conv_size

@@ -59,6 +59,7 @@ PRETRAINED_ARGUMENTS = (
     "rope_frequency_adjustment",
     "qk_norm_epsilon",
     "rope_rotary_dim",
+    "logit_soft_cap",
 )
 # The keyword arguments `AttentionSpec.pop` takes out of a constructor's kwargs.
 ARGUMENTS = ("recurrence", "conv_size") + SHORTHAND_ARGUMENTS + PRETRAINED_ARGUMENTS
@@ -183,7 +184,15 @@ MECHANISM_ARGS_DOC = """\
         rope_rotary_dim: None (default: the whole head) or an even number
             of leading entries of each query/key head vector that the
             rotary embedding rotates (partial rotary, GPT-NeoX's
-            ``rotary_percentage``); the rest pass unchanged. Keyword-only."""
+            ``rotary_percentage``); the rest pass unchanged. Keyword-only.
+        logit_soft_cap: None (default) or ``c > 0``: the softmax window's
+            scores are capped, ``c * tanh(s / c)``, as Gemma 2 caps its
+            attention logits. Needs a recurrence with a softmax window
+            (`WindowRecurrence`, i.e. `window_size`; the sparse cache takes
+            none). The linear terms are a kernel of the query and key, not
+            of a score, and cannot be capped: the attention is the capped
+            softmax exactly where the window covers the sequence.
+            Keyword-only."""
 
 
 def _shorthand_recurrence(
@@ -294,6 +303,18 @@ def _check_adjustment(adjustment, max_wavelength, scaling_factor):
     return adjustment
 
 
+def _check_soft_cap(logit_soft_cap, recurrence):
+    """`logit_soft_cap` as a float (or None); only a recurrence with a softmax window (`caps_logits`) takes one."""
+    cap = _validation.check_positive_float("logit_soft_cap", logit_soft_cap, allow_none=True)
+    if cap is not None and not getattr(recurrence, "caps_logits", False):
+        raise ValueError(
+            "`logit_soft_cap` caps the scores of a softmax window: it needs a recurrence with one "
+            f"(`window_size`, `WindowRecurrence`). Received: logit_soft_cap={logit_soft_cap!r}, "
+            f"recurrence={type(recurrence).__name__}"
+        )
+    return cap
+
+
 def _check_conv_size(conv_size):
     conv_size = _validation.check_optional_positive_int("conv_size", conv_size)
     if conv_size is not None and conv_size < 2:
@@ -367,6 +388,7 @@ class AttentionSpec:
     rope_frequency_adjustment: tuple | None = None
     qk_norm_epsilon: float | None = None
     rope_rotary_dim: int | None = None
+    logit_soft_cap: float | None = None
 
     # ------------------------------------------------------------ building
     @classmethod
@@ -423,6 +445,7 @@ class AttentionSpec:
             recurrence = registry.get(recurrence)
         feature_map = None if feature_map is None else feature_maps_lib.get(feature_map)
         recurrence.check(feature_map, causal=causal)
+        logit_soft_cap = _check_soft_cap(arguments.get("logit_soft_cap"), recurrence)
         rope_max_wavelength, rope_scaling_factor = _check_rope_arguments(
             arguments.get("rope_max_wavelength"), arguments.get("rope_scaling_factor", 1.0)
         )
@@ -444,6 +467,7 @@ class AttentionSpec:
             rope_rotary_dim=_validation.check_optional_positive_int(
                 "rope_rotary_dim", arguments.get("rope_rotary_dim")
             ),
+            logit_soft_cap=logit_soft_cap,
             chunk_size=_validation.check_positive_int("chunk_size", chunk_size),
             epsilon=_check_epsilon(epsilon),
         )
@@ -555,6 +579,8 @@ class AttentionSpec:
             config["qk_norm_epsilon"] = self.qk_norm_epsilon
         if self.rope_rotary_dim is not None:
             config["rope_rotary_dim"] = self.rope_rotary_dim
+        if self.logit_soft_cap is not None:
+            config["logit_soft_cap"] = self.logit_soft_cap
         return config
 
     def get_config(self):

@@ -105,7 +105,7 @@ def linearize_keras_hub(teacher, *, feature_map="hedgehog", window_size=64, **at
         family = families.get(backbone)
         config = family.config(backbone.get_config(), backbone, window_size)
         # A teacher layer that is already local stays so, whatever the student's attention arguments.
-        local = {key: config[key] for key in ("window_size", "linear_weight") if key in config}
+        local = {key: config[key] for key in ("window_size", "linear_weight", "logit_soft_cap") if key in config}
         config["dtype"] = backbone.dtype_policy.name
         config.update(attention_kwargs)  # a `dtype` there is the student's policy
         config.update(local)

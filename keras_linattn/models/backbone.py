@@ -42,6 +42,7 @@ def _make_layers(settings, spec, dtype):
         settings["hidden_dim"],
         tie_weights=settings["tie_embeddings"],
         embeddings_initializer=keras.initializers.RandomNormal(stddev=0.02),
+        logit_soft_cap=settings.get("final_logit_soft_cap"),  # the head's (reverse=True) logits only
         dtype=dtype,
         name="token_embedding",
     )
@@ -121,7 +122,7 @@ BACKBONE_SETTINGS = (
     "vocabulary_size", "num_layers", "hidden_dim", "num_heads", "intermediate_dim", "key_dim", "chunk_size",
     "dropout", "max_sequence_length", "tie_embeddings", "activation", "layer_norm_epsilon", "normalization",
     "feedforward", "use_bias", "attention_spec", "layer_attention", "embedding_scale",
-    "post_norms", "parallel_residual", "moe",
+    "post_norms", "parallel_residual", "moe", "final_logit_soft_cap",
 )  # fmt: skip
 
 
@@ -205,6 +206,9 @@ class LinearBackbone(CheckpointTracked, LoraBackbone, keras_hub.models.Backbone)
             embedding_scale: None (default) or a number the token embeddings
                 are multiplied by before the first block (Gemma:
                 ``sqrt(hidden_dim)``); a tied head reads the unscaled table.
+            final_logit_soft_cap: None (default) or ``c > 0``: the head's
+                logits (`token_embedding(x, reverse=True)`) are capped,
+                ``c * tanh(logits / c)``, as Gemma 2 caps its final logits.
             layer_attention: None (default: every block's attention takes
                 the arguments below), or one dict per layer of the
                 pretrained-model attention arguments (``rope_max_wavelength``,
@@ -270,6 +274,7 @@ class LinearBackbone(CheckpointTracked, LoraBackbone, keras_hub.models.Backbone)
         parallel_residual=False,
         lora=None,
         moe=None,
+        final_logit_soft_cap=None,
         *,
         spec=None,
         dtype=None,
@@ -309,6 +314,9 @@ class LinearBackbone(CheckpointTracked, LoraBackbone, keras_hub.models.Backbone)
             "post_norms": _validation.check_bool("post_norms", post_norms),
             "parallel_residual": _validation.check_bool("parallel_residual", parallel_residual),
             "moe": _check_layer_moe(moe, num_layers),
+            "final_logit_soft_cap": _validation.check_positive_float(
+                "final_logit_soft_cap", final_logit_soft_cap, allow_none=True
+            ),
         }
 
         layers, inputs, hidden = _build_graph(settings, spec, dtype)
@@ -540,6 +548,8 @@ class LinearBackbone(CheckpointTracked, LoraBackbone, keras_hub.models.Backbone)
             config["parallel_residual"] = True
         if self.embedding_scale is not None:  # only then: configs without it are unchanged
             config["embedding_scale"] = self.embedding_scale
+        if self.final_logit_soft_cap is not None:  # only then: configs without it are unchanged
+            config["final_logit_soft_cap"] = self.final_logit_soft_cap
         if self.layer_attention is not None:  # only then: configs without it are unchanged
             config["layer_attention"] = [dict(entry) for entry in self.layer_attention]
         if self.moe is not None:  # only then: configs without it are unchanged

@@ -12,6 +12,13 @@ that has left the window. With a per-head weight ``gamma`` (LoLCATs' learned
 numerator and the denominator and the linear terms keep weight 1; when every
 key is in the window gamma cancels (exact softmax attention).
 
+With a logit soft cap ``c`` (Gemma 2) each window score is ``c * tanh(s_ij / c)``
+before the max and the exponential, as the teacher caps its scores. The
+linear terms ``phi(q_i) . phi(k_j)`` are a kernel of the uncapped query and
+key, not of a score, so they cannot be capped: with every key in the window
+the output is the capped softmax exactly, beyond it the linear part stands
+in for the capped scores of the keys that left.
+
 The window is positional: padded keys inside it
 count for nothing but still take their place. Since ``exp(s_ii - m_i) <= 1``
 and the largest window term is 1, the normalizer of a query whose own key is
@@ -70,6 +77,22 @@ def _check_gamma(gamma, heads):
     return ops.cast(gamma, "float32")
 
 
+def _check_soft_cap(soft_cap):
+    if soft_cap is None:
+        return None
+    if isinstance(soft_cap, bool) or not isinstance(soft_cap, (int, float)) or not 0 < soft_cap < float("inf"):
+        raise ValueError(f"`soft_cap` must be None or a positive finite number. Received: soft_cap={soft_cap!r}")
+    return float(soft_cap)
+
+
+def _cap(scores, soft_cap):
+    """``c * tanh(s / c)`` of the (scaled) scores, or the scores themselves without a cap."""
+    if soft_cap is None:
+        return scores
+    cap = ops.cast(soft_cap, scores.dtype)
+    return ops.tanh(scores / cap) * cap
+
+
 def _softmax_terms(scores, allowed, axis=-1):
     """``exp(s - m)`` over allowed keys (``m`` their max along `axis`) and 0 elsewhere; finite for empty rows."""
     # `initial`: no error for an empty batch or piece (the masked scores are >= _NEG anyway).
@@ -93,6 +116,7 @@ def window_attention(
     chunk_size=64,
     eps=DEFAULT_EPSILON,
     gamma=None,
+    soft_cap=None,
 ):
     """Causal sliding-window softmax + linear attention, in parallel over a piece of T tokens.
 
@@ -119,6 +143,9 @@ def window_attention(
             real key gets 0), as in `keras_linattn.ops.linear_attention`.
         gamma: optional ``[H]`` positive weights of the softmax terms (the
             linear terms have weight 1); None is weight 1.
+        soft_cap: None, or ``c > 0``: each window score ``s`` (scaled) is
+            replaced by ``c * tanh(s / c)`` (Gemma 2's attention logit soft
+            cap). The linear terms are not capped (see the module docstring).
 
     Returns:
         ``[B, T, H, M]`` in ``v_all``'s dtype (and ``(S, z)`` if `return_state`).
@@ -142,6 +169,7 @@ def window_attention(
     if initial_state is not None:
         _check_state(initial_state, q_features.shape[2], q_features.shape[3], v_all.shape[3], name="initial_state")
     scale = _check_scale(scale, q)
+    soft_cap = _check_soft_cap(soft_cap)
     check_epsilon("eps", eps, allow_zero=True)
     out_dtype = v_all.dtype
     batch, length = ops.shape(q)[0], ops.shape(q)[1]
@@ -177,7 +205,7 @@ def window_attention(
     j = ops.arange(2 * window)[None, :]  # [1, 2W] key offset (the block's buffer start = 0)
     band = ops.logical_and(j >= r + 1, j <= r + window)  # [W, 2W]: keys (i - W, i]
     allowed = ops.logical_and(band, okwin[:, None, :, None, :])  # [B, 1, N, W, 2W]
-    scores = _matmul(qb, kwin, transpose_b=True)  # [B, H, N, W, 2W]
+    scores = _cap(_matmul(qb, kwin, transpose_b=True), soft_cap)  # [B, H, N, W, 2W]
     e = _softmax_terms(scores, allowed)  # [B, H, N, W, 2W]
     gamma = _check_gamma(gamma, h)
     if gamma is not None:
@@ -210,6 +238,7 @@ def window_attention_step(
     scale=None,
     eps=DEFAULT_EPSILON,
     gamma=None,
+    soft_cap=None,
 ):
     """One decoding step of the hybrid.
 
@@ -231,7 +260,7 @@ def window_attention_step(
         state: ``(S [B, H, C, M], z [B, H, C])`` of the keys older than the buffer.
         key_mask_t: optional ``[B]``: a padded token takes its place in the
             window but is never attended.
-        scale, eps, gamma: as in `window_attention`.
+        scale, eps, gamma, soft_cap: as in `window_attention`.
 
     Returns:
         ``(out_t [B, H, M], (S, z), (keys, values, valid))``, all state float32.
@@ -243,6 +272,7 @@ def window_attention_step(
         raise ValueError(f"`buffer` must be (keys, values, valid). Received: buffer={buffer!r}")
     groups = _query_heads_per_key_head(q_t, k_t, v_t, buffer)
     scale = _check_scale(scale, q_t)
+    soft_cap = _check_soft_cap(soft_cap)
     out_dtype = v_t.dtype
     keys, values, valid = (ops.cast(x, "float32") for x in buffer)  # [B, W, G, D], [B, W, G, M], [B, W]
     old_ok = valid[:, 0] > 0  # [B]
@@ -268,7 +298,7 @@ def window_attention_step(
         # (``[B, W, H]``), as broadcast products summed over D and over W. An einsum would copy the
         # [B, W, H, D] keys and values to heads-first on every step for H matrix-vector products, which
         # at decode sizes cost more than the products themselves.
-        scores = ops.sum(ops.expand_dims(q * scale, 1) * keys, axis=-1)  # [B, W, H]
+        scores = _cap(ops.sum(ops.expand_dims(q * scale, 1) * keys, axis=-1), soft_cap)  # [B, W, H]
         e = _softmax_terms(scores, ops.expand_dims(valid > 0, -1), axis=1)  # [B, W, H]
         gamma = _check_gamma(gamma, q_t.shape[1])
         if gamma is not None:
@@ -277,7 +307,7 @@ def window_attention_step(
         den_sm = ops.expand_dims(ops.sum(e, axis=1), -1)  # [B, H, 1]
     else:
         # Grouped heads: each group's H / G queries against its key/value head are small matrix products.
-        scores = _grouped_scores(q * scale, keys, groups)  # [B, H, W]
+        scores = _cap(_grouped_scores(q * scale, keys, groups), soft_cap)  # [B, H, W]
         e = _softmax_terms(scores, (valid > 0)[:, None, :])  # [B, H, W]
         gamma = _check_gamma(gamma, q_t.shape[1])
         if gamma is not None:
@@ -344,18 +374,21 @@ def window_attention_reference(
     eps=DEFAULT_EPSILON,
     compute_dtype="float64",
     gamma=None,
+    soft_cap=None,
 ):
     """The oracle: every (query, key) weight written out, ``[T, T]`` per head, in ``compute_dtype``.
 
     Self-attention over one sequence from an empty state (``q, k [B, T, H, D]``,
-    features ``[B, T, H, C]``, ``v [B, T, H, M]``, ``key_mask [B, T]``).
+    features ``[B, T, H, C]``, ``v [B, T, H, M]``, ``key_mask [B, T]``);
+    `scale`, `eps`, `gamma` and `soft_cap` as in `window_attention`.
     """
     window = check_positive_int("window", window)
     _validate_inputs(q, k, v, key_mask, causal=True, names=("q", "k", "v"))
     scale = _check_scale(scale, q)
+    soft_cap = _check_soft_cap(soft_cap)
     cast = lambda x: ops.cast(x, compute_dtype)  # noqa: E731
     t = q.shape[1]
-    s = ops.einsum("bthd,bshd->bhts", cast(q), cast(k)) * scale  # [B, H, T, T]
+    s = _cap(ops.einsum("bthd,bshd->bhts", cast(q), cast(k)) * scale, soft_cap)  # [B, H, T, T]
     lin = ops.einsum("bthc,bshc->bhts", cast(q_features), cast(k_features))  # [B, H, T, T]
     i = ops.arange(t)[:, None]
     j = ops.arange(t)[None, :]

@@ -99,6 +99,9 @@ class SparseCacheRecurrence(WindowRecurrence):
         {"window_size": 2, "cache_size": 2, "gamma": 0.5, "linear_rope": False, "cache_max_distance": 5},
     )
 
+    # The cache's scores (and its self-recall scoring) take no logit soft cap: the spec refuses one.
+    caps_logits = False
+
     def __init__(
         self,
         window_size,

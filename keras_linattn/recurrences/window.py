@@ -79,7 +79,16 @@ class WindowRecurrence(Recurrence):
     make them differ) the buffers keep the layer's key/value heads
     (`buffer_heads`, ``window_k [W, H / G, D]``) and repeat them when they
     are read: at Llama 3.2 1B's 32/8 heads, a quarter of the buffer.
+
+    Logit soft cap: a layer with ``logit_soft_cap=c`` (`LinearAttention`,
+    Gemma 2's attention) gets its window scores capped, ``c * tanh(s / c)``,
+    before the softmax. The linear terms cannot be capped (they are a kernel
+    of the query and the key, not of the score): with ``W >= T`` the output
+    is the capped softmax exactly.
     """
+
+    # The window's softmax scores take the layer's `logit_soft_cap` (the spec refuses it for other recurrences).
+    caps_logits = True
 
     contract_configs = (
         {"window_size": 3},
@@ -230,6 +239,10 @@ class WindowRecurrence(Recurrence):
             new["linear_count"] = count
         return qf, kf_old, new
 
+    def _soft_cap(self):
+        """The layer's ``logit_soft_cap`` (None without one)."""
+        return getattr(self.layer, "logit_soft_cap", None)
+
     def _gamma(self):
         """``sigmoid(g) [H]`` float32, or None without a gamma."""
         return None if self.gamma is None else ops.sigmoid(self.gamma_logit)
@@ -277,6 +290,7 @@ class WindowRecurrence(Recurrence):
             chunk_size=self.layer.chunk_size,
             eps=self.layer.epsilon,
             gamma=self._gamma(),
+            soft_cap=self._soft_cap(),
         )  # [B, T, H, M]
         return out, {
             "S": s,
@@ -305,6 +319,7 @@ class WindowRecurrence(Recurrence):
             (state["S"], state["z"]),
             eps=self.layer.epsilon,
             gamma=self._gamma(),
+            soft_cap=self._soft_cap(),
         )  # [B, H, M]
         return out, {"S": s, "z": z, "window_k": wk, "window_v": wv, "window_valid": wok, **new}
 
@@ -321,5 +336,14 @@ class WindowRecurrence(Recurrence):
             older = ops.cast(j <= i - self.window_size, qf.dtype)  # [T, T]
             qf = qf * self._mean_scale(ops.einsum("ts,bs->bt", older, real), qf.dtype)
         return window_ops.window_attention_reference(
-            q, qf, k, kf, v, self.window_size, key_mask, eps=self.layer.epsilon, gamma=self._gamma()
+            q,
+            qf,
+            k,
+            kf,
+            v,
+            self.window_size,
+            key_mask,
+            eps=self.layer.epsilon,
+            gamma=self._gamma(),
+            soft_cap=self._soft_cap(),
         )

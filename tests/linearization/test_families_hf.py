@@ -224,24 +224,6 @@ def test_gemma_checkpoint_linearizes_exactly(gemma):
     _check_exact_and_greedy(teacher, student, config)
 
 
-def test_gemma_2_soft_caps_are_named_in_the_error():
-    import keras_hub
-
-    keras.utils.set_random_seed(0)
-    gemma2 = keras_hub.models.GemmaBackbone(
-        vocabulary_size=30,
-        num_layers=1,
-        num_query_heads=2,
-        num_key_value_heads=1,
-        hidden_dim=8,
-        intermediate_dim=16,
-        head_dim=4,
-        final_logit_soft_cap=30.0,
-    )
-    with pytest.raises(TypeError, match="final_logit_soft_cap.*Received: final_logit_soft_cap=30.0"):
-        keras_linattn.linearize(gemma2)
-
-
 # ------------------------------------------------------------------ Phi-3 (no HF converter in keras-hub 0.32)
 # Phi-3-mini-4k-instruct's published config.json, as Phi3Backbone arguments (keras-hub 0.32 has no Hugging Face
 # converter for Phi-3): hidden_size 3072, intermediate_size 8192, 32 heads (32 key/value heads), rms_norm_eps 1e-5,

@@ -74,9 +74,9 @@ def test_unsupported_family_is_named_with_the_reason():
         hidden_dim=8,
         intermediate_dim=16,
         head_dim=4,
-        attention_logit_soft_cap=50.0,  # Gemma 2's
+        use_post_ffw_norm=True,  # without Gemma 2's post-attention norm: the student has both or neither
     )
-    with pytest.raises(TypeError, match="Gemma's `attention_logit_soft_cap` .*not mapped.*Received"):
+    with pytest.raises(TypeError, match="Gemma's post norms .*Received: use_post_attention_norm=False"):
         linearize_keras_hub(gemma)
 
 
