@@ -9,9 +9,10 @@ from keras_linattn import _state, _validation
 from keras_linattn import feature_maps as feature_maps_lib
 from keras_linattn._docstrings import fill
 from keras_linattn.layers import _attention_base
+from keras_linattn.layers._mechanism_doc import MECHANISM_ARGS_DOC
 from keras_linattn.layers._output_norm import OutputNorm
 from keras_linattn.layers._short_conv import ShortConvolution
-from keras_linattn.layers.spec import DEFAULT_FEATURE_MAP, MECHANISM_ARGS_DOC, AttentionSpec
+from keras_linattn.layers.spec import DEFAULT_FEATURE_MAP, AttentionSpec
 from keras_linattn.ops import core as la_ops
 from keras_linattn.ops import rotary as rotary_ops
 

@@ -19,9 +19,10 @@ from keras_linattn._validation import (
     check_rate,
     check_seed,
 )
+from keras_linattn.layers._mechanism_doc import MECHANISM_ARGS_DOC
 from keras_linattn.layers.linear_attention import LinearAttention
 from keras_linattn.layers.mixture_of_experts import MOE_ARGUMENTS, MixtureOfExperts
-from keras_linattn.layers.spec import DEFAULT_FEATURE_MAP, MECHANISM_ARGS_DOC, AttentionSpec
+from keras_linattn.layers.spec import DEFAULT_FEATURE_MAP, AttentionSpec
 
 # The blocks' public classes live in transformer_encoder.py and transformer_decoder.py.
 __all__ = []

@@ -7,7 +7,8 @@ from keras import ops
 from keras_linattn import _validation, generation
 from keras_linattn._docstrings import fill
 from keras_linattn._tracking import CheckpointTracked
-from keras_linattn.layers.spec import MECHANISM_ARGS_DOC, AttentionSpec
+from keras_linattn.layers._mechanism_doc import MECHANISM_ARGS_DOC
+from keras_linattn.layers.spec import AttentionSpec
 from keras_linattn.layers.transformer import _make_norm, _step_norm
 from keras_linattn.layers.transformer_decoder import LinearTransformerDecoder
 from keras_linattn.models import _layout_map, _presets, _saving

@@ -8,7 +8,7 @@ from keras import ops
 from keras_linattn import _compat, _sampler_settings, _validation, generation
 from keras_linattn._docstrings import fill
 from keras_linattn._tracking import CheckpointTracked
-from keras_linattn.layers.spec import MECHANISM_ARGS_DOC
+from keras_linattn.layers._mechanism_doc import MECHANISM_ARGS_DOC
 from keras_linattn.models import _compile_config, _generate_compile, _presets, _protocol
 from keras_linattn.models._sampler_bridge import BUILT_IN_SAMPLERS, HubSampler, get_sampler, is_hub_sampler
 from keras_linattn.models._tokens import _unpack_inputs
