@@ -10,7 +10,7 @@ own under ``/usr/bin/time -v`` (its wall time and peak RSS are that
 process's) and ``timeout``; a watchdog kills a stage whose process passes
 ``--max-rss-gib`` (default 16) and the row says so.
 
-    flock /work/wt/_brief/heavy.lock timeout 3600 python -m benchmarks.bench_families_full --shape qwen2.5-0.5b
+    timeout 3600 python -m benchmarks.bench_families_full --shape qwen2.5-0.5b
 
 Stages (``--stages``, in this order by default):
 
