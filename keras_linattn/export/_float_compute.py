@@ -42,8 +42,10 @@ def _half_layers(model):
     """The layers of `model` (itself included) whose plain policy computes in bfloat16 or float16."""
     import keras
 
+    from keras_linattn import _compat
+
     out = []
-    for layer in model._flatten_layers(include_self=True):
+    for layer in _compat.flatten_layers(model, include_self=True):
         policy = layer.dtype_policy
         if type(policy) is keras.DTypePolicy and policy.compute_dtype in _HALF:
             out.append(layer)
