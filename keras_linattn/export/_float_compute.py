@@ -19,6 +19,8 @@ weights against the model's, exactly.
 import contextlib
 import functools
 
+from keras_linattn import _compat
+
 __all__ = []
 
 _HALF = ("bfloat16", "float16")
@@ -41,8 +43,6 @@ def _policy_class():
 def _half_layers(model):
     """The layers of `model` (itself included) whose plain policy computes in bfloat16 or float16."""
     import keras
-
-    from keras_linattn import _compat
 
     out = []
     for layer in _compat.flatten_layers(model, include_self=True):

@@ -21,6 +21,8 @@ import math
 
 import numpy as np
 
+from keras_linattn import _compat
+
 __all__ = ["STREAM_BYTES", "install", "streams_weights"]
 
 # Weights of at least this many bytes go through a file on disk in a `.keras` save or load: above it, an
@@ -62,8 +64,6 @@ def install(backbone_class):
     """
     if backbone_class not in _BACKBONE_CLASSES:
         _BACKBONE_CLASSES.append(backbone_class)
-    from keras_linattn import _compat
-
     try:
         original = _compat.keras_file_memory_check()
     except RuntimeError:  # another Keras layout: its own rule stays
