@@ -80,6 +80,7 @@ _KERAS_CLASSES = {
     "keras_linattn.layers.efficient_attention": ("EfficientAttention",),
     "keras_linattn.layers.linear_attention": ("LinearAttention",),
     "keras_linattn.layers.linear_attention_cell": ("LinearAttentionCell",),
+    "keras_linattn.layers.mixture_of_experts": ("MixtureOfExperts",),
     "keras_linattn.layers.transformer_decoder": ("LinearTransformerDecoder",),
     "keras_linattn.layers.transformer_encoder": ("LinearTransformerEncoder",),
     "keras_linattn.models.backbone": ("LinearBackbone",),

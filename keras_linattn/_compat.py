@@ -357,3 +357,62 @@ def silence_tf_deprecation():
     deprecation = _module("tensorflow.python.util.deprecation", "silencing the TF1 loader's deprecation notice")
     with _attribute(deprecation, "silence", "silencing the TF1 loader's deprecation notice")():
         yield
+
+
+# ------------------------------------------------------ deferred build
+# All backends (Keras' own backend-independent variable code).
+
+_UNINITIALIZED = "uninitialized_variables"
+
+
+def deferred_initialization_scope():
+    """``StatelessScope(initialize_variables=False)`` (``keras.src.backend.common.stateless_scope``).
+
+    Variables created inside it hold no value until initialized (the
+    mechanism Keras' JAX trainer uses); Keras lists them in its global
+    ``uninitialized_variables``. No public API defers a variable's
+    initializer: `linearize` builds its student this way so that the
+    teacher's weights are the student's first values.
+    """
+    use = "building a model without initializing its variables"
+    module = _module("keras.src.backend.common.stateless_scope", use)
+    return _attribute(module, "StatelessScope", use)(initialize_variables=False)
+
+
+def uninitialized_variables():
+    """Keras' global list ``uninitialized_variables`` (``keras.src.backend.common.global_state``).
+
+    The variables created under `deferred_initialization_scope` and not
+    initialized yet; no public API lists them.
+    """
+    use = "the variables whose initialization was deferred"
+    global_state = _module("keras.src.backend.common.global_state", use)
+    return _attribute(global_state, "get_global_attribute", use)(_UNINITIALIZED, [], set_to_default=True)
+
+
+def set_uninitialized_variables(variables):
+    """Sets Keras' global list ``uninitialized_variables`` to `variables` (see `uninitialized_variables`)."""
+    use = "the variables whose initialization was deferred"
+    global_state = _module("keras.src.backend.common.global_state", use)
+    _attribute(global_state, "set_global_attribute", use)(_UNINITIALIZED, list(variables))
+
+
+# --------------------------------------------------------- .keras files
+# All backends.
+
+
+def keras_file_memory_check():
+    """``keras.src.saving.saving_lib.is_memory_sufficient``: Keras' choice of in-memory or streamed weights.
+
+    `keras.saving.save_model` and `load_model` call it with the model; on
+    False they stream the weights file instead of holding a copy in
+    memory. No public option chooses.
+    """
+    use = "streaming the weights of large models in .keras files"
+    return _attribute(_module("keras.src.saving.saving_lib", use), "is_memory_sufficient", use)
+
+
+def set_keras_file_memory_check(function):
+    """Makes Keras' `.keras` save and load call ``function(model)`` (see `keras_file_memory_check`)."""
+    keras_file_memory_check()  # the guard: the name Keras calls exists
+    _module("keras.src.saving.saving_lib", "streaming .keras weights").is_memory_sufficient = function

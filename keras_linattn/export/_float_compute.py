@@ -19,6 +19,8 @@ weights against the model's, exactly.
 import contextlib
 import functools
 
+from keras_linattn import _compat
+
 __all__ = []
 
 _HALF = ("bfloat16", "float16")
@@ -43,7 +45,7 @@ def _half_layers(model):
     import keras
 
     out = []
-    for layer in model._flatten_layers(include_self=True):
+    for layer in _compat.flatten_layers(model, include_self=True):
         policy = layer.dtype_policy
         if type(policy) is keras.DTypePolicy and policy.compute_dtype in _HALF:
             out.append(layer)

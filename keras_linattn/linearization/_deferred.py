@@ -21,30 +21,28 @@ import contextlib
 
 import keras
 
+from keras_linattn import _compat
+
 __all__ = ["deferred", "is_pending", "put"]
 
 
 def _registry():
     """Keras' list of variables awaiting their initializer, or None where Keras has none."""
     try:
-        from keras.src.backend.common import global_state
-    except ImportError:
+        return _compat.uninitialized_variables()
+    except RuntimeError:  # another Keras layout: the student is built the usual way
         return None
-    return global_state.get_global_attribute("uninitialized_variables", [], set_to_default=True)
 
 
 def _set_registry(variables):
-    from keras.src.backend.common import global_state
-
-    global_state.set_global_attribute("uninitialized_variables", variables)
+    _compat.set_uninitialized_variables(variables)
 
 
 def _scope():
     try:
-        from keras.src.backend.common.stateless_scope import StatelessScope
-    except ImportError:
+        return _compat.deferred_initialization_scope()
+    except RuntimeError:  # another Keras layout: the student is built the usual way
         return None
-    return StatelessScope(initialize_variables=False)
 
 
 def build(make):

@@ -21,6 +21,8 @@ import math
 
 import numpy as np
 
+from keras_linattn import _compat
+
 __all__ = ["STREAM_BYTES", "install", "streams_weights"]
 
 # Weights of at least this many bytes go through a file on disk in a `.keras` save or load: above it, an
@@ -63,11 +65,10 @@ def install(backbone_class):
     if backbone_class not in _BACKBONE_CLASSES:
         _BACKBONE_CLASSES.append(backbone_class)
     try:
-        from keras.src.saving import saving_lib
-    except ImportError:  # another Keras layout: its own rule stays
+        original = _compat.keras_file_memory_check()
+    except RuntimeError:  # another Keras layout: its own rule stays
         return
-    original = getattr(saving_lib, "is_memory_sufficient", None)
-    if original is None or getattr(original, _MARK, False):
+    if getattr(original, _MARK, False):
         return
 
     def is_memory_sufficient(model):
@@ -77,4 +78,4 @@ def install(backbone_class):
 
     setattr(is_memory_sufficient, _MARK, True)
     is_memory_sufficient.__wrapped__ = original
-    saving_lib.is_memory_sufficient = is_memory_sufficient
+    _compat.set_keras_file_memory_check(is_memory_sufficient)

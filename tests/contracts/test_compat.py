@@ -405,6 +405,45 @@ def test_silence_tf_deprecation_silences_only_inside():
     assert deprecation._PRINT_DEPRECATION_WARNINGS == before
 
 
+# ------------------------------------------------------ deferred build
+
+
+def test_variables_made_in_the_deferred_scope_wait_in_the_registry_without_a_value():
+    before = list(_compat.uninitialized_variables())
+    with _compat.deferred_initialization_scope():
+        variable = keras.Variable(initializer="ones", shape=(2,), dtype="float32")
+    try:
+        assert variable._value is None  # noqa: SLF001 - deferred: no value yet
+        assert [v for v in _compat.uninitialized_variables() if v is variable] == [variable]
+    finally:
+        _compat.set_uninitialized_variables([v for v in _compat.uninitialized_variables() if v is not variable])
+    assert [id(v) for v in _compat.uninitialized_variables()] == [id(v) for v in before]
+    variable._deferred_initialize()  # noqa: SLF001
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(variable), np.ones(2, "float32"))
+
+
+# --------------------------------------------------------- .keras files
+
+
+def test_keras_file_save_asks_the_memory_check(tmp_path):
+    original = _compat.keras_file_memory_check()
+    asked = []
+
+    def check(model):
+        asked.append(model)
+        return original(model)
+
+    model = _dense_model()
+    _compat.set_keras_file_memory_check(check)
+    try:
+        model.save(tmp_path / "m.keras")
+        keras.saving.load_model(tmp_path / "m.keras")
+    finally:
+        _compat.set_keras_file_memory_check(original)
+    assert _compat.keras_file_memory_check() is original
+    assert asked and asked[0] is model and len(asked) == 2  # the save, then the load
+
+
 # ---------------------------------------------------------------- guards
 
 
@@ -428,6 +467,18 @@ def test_a_missing_private_module_is_an_error_naming_the_versions(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorflow.python.ops.control_flow_util", None)  # import fails
     with pytest.raises(RuntimeError, match=f"control_flow_util.*{VERSION}.*TensorFlow {re.escape(tf.__version__)}"):
         _compat.tf_graph_under_xla(None)
+
+
+def test_a_missing_private_keras_module_is_an_error_naming_the_versions(monkeypatch):
+    for module, entry in (
+        ("keras.src.backend.common.stateless_scope", _compat.deferred_initialization_scope),
+        ("keras.src.backend.common.global_state", _compat.uninitialized_variables),
+        ("keras.src.saving.saving_lib", _compat.keras_file_memory_check),
+    ):
+        with monkeypatch.context() as patch:
+            patch.setitem(sys.modules, module, None)  # import fails
+            with pytest.raises(RuntimeError, match=f"{re.escape(module)}.*{VERSION}"):
+                entry()
 
 
 def _entries():
