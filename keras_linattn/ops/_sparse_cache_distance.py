@@ -50,6 +50,11 @@ __all__ = [
 ]
 
 
+def _width(x):
+    """The last axis's size: static where known, else a tensor (a compiled loop relaxed to unknown shapes)."""
+    return x.shape[-1] if x.shape[-1] is not None else ops.shape(x)[-1]
+
+
 def pack_keys(keys, fixed_keys, age):
     """``[k, k_fixed, age]`` along the last axis: ``[..., D]``, ``[..., D]``, ``[...]`` -> ``[..., 2D + 1]``."""
     keys, fixed_keys, age = (ops.cast(x, "float32") for x in (keys, fixed_keys, age))
@@ -58,7 +63,7 @@ def pack_keys(keys, fixed_keys, age):
 
 def unpack_keys(packed):
     """`pack_keys` undone: ``[..., 2D + 1]`` -> ``(keys [..., D], fixed_keys [..., D], age [...])``."""
-    d = (packed.shape[-1] - 1) // 2
+    d = (_width(packed) - 1) // 2
     return packed[..., :d], packed[..., d : 2 * d], packed[..., 2 * d]
 
 
@@ -101,7 +106,7 @@ def packed_inputs(q_scaled, cache_q_scaled, k_all, cache_k_all, window, max_dist
 def _terms(q_packed, cache, max_distance):
     """The cache's softmax terms of one query under the cache's own max, as `sparse_cache._cache_terms`."""
     keys, _, values, valid = cache
-    d = q_packed.shape[-1] // 2
+    d = _width(q_packed) // 2
     scores = clamped_scores(q_packed[..., :d], q_packed[..., d:], keys, max_distance)  # [B, H, N]
     allowed = ops.transpose(valid, (0, 2, 1)) > 0  # [B, H, N]
     peak = ops.max(ops.where(allowed, scores, ops.full_like(scores, _NEG)), axis=-1, keepdims=True, initial=_NEG)

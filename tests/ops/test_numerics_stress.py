@@ -117,7 +117,14 @@ def _map(name):
 
 
 def _layer(name, policy, weights=None):
-    layer = LinearAttention(HEADS, KEY_DIM, feature_map=_map(name), chunk_size=32, dtype=policy)
+    layer = LinearAttention(
+        HEADS,
+        KEY_DIM,
+        feature_map=_map(name),
+        chunk_size=32,
+        conv_size=None,  # the float64 oracles are the attention without a short convolution
+        dtype=policy,
+    )
     layer.build((None, None, DIM), (None, None, DIM))
     if weights is not None:
         layer.set_weights(weights)

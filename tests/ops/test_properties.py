@@ -264,7 +264,13 @@ def _layer(name):
         if name in ("favor+", "favor_trig"):
             kwargs["num_features"] = 8
         fm = feature_maps.get(name, **kwargs)
-        layer = LinearAttention(num_heads=_HEADS, key_dim=_KEY_DIM, feature_map=fm, dtype="float32")
+        layer = LinearAttention(
+            num_heads=_HEADS,
+            key_dim=_KEY_DIM,
+            feature_map=fm,
+            conv_size=None,  # the properties' oracles are the attention without a short convolution
+            dtype="float32",
+        )
         layer.build((None, None, _DIM), (None, None, _DIM))
         _LAYERS[name] = layer
     return _LAYERS[name]

@@ -37,6 +37,7 @@ def _layer(cache=2, seed=3, **options):
         HEADS,
         KEY_DIM,
         feature_map="hedgehog",
+        conv_size=None,  # the oracle's unrotated forms come from `project`, which stops before the convolution
         chunk_size=4,
         recurrence=SparseCacheRecurrence(W, cache, linear_rope=False, **options),
         rope_max_wavelength=ROPE,
@@ -239,3 +240,21 @@ def test_cache_max_distance_shorthand_config_and_errors():
     for bad in (-1, 1.5, "4"):
         with pytest.raises(ValueError, match="cache_max_distance"):
             SparseCacheRecurrence(4, 2, linear_rope=False, cache_max_distance=bad)
+
+
+def test_eager_calls_of_several_key_widths_share_the_compiled_loop():
+    # The eager selection loop is one `tf.function` with `reduce_retracing`: calls of several widths and
+    # lengths relax its signature to unknown sizes, and the packed keys must still unpack.
+    outs = []
+    for key_dim, t in ((8, T), (4, 7), (6, 9), (2, 5)):
+        layer = LinearAttention(
+            HEADS,
+            key_dim,
+            feature_map="hedgehog",
+            conv_size=None,  # as `_layer`
+            recurrence=SparseCacheRecurrence(W, 2, linear_rope=False, cache_max_distance=4),
+            rope_max_wavelength=ROPE,
+        )
+        x = np.random.default_rng(key_dim).normal(size=(2, t, DIM)).astype("float32")
+        outs.append(np.asarray(layer(x, x, use_causal_mask=True)))
+        assert outs[-1].shape == (2, t, DIM) and np.isfinite(outs[-1]).all()
