@@ -149,7 +149,10 @@ def test_state_spec_describes_the_state(exported):
     spec = lm.state_spec()
     state = lm.get_initial_state(3)
     assert [s.name for s in spec][-1] == "position"
-    assert len(spec) == len(state) == 2 * lm.num_layers + 1
+    # per layer: S and z, then conv_q, conv_k, conv_v where the attention has a short convolution
+    per_layer = [2 + (3 if block.attention.conv_size else 0) for block in lm.backbone.decoder_blocks]
+    assert len(per_layer) == lm.num_layers
+    assert len(spec) == len(state) == sum(per_layer) + 1
     for s, x in zip(spec, state, strict=True):
         assert tuple(x.shape) == (3,) + tuple(s.shape) and keras.backend.standardize_dtype(x.dtype) == s.dtype
     with pytest.raises(ValueError, match=r"state\[1\]"):
@@ -161,12 +164,12 @@ def test_one_decode_loop_in_the_package():
 
     Excluded by name: ops/delta.py, whose loop runs over the chunks of a
     training sequence (the delta rule's state must pass from chunk to chunk),
-    and ops/sparse_cache.py, whose loop runs over the tokens of a training
-    sequence (each cache decision depends on the state before it); neither
-    loops over decoding steps.
+    and ops/_sparse_selection.py (the sparse cache's selection), whose loop
+    runs over the tokens of a training sequence (each cache decision depends
+    on the state before it); neither loops over decoding steps.
     """
     root = os.path.join(os.path.dirname(__file__), "..", "..", "keras_linattn")
-    training_loops = (os.path.join("ops", "delta.py"), os.path.join("ops", "sparse_cache.py"))
+    training_loops = (os.path.join("ops", "delta.py"), os.path.join("ops", "_sparse_selection.py"))
     hits = []
     for dirpath, _, files in os.walk(root):
         for f in files:
