@@ -164,12 +164,13 @@ def test_one_decode_loop_in_the_package():
 
     Excluded by name: ops/delta.py, whose loop runs over the chunks of a
     training sequence (the delta rule's state must pass from chunk to chunk),
-    and ops/_sparse_selection.py (the sparse cache's selection), whose loop
-    runs over the tokens of a training sequence (each cache decision depends
-    on the state before it); neither loops over decoding steps.
+    and the sparse cache (ops/sparse_cache.py, which describes its loop, and
+    ops/_sparse_selection.py, which runs it), whose loop runs over the tokens
+    of a training sequence (each cache decision depends on the state before
+    it); neither loops over decoding steps.
     """
     root = os.path.join(os.path.dirname(__file__), "..", "..", "keras_linattn")
-    training_loops = (os.path.join("ops", "delta.py"), os.path.join("ops", "_sparse_selection.py"))
+    training_loops = tuple(os.path.join("ops", f) for f in ("delta.py", "sparse_cache.py", "_sparse_selection.py"))
     hits = []
     for dirpath, _, files in os.walk(root):
         for f in files:
