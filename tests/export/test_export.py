@@ -61,6 +61,8 @@ def tiny_lm(feature_map="elu", seed=0):
         intermediate_dim=32,
         chunk_size=CHUNK,
         feature_map=seeded_feature_map(feature_map, seed),
+        # No short convolution: the exports' expectations are every layer's (S, z) then the position.
+        conv_size=None,
     )
 
 

@@ -150,7 +150,10 @@ def test_state_spec_describes_the_state(exported):
     spec = lm.state_spec()
     state = lm.get_initial_state(3)
     assert [s.name for s in spec][-1] == "position"
-    assert len(spec) == len(state) == 2 * lm.num_layers + 1
+    # per layer: S and z, then conv_q, conv_k, conv_v where the attention has a short convolution
+    per_layer = [2 + (3 if block.attention.conv_size else 0) for block in lm.backbone.decoder_blocks]
+    assert len(per_layer) == lm.num_layers
+    assert len(spec) == len(state) == sum(per_layer) + 1
     for s, x in zip(spec, state, strict=True):
         assert tuple(x.shape) == (3,) + tuple(s.shape) and keras.backend.standardize_dtype(x.dtype) == s.dtype
     with pytest.raises(ValueError, match=r"state\[1\]"):
