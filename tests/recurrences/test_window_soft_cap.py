@@ -91,7 +91,10 @@ def test_soft_cap_must_be_positive(rng):
 
 def test_a_layer_with_a_soft_cap_is_capped_softmax_where_the_window_covers_the_sequence(rng):
     t = 9
-    layer = LinearAttention(num_heads=H, key_dim=D, feature_map="elu", window_size=t, logit_soft_cap=CAP)
+    # conv_size=None: the oracle attends the projections themselves (no short convolution before the window)
+    layer = LinearAttention(
+        num_heads=H, key_dim=D, feature_map="elu", conv_size=None, window_size=t, logit_soft_cap=CAP
+    )
     x = rng.normal(size=(B, t, 8)).astype("float32")
     out = np.asarray(layer(x, x, use_causal_mask=True))
     # The same projections, attended by the float64 oracle (the window covers T: no linear term).
