@@ -129,10 +129,10 @@ def main():
     assert where.startswith(venv + os.sep), f"keras_linattn imported from {where}, not from the wheel in {venv}"
     assert kla.__version__ == wheel_version, (kla.__version__, wheel_version)
 
-    # One forward pass against a float64 reference: elu + 1 features, non-causal, 2 heads.
+    # One forward pass against a float64 reference: elu + 1 features, no short convolution, non-causal, 2 heads.
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 7, 8)).astype("float32")
-    layer = kla.layers.LinearAttention(num_heads=2, key_dim=4, feature_map="elu", use_bias=False)
+    layer = kla.layers.LinearAttention(num_heads=2, key_dim=4, feature_map="elu", conv_size=None, use_bias=False)
     y = np.asarray(layer(x, x))
     dense = (layer.query_dense, layer.key_dense, layer.value_dense, layer.output_dense)
     wq, wk, wv, wo = (np.asarray(d.kernel, "float64") for d in dense)
