@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from benchmarks import bench_families_full as B
 
 
@@ -29,3 +31,18 @@ def test_a_tiny_gemma_3_run_linearizes_and_times_the_student_beside_keras_hub(tm
     teacher = {r["context"]: r for r in decode["teacher"]}
     assert teacher[16]["ms_per_token"] > 0
     assert "ms_per_token" not in teacher[32] and teacher[32]["prefill_s"] > 0  # prefill alone, as asked
+
+
+@pytest.mark.slow
+def test_a_tiny_onnx_decode_row_times_single_steps(tmp_path):
+    out = tmp_path / "families.json"
+    argv = ["--shape", "qwen2.5-0.5b", "--size", "tiny", "--stages", "linearize,export_onnx,decode_onnx"]
+    argv += ["--in-process", "--onnx-contexts", "16", "--decode-tokens", "3"]
+    argv += ["--workdir", str(tmp_path / "w"), "--out", str(out)]
+    B.main(argv)
+    rows = {row["stage"]: row for row in json.loads(out.read_text())["rows"]}
+    (onnx,) = rows["decode_onnx"]["student_onnx"]
+    assert onnx["context"] == 16 and onnx["tokens"] == 3 and onnx["prefill_s"] > 0
+    low, high = onnx["ms_range"]
+    assert 0 < low <= onnx["ms_per_token"] <= high  # a median of single steps, not a difference of two runs
+    assert onnx["steps_before_timing"] > 64  # past the student's window: the state's steady shape
