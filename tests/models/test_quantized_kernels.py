@@ -191,6 +191,27 @@ def test_the_quantized_moe_lm_saves_and_loads_bit_for_bit(moe_lm, tmp_path):
     np.testing.assert_array_equal(np.asarray(logits), np.asarray(want))
 
 
+def test_a_linearized_qwen_moe_checkpoint_quantizes_every_expert_kernel(tmp_path):
+    """The path users take: a keras-hub Qwen1.5-MoE teacher (shared expert, q/k/v biases) from a local
+    checkpoint, linearized with a softmax window and hedgehog maps, then quantized."""
+    import keras_linattn
+    from tests.linearization import _hf_checkpoints as hf
+
+    _seed()
+    config = hf.small_moe("Qwen1.5-MoE-A2.7B")
+    hf.write_checkpoint(tmp_path, config, hf.moe_tensors(config, attention_bias=True))
+    student = keras_linattn.linearize(hf.load("QwenMoeCausalLM", str(tmp_path)), window_size=16)
+    kernel_layers = _package_kernel_layers(student)
+    messages = _quantize(student)
+    assert "MixtureOfExperts" in kernel_layers
+    assert not [m for m in messages for name in kernel_layers if f"Layer {name} " in m]
+    found = float_kernels(student)
+    assert "not kept on purpose" not in found, found["not kept on purpose"]
+    assert "feature map" in found  # hedgehog's kernels, kept float
+    experts = {p for p in _int8_paths(student) if "experts" in p}
+    assert len(experts) == 7 * config["num_hidden_layers"]  # gate, up, down and the shared expert's four
+
+
 @pytest.mark.parametrize("feature_map", sorted(feature_maps.available()))
 def test_no_float_kernel_remains_under_any_feature_map(feature_map):
     lm = _lm(num_layers=1, feature_map=feature_map)
