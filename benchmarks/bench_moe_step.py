@@ -61,7 +61,7 @@ def main(argv=None):
     for name, reads in (("gathered top-k", args.batch * args.top_k), ("every expert", args.experts)):
         ms = 1e3 * min(results[name])
         mib = min(reads, args.experts) * per_expert / 2**20
-        print(f"{name:>15}: {ms:8.3f} ms/step  (expert weights read: {mib:.0f} MiB)")
+        print(f"{name:>15}: {ms:8.3f} ms/step  (expert weights read: {mib:.1f} MiB)")
 
 
 if __name__ == "__main__":
