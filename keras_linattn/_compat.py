@@ -120,6 +120,19 @@ def unmerged_kernel(layer):
     return _attribute(layer, "_kernel", "saving and loading a LoRA projection's frozen kernel")
 
 
+def mark_quantized(layer):
+    """Sets ``layer._is_quantized``: the flag Keras' own layers set in ``quantized_build``.
+
+    A layer that implements ``quantize`` itself (not through `Dense` /
+    `EinsumDense`) sets it so that Keras refuses a second ``quantize`` and
+    the ``dtype_policy`` setter does not quantize the layer again when it
+    installs the quantized policy. No public API sets it.
+    """
+    # The method that reads the flag (with the `dtype_policy` setter).
+    _require_class_attribute(keras.layers.Layer, "_check_quantize_args", "marking a layer quantized")
+    layer._is_quantized = True
+
+
 # ------------------------------------------------------------ functional
 # All backends.
 

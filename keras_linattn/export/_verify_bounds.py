@@ -156,7 +156,8 @@ def quantized_reduction(model):
     """``(n_q, eps_q)``: the contracted length of the model's quantized products and their step.
 
     ``n_q`` sums the fan-in of every integer kernel (the reductions whose
-    inputs are rounded to an integer grid), ``eps_q`` is the coarsest step
+    inputs are rounded to an integer grid; a layer of several products
+    gives them by its ``quantized_reductions()``), ``eps_q`` is the coarsest step
     among their modes (`QUANTIZED_EPS`). ``(0, 0.0)`` for a model without
     quantized layers.
     """
@@ -166,7 +167,9 @@ def quantized_reduction(model):
         if mode not in QUANTIZED_EPS:
             continue
         eps_q = max(eps_q, QUANTIZED_EPS[mode])
-        if isinstance(getattr(layer, "equation", None), str) and hasattr(layer, "_kernel_reduced_axes"):
+        if callable(getattr(layer, "quantized_reductions", None)):  # a layer of several products (MixtureOfExperts)
+            n_q += sum(int(n) for n in layer.quantized_reductions())
+        elif isinstance(getattr(layer, "equation", None), str) and hasattr(layer, "_kernel_reduced_axes"):
             shape = getattr(layer, "original_kernel_shape", None) or _compat.unmerged_kernel(layer).shape
             n_q += int(np.prod([int(shape[a]) for a in layer._kernel_reduced_axes]))
         elif hasattr(layer, "output_dim"):  # an embedding: its tied output projection sums over the width

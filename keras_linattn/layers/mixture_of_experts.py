@@ -4,6 +4,7 @@ import keras
 from keras import ops
 
 from keras_linattn._validation import check_bool, check_positive_int
+from keras_linattn.layers import _quantized_experts
 
 __all__ = ["MixtureOfExperts"]
 
@@ -27,6 +28,11 @@ class MixtureOfExperts(keras.layers.Layer):
     as keras-hub's MoE blocks do; the one-token form (``step=True``) gathers
     the `top_k` picked experts' kernels per row, so that a decode step reads
     only the experts it uses. Both give the same function.
+
+    ``quantize("int8")`` (what `keras.Model.quantize` calls) makes every
+    expert kernel, the shared expert's included, an int8 weight with one
+    scale per expert and output channel, and multiplies in int8 in both
+    forms (`_quantized_experts`); the router stays float.
 
     Training-time extras of keras-hub's blocks are not part of it: the
     router's load-balancing auxiliary loss and its jitter noise (a
@@ -100,16 +106,68 @@ class MixtureOfExperts(keras.layers.Layer):
             return self.add_weight(name=name, shape=shape, initializer="glorot_uniform", dtype=self.variable_dtype)
 
         self.router_kernel = weight("router_kernel", (dim, experts))
-        self.gate_kernel = weight("expert_gate_kernel", (experts, dim, inter))  # [E, dim, I]
-        self.up_kernel = weight("expert_up_kernel", (experts, dim, inter))  # [E, dim, I]
-        self.down_kernel = weight("expert_down_kernel", (experts, inter, dim))  # [E, I, dim]
+        shapes = {
+            "gate_kernel": (experts, dim, inter),  # [E, dim, I]
+            "up_kernel": (experts, dim, inter),  # [E, dim, I]
+            "down_kernel": (experts, inter, dim),  # [E, I, dim]
+        }
         if self.shared_expert_dim is not None:
             shared = self.shared_expert_dim
-            self.shared_gate_kernel = weight("shared_expert_gate_kernel", (dim, shared))
-            self.shared_up_kernel = weight("shared_expert_up_kernel", (dim, shared))
-            self.shared_down_kernel = weight("shared_expert_down_kernel", (shared, dim))
-            self.shared_weight_kernel = weight("shared_expert_weight_kernel", (dim, 1))
+            shapes.update(
+                {
+                    "shared_gate_kernel": (dim, shared),
+                    "shared_up_kernel": (dim, shared),
+                    "shared_down_kernel": (shared, dim),
+                    "shared_weight_kernel": (dim, 1),
+                }
+            )
+        if self.quantization_mode == "int8":  # a quantized layer loaded from its config: int8 kernels and scales
+            _quantized_experts.int8_build(self, shapes)
+        else:
+            for attribute, name, _ in _quantized_experts.kernels(self):
+                setattr(self, attribute, weight(name, shapes[attribute]))
         self.built = True
+
+    def quantize(self, mode=None, type_check=True, config=None):
+        """Quantizes the expert kernels to int8 with Keras' `Dense` scheme; the router stays float.
+
+        Each expert kernel (and the shared expert's) becomes an int8 weight
+        with one float scale per expert and output channel; the call then
+        quantizes its inputs per row and multiplies in int8
+        (`_quantized_experts`). The router is kept float: a rounding error
+        in a router logit would swap the experts a token is sent to.
+
+        Args:
+            mode: ``"int8"``.
+            type_check: Keras' subclass check; not applied here.
+            config: optional `keras.quantizers.QuantizationConfig`.
+
+        Raises:
+            NotImplementedError: for any other mode (`keras.Model.quantize`
+                turns it into a warning and leaves the layer float).
+        """
+        del type_check
+        if mode != "int8":
+            raise NotImplementedError(
+                f"Layer MixtureOfExperts quantizes its expert kernels to 'int8' only; they stay float. "
+                f"Received: mode={mode!r}"
+            )
+        _quantized_experts.quantize_int8(self, config)
+        self.dtype_policy = keras.dtype_policies.get(f"int8_from_{self.dtype_policy.name}")
+
+    def _int8_call(self, inputs, step=False):
+        return self.call(inputs, step=step)
+
+    def quantized_reductions(self):
+        """The contracted lengths of the int8 products one token's output goes through (the verify bounds).
+
+        ``top_k`` experts of ``dim`` (gate, up) and ``expert_dim`` (down),
+        and the shared expert's ``dim`` (gate, up, weight) and its width.
+        """
+        lengths = [self.hidden_dim, self.hidden_dim, self.expert_dim] * self.top_k
+        if self.shared_expert_dim is not None:
+            lengths += [self.hidden_dim, self.hidden_dim, self.shared_expert_dim, self.hidden_dim]
+        return lengths
 
     def _routing(self, h):
         """``(weights [N, k], experts [N, k])``: the picked experts of each token ``h [N, dim]`` and their weights."""
@@ -121,6 +179,8 @@ class MixtureOfExperts(keras.layers.Layer):
 
     def _shared(self, h):
         """The shared expert's contribution for ``h [N, dim]``, gated by a sigmoid of ``h @ shared_weight``."""
+        if self.quantization_mode == "int8":
+            return _quantized_experts.shared(self, h)
         g = self.activation(ops.matmul(h, self.shared_gate_kernel)) * ops.matmul(h, self.shared_up_kernel)
         return ops.matmul(g, self.shared_down_kernel) * ops.sigmoid(ops.matmul(h, self.shared_weight_kernel))
 
@@ -128,6 +188,8 @@ class MixtureOfExperts(keras.layers.Layer):
         """Every expert on every token ``h [N, dim]``, weighted by the routing (0 where not picked): ``[N, dim]``."""
         one_hot = ops.one_hot(experts, self.num_experts, dtype=weights.dtype)  # [N, k, E]
         routing = ops.transpose(ops.sum(one_hot * weights[..., None], axis=1))  # [E, N]
+        if self.quantization_mode == "int8":
+            return _quantized_experts.all_experts(self, h, routing)
         g = self.activation(ops.einsum("nd,edi->eni", h, self.gate_kernel))  # [E, N, I]
         u = ops.einsum("nd,edi->eni", h, self.up_kernel)  # [E, N, I]
         out = ops.einsum("eni,eid->end", g * u, self.down_kernel)  # [E, N, dim]
@@ -135,6 +197,8 @@ class MixtureOfExperts(keras.layers.Layer):
 
     def _picked_experts(self, h, weights, experts):
         """Only the `top_k` picked experts of each row ``h [B, dim]``, their kernels gathered: ``[B, dim]``."""
+        if self.quantization_mode == "int8":
+            return _quantized_experts.picked_experts(self, h, weights, experts)
         gate = ops.take(self.gate_kernel, experts, axis=0)  # [B, k, dim, I]
         up = ops.take(self.up_kernel, experts, axis=0)  # [B, k, dim, I]
         down = ops.take(self.down_kernel, experts, axis=0)  # [B, k, I, dim]

@@ -159,6 +159,26 @@ def test_unmerged_kernel_is_the_stored_kernel_without_lora():
     np.testing.assert_allclose(keras.ops.convert_to_numpy(dense.kernel), delta, rtol=1e-6)
 
 
+def test_mark_quantized_makes_keras_refuse_a_second_quantize_and_keep_the_policy():
+    class _Own(keras.layers.Layer):
+        calls = 0
+
+        def build(self, input_shape):
+            self.w = self.add_weight(shape=(3, 2))
+
+        def quantize(self, mode=None, type_check=True, config=None):
+            type(self).calls += 1
+            _compat.mark_quantized(self)
+            self.dtype_policy = keras.dtype_policies.get(f"{mode}_from_{self.dtype_policy.name}")
+
+    layer = _Own()
+    layer.build((None, 3))
+    layer.quantize("int8")  # the policy setter would call `quantize` again on an unmarked layer
+    assert _Own.calls == 1 and layer.quantization_mode == "int8"
+    with pytest.raises(ValueError, match="already quantized"):
+        layer.quantize("int8")
+
+
 # ------------------------------------------------------------ functional
 
 
