@@ -20,11 +20,12 @@ import weakref
 
 import keras
 import numpy as np
+import onnx
 import pytest
 from onnx import ModelProto, numpy_helper
 
 from keras_linattn import export
-from keras_linattn.export import _onnx_publish, _verify_decoding, _verify_weights
+from keras_linattn.export import _onnx_graph, _onnx_publish, _verify_decoding, _verify_weights
 from tests import _shared_exports
 
 pytestmark = pytest.mark.tf_only("ONNX export runs on TensorFlow")
@@ -128,3 +129,94 @@ def test_verify_holds_one_onnx_session_at_a_time(monkeypatch):
     assert report.ok, report
     assert len(sessions) == 1  # the model graph's session was made
     assert seen == {"weights": 0, "decoding": 0}, f"model graph sessions alive when each check began: {seen}"
+
+
+def _weight_only_body_nodes(proto, weights):
+    """The nodes of each Loop body that compute from weights and constants alone (and read a weight)."""
+    import onnx
+
+    found = []
+    for loop in (node for node in proto.graph.node if node.op_type == "Loop"):
+        body = next(a.g for a in loop.attribute if a.name == "body")
+        fixed = {init.name for init in body.initializer} | {n.output[0] for n in body.node if n.op_type == "Constant"}
+        of_weights = set(weights)
+        for node in body.node:
+            if node.op_type == "Constant" or any(a.type == onnx.AttributeProto.GRAPH for a in node.attribute):
+                continue
+            if all(not name or name in fixed or name in of_weights for name in node.input):
+                if any(name in of_weights for name in node.input):
+                    found.append(f"{node.op_type}({', '.join(node.input)})")
+                    of_weights.update(node.output)
+    return found
+
+
+def test_the_generate_loop_computes_nothing_from_weights_alone():
+    """onnxruntime folds work on weights alone into a constant per place it is computed: in the loop body,
+    a second reshaped copy of each kernel and a second transposed tied embedding. It belongs in front of the
+    Loop, once."""
+    model, _, paths = _shared_exports.limited_export()
+    proto = onnx.load(paths["generate"])
+    weights = {t.name for t in proto.graph.initializer if t.name in {v.path for v in model.weights}}
+    assert weights
+    found = _weight_only_body_nodes(proto, weights)
+    assert not found, found[:5]
+
+
+def _loop_reading_a_transposed_weight():
+    """``y = x @ W^T`` before the Loop; the Loop body computes ``y = y @ reshape(W^T)`` n times."""
+    from onnx import TensorProto, helper
+
+    body = helper.make_graph(
+        [
+            helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+            helper.make_node("Transpose", ["W"], ["wt_body"], perm=[1, 0]),
+            helper.make_node("Constant", [], ["shape"], value=numpy_helper.from_array(np.array([3, 3], "int64"))),
+            helper.make_node("Reshape", ["wt_body", "shape"], ["wt_flat"]),
+            helper.make_node("MatMul", ["y_in", "wt_flat"], ["y_out"]),
+        ],
+        "body",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("y_in", TensorProto.FLOAT, [1, 3]),
+        ],
+        [
+            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("y_out", TensorProto.FLOAT, [1, 3]),
+        ],
+    )
+    graph = helper.make_graph(
+        [
+            helper.make_node("Transpose", ["W"], ["wt"], perm=[1, 0]),
+            helper.make_node("MatMul", ["x", "wt"], ["y0"]),
+            helper.make_node("Constant", [], ["true"], value=helper.make_tensor("t", TensorProto.BOOL, [], [True])),
+            helper.make_node("Loop", ["n", "true", "y0"], ["y"], body=body),
+        ],
+        "loop",
+        [
+            helper.make_tensor_value_info("n", TensorProto.INT64, []),
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3]),
+            helper.make_tensor_value_info("kla_weight_0", TensorProto.FLOAT, [3, 3]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+    _onnx_graph._rename_inputs(model.graph, {"W": "kla_weight_0"})
+    return model
+
+
+def test_weight_only_loop_work_moves_in_front_of_the_loop_and_merges():
+    import onnxruntime as ort
+
+    model = _loop_reading_a_transposed_weight()
+    w = (np.random.default_rng(0).normal(size=(3, 3)) * 0.5).astype("float32")
+    feeds = {"n": np.array(4, "int64"), "x": np.array([[1.0, -2.0, 0.5]], "float32"), "kla_weight_0": w}
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)  # noqa: E731
+    want = run(model)
+    assert _onnx_graph._hoist_weight_ops(model.graph) == 2  # the Transpose (merged) and the Reshape (moved)
+    onnx.checker.check_model(model)
+    ops = [node.op_type for node in model.graph.node]
+    assert ops.count("Transpose") == 1 and "Reshape" in ops[: ops.index("Loop")]
+    body = next(a.g for a in model.graph.node[-1].attribute if a.name == "body")
+    assert [node.op_type for node in body.node if node.op_type != "Constant"] == ["Identity", "MatMul"]
+    np.testing.assert_array_equal(run(model)[0], want[0])
