@@ -10,6 +10,12 @@ serialization (`numpy_helper.from_array`), bit for bit.
 `verify` must hold at most one onnxruntime session (one copy of the weights):
 the model graph's session is made after the weight checks and is freed before
 the step and generate graphs load theirs.
+
+The generate graph's loop body must compute nothing from weights alone:
+onnxruntime folds such work (a reshaped kernel, a transposed tied embedding)
+into one more constant for each place it is computed, so it is done once, in
+front of the Loop (structural check on the export, and an onnxruntime run of a
+hand-made Loop before and after the move).
 """
 
 import gc
