@@ -92,6 +92,28 @@ def test_inline_weights_are_written_without_a_whole_weight_in_memory(small_chunk
         np.testing.assert_array_equal(numpy_helper.to_array(tensor), variable.numpy())
 
 
+def _external_file(folder, variables):
+    names = [f"layer_{i}/kernel" for i in range(len(variables))]
+    used = list(range(len(variables)))
+    offsets, _ = _onnx_publish.write_external_data(folder / "m.data", variables, used, "e")
+    layout = {"__file__": "m.data", "__index__": {names[i]: offsets[i] for i in used}}
+    _onnx_publish.save_with_weights(ModelProto(), folder / "m.onnx", used, variables, names, layout)
+    return dict(zip(names, variables, strict=True)), offsets
+
+
+def test_external_weights_are_checked_without_a_whole_weight_in_memory(small_chunks, tmp_path):
+    weights, offsets = _external_file(tmp_path, _variables())
+    checks = []
+    peak = _peak_traced(lambda: checks.append(_verify_weights.check_by_name(weights, str(tmp_path / "m.onnx"))))
+    assert checks[0].exact == 3 and not checks[0].missing, checks[0].detail()
+    assert peak < _WEIGHT_BYTES / 2, f"{peak} bytes traced at once checking weights of {_WEIGHT_BYTES} bytes"
+    with open(tmp_path / "m.data", "r+b") as f:  # one element of the last slice of the second weight
+        f.seek(offsets[1][0] + offsets[1][1] - 4)
+        f.write(np.float32(1e30).tobytes())
+    check = _verify_weights.check_by_name(weights, str(tmp_path / "m.onnx"))
+    assert [name for name, _ in check.missing] == ["layer_1/kernel"], check.detail()
+
+
 @pytest.mark.parametrize(
     "shape, dtype",
     [((_ROWS, _COLS), "float32"), ((300, 7, 3), "bfloat16"), ((33,), "float16"), ((), "float32"), ((0, 4), "int8")],
