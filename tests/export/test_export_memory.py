@@ -128,37 +128,6 @@ def test_an_inline_weight_is_the_bytes_of_its_one_shot_serialization(small_chunk
     assert got.getvalue() == want.SerializeToString()
 
 
-def test_verify_holds_one_onnx_session_at_a_time(monkeypatch):
-    model, _, paths = _shared_exports.limited_export()
-    sessions = []
-
-    class Recorded(verify_module.OnnxPredictor):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            sessions.append(weakref.ref(self))
-
-    def alive():
-        gc.collect()
-        return [ref() for ref in sessions if ref() is not None]
-
-    seen = {}
-
-    def recording(name, fn):
-        def wrapped(*args, **kwargs):
-            seen[name] = len(alive())
-            return fn(*args, **kwargs)
-
-        return wrapped
-
-    monkeypatch.setattr(verify_module, "OnnxPredictor", Recorded)
-    monkeypatch.setattr(_verify_weights, "check_files", recording("weights", _verify_weights.check_files))
-    monkeypatch.setattr(_verify_decoding, "check_decoding", recording("decoding", _verify_decoding.check_decoding))
-    report = export.verify(model, onnx_path=paths["model"], shapes=[(1, 5)], decode_steps=3)
-    assert report.ok, report
-    assert len(sessions) == 1  # the model graph's session was made
-    assert seen == {"weights": 0, "decoding": 0}, f"model graph sessions alive when each check began: {seen}"
-
-
 def _weight_only_body_nodes(proto, weights):
     """The nodes of each Loop body that compute from weights and constants alone (and read a weight)."""
     import onnx
@@ -248,3 +217,34 @@ def test_weight_only_loop_work_moves_in_front_of_the_loop_and_merges():
     body = next(a.g for a in model.graph.node[-1].attribute if a.name == "body")
     assert [node.op_type for node in body.node if node.op_type != "Constant"] == ["Identity", "MatMul"]
     np.testing.assert_array_equal(run(model)[0], want[0])
+
+
+def test_verify_holds_one_onnx_session_at_a_time(monkeypatch):
+    model, _, paths = _shared_exports.limited_export()
+    sessions = []
+
+    class Recorded(verify_module.OnnxPredictor):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            sessions.append(weakref.ref(self))
+
+    def alive():
+        gc.collect()
+        return [ref() for ref in sessions if ref() is not None]
+
+    seen = {}
+
+    def recording(name, fn):
+        def wrapped(*args, **kwargs):
+            seen[name] = len(alive())
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(verify_module, "OnnxPredictor", Recorded)
+    monkeypatch.setattr(_verify_weights, "check_files", recording("weights", _verify_weights.check_files))
+    monkeypatch.setattr(_verify_decoding, "check_decoding", recording("decoding", _verify_decoding.check_decoding))
+    report = export.verify(model, onnx_path=paths["model"], shapes=[(1, 5)], decode_steps=3)
+    assert report.ok, report
+    assert len(sessions) == 1  # the model graph's session was made
+    assert seen == {"weights": 0, "decoding": 0}, f"model graph sessions alive when each check began: {seen}"
