@@ -32,6 +32,7 @@ import contextlib
 import hashlib
 import json
 import os
+import sys
 
 import numpy as np
 
@@ -126,8 +127,6 @@ def _field_header(message, field, length):
 
 def _streamable(variable):
     """Whether `from_array` stores the weight's values as its raw little-endian bytes (no packing, no strings)."""
-    import sys
-
     from onnx import TensorProto, helper
 
     if sys.byteorder != "little":
