@@ -310,3 +310,164 @@ def _rewrite_int8_products(graph, outer, replaced):
         del graph.node[:]
         graph.node.extend(nodes)
     return changed + len(before)
+
+
+# ------------------------------------------------- weight-only loop work
+# Ops whose result is not a function of their inputs alone: never moved.
+_UNHOISTABLE = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
+
+
+class _Values:
+    """Numbers for values known before a graph runs; one number for the same op of the same inputs.
+
+    A weight input is known by its name, a constant by its type, dims and
+    bytes, a node's output by its op, attributes, inputs and position.
+    """
+
+    def __init__(self):
+        self._ids, self.of_weights = {}, set()
+
+    def number(self, key, reads_weight=False):
+        number = self._ids.setdefault(key, len(self._ids))
+        if reads_weight:
+            self.of_weights.add(number)
+        return number
+
+    def constant(self, tensor_or_attribute):
+        value = type(tensor_or_attribute).FromString(tensor_or_attribute.SerializeToString())
+        value.name = ""
+        return self.number(("const", value.SerializeToString(deterministic=True)))
+
+    def outputs(self, node, known):
+        """The numbers of `node`'s outputs when every input's number is in `known`, else None."""
+        import onnx
+
+        subgraph = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+        if node.op_type in _UNHOISTABLE or any(a.type in subgraph for a in node.attribute):
+            return None
+        if any(name and name not in known for name in node.input):
+            return None
+        inputs = tuple(known[name] if name else -1 for name in node.input)
+        attributes = tuple(sorted(a.SerializeToString(deterministic=True) for a in node.attribute))
+        key = (node.domain, node.op_type, attributes, inputs)
+        weight = any(i in self.of_weights for i in inputs)
+        return [self.number(key + (i,), weight) for i in range(len(node.output))]
+
+
+def _constant_numbers(values, graph):
+    """``{name: number}`` of `graph`'s initializers and input-less Constant nodes (a tensor value)."""
+    import onnx
+
+    out = {init.name: values.constant(init) for init in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant" and not node.input:
+            value = next((a for a in node.attribute if a.name == "value"), None)
+            if value is not None and value.type == onnx.AttributeProto.TENSOR:
+                out[node.output[0]] = values.constant(value.t)
+    return out
+
+
+def _hoist_weight_ops(graph):
+    """Moves the Loop bodies' work on weights alone in front of the Loop, computed once with the graph's own.
+
+    tf2onnx converts the generate graph's loop body with its own reshape of
+    every projection kernel and its own transpose of a tied embedding, and
+    the prompt's forward pass, outside the loop, has the same ones.
+    onnxruntime folds each into a constant when a session is created: one
+    more copy of those weights for each place they are computed (a 1B
+    model's tied embedding is 1 GiB). A body node whose inputs are all
+    weights (the converted function's weight inputs), constants or results
+    of such nodes, and that reads a weight, moves in front of its Loop (the
+    body reads the result from the outer scope); where the graph computes
+    the same op of the same inputs before the Loop, the body reads that
+    result instead. The same values are computed by the same ops. Top-level
+    Loops only. Returns the number of body nodes moved or merged.
+    """
+    values = _Values()
+    weight = re.compile(re.escape(WEIGHT_INPUT).replace(r"\{\}", r"\d+") + "$")
+    known = {i.name: values.number(("weight", i.name), True) for i in graph.input if weight.match(i.name)}
+    known.update({init.name: values.constant(init) for init in graph.initializer})
+    holder = {number: name for name, number in known.items()}  # number -> an outer name holding it
+    nodes, total = [], 0
+    for node in graph.node:
+        if node.op_type == "Loop":
+            body = next(a.g for a in node.attribute if a.name == "body")
+            hoisted, moved = _hoist_from_body(body, values, known, holder)
+            nodes.extend(hoisted)
+            total += moved
+        elif node.op_type == "Constant":
+            numbers = _constant_numbers(values, type(graph)(node=[node]))
+            known.update(numbers)
+        else:
+            numbers = values.outputs(node, known)
+            if numbers is not None:
+                known.update(zip(node.output, numbers, strict=True))
+        for name in node.output:
+            if name in known:
+                holder.setdefault(known[name], name)
+        nodes.append(node)
+    if total:
+        nodes = [type(node).FromString(node.SerializeToString()) for node in nodes]
+        del graph.node[:]
+        graph.node.extend(nodes)
+    return total
+
+
+def _hoist_from_body(body, values, known, holder):
+    """`_hoist_weight_ops` for one body: returns the nodes to put before its Loop and how many body nodes left it."""
+    from onnx import helper
+
+    defined = (
+        {i.name for i in body.input} | {o for n in body.node for o in n.output} | {i.name for i in body.initializer}
+    )
+    constants = _constant_numbers(values, body)
+    visible = {name: number for name, number in known.items() if name not in defined}
+    visible.update(constants)
+    returned = {o.name for o in body.output}
+    added, rename, leaving = [], {}, set()
+    for position, node in enumerate(body.node):
+        numbers = values.outputs(node, visible) if node.op_type != "Constant" else None
+        if numbers is None or numbers[0] not in values.of_weights or returned.intersection(node.output):
+            continue
+        leaving.add(position)
+        visible.update(zip(node.output, numbers, strict=True))
+        if all(number in holder for number in numbers):  # computed before the Loop already
+            rename.update({output: holder[number] for output, number in zip(node.output, numbers, strict=True)})
+            continue
+        copy = type(node).FromString(node.SerializeToString())
+        for j, name in enumerate(copy.input):
+            if name in rename:
+                copy.input[j] = rename[name]
+            elif name in constants:  # a body constant: read an outer one of the same value
+                if constants[name] not in holder:
+                    outer = f"{name}__kla_outer"
+                    added.append(helper.make_node("Constant", [], [outer], value=_constant_tensor(body, name, outer)))
+                    holder[constants[name]] = outer
+                copy.input[j] = holder[constants[name]]
+        added.append(copy)
+        for output, number in zip(node.output, numbers, strict=True):
+            holder.setdefault(number, output)
+    if not leaving:
+        return [], 0
+    kept = [type(node).FromString(node.SerializeToString()) for i, node in enumerate(body.node) if i not in leaving]
+    del body.node[:]
+    body.node.extend(kept)
+    if rename:
+        _rename_inputs(body, rename)
+    # Body constants only the moved nodes read: onnxruntime warns about each unused initializer at session start.
+    _drop_unread_initializers(body, set(constants), _names_read(body))
+    return added, len(leaving)
+
+
+def _constant_tensor(body, name, outer):
+    """The value of the body's initializer or Constant `name`, as a tensor named `outer`."""
+    for init in body.initializer:
+        if init.name == name:
+            value = type(init).FromString(init.SerializeToString())
+            break
+    else:
+        node = next(n for n in body.node if n.op_type == "Constant" and n.output[0] == name)
+        value = next(a.t for a in node.attribute if a.name == "value")
+        value = type(value).FromString(value.SerializeToString())
+    value.name = outer
+    return value

@@ -32,6 +32,7 @@ import contextlib
 import hashlib
 import json
 import os
+import sys
 
 import numpy as np
 
@@ -64,6 +65,35 @@ class _DigestingFile:
         return {"size": self.size, "sha256": self._hash.hexdigest()}
 
 
+# The most bytes of one weight held in memory while it is written: a weight is copied out of its
+# variable in slices of whole rows up to this size (a 1B model's tied embedding is 1 GiB).
+CHUNK_BYTES = 1 << 26
+
+
+def weight_chunks(variable, limit=None):
+    """The values of `variable` as C-contiguous arrays of whole rows, each at most `limit` bytes (`CHUNK_BYTES`).
+
+    A row larger than `limit` is one chunk; a scalar is one chunk. The
+    chunks' bytes, in order, are the bytes of ``variable.numpy()``.
+    """
+    limit = CHUNK_BYTES if limit is None else limit
+    shape = tuple(variable.shape)
+    if not shape or shape[0] <= 1:
+        yield np.ascontiguousarray(variable.numpy())
+        return
+    row = int(np.prod(shape[1:])) * np.dtype(str(variable.dtype)).itemsize
+    step = max(1, limit // max(row, 1))
+    if step >= shape[0]:
+        yield np.ascontiguousarray(variable.numpy())
+        return
+    for start in range(0, shape[0], step):
+        yield np.ascontiguousarray(np.asarray(variable[start : start + step]))
+
+
+def _byte_view(chunk):
+    return memoryview(chunk.reshape(-1).view(np.uint8))  # the array's own buffer: no second copy
+
+
 def weight_tensor(variable, name, layout=None):
     """The initializer of one weight: its values, or (`layout`) a pointer into the external data file."""
     from onnx import TensorProto, helper, numpy_helper
@@ -80,8 +110,66 @@ def weight_tensor(variable, name, layout=None):
     return tensor
 
 
+def _varint(n):
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _field_header(message, field, length):
+    """The wire-format key and length of a length-delimited `field` of `message` (a protobuf class)."""
+    number = message.DESCRIPTOR.fields_by_name[field].number
+    return _varint(number << 3 | 2) + _varint(length)
+
+
+def _streamable(variable):
+    """Whether `from_array` stores the weight's values as its raw little-endian bytes (no packing, no strings)."""
+    from onnx import TensorProto, helper
+
+    if sys.byteorder != "little":
+        return False
+    packed = {"STRING", "INT4", "UINT4", "FLOAT4E2M1", "UINT2", "INT2", "FLOAT6E2M3", "FLOAT6E3M2"}
+    try:
+        data_type = helper.np_dtype_to_tensor_dtype(np.dtype(str(variable.dtype)))
+    except (KeyError, TypeError, ValueError):
+        return False
+    return all(data_type != getattr(TensorProto, name, None) for name in packed)
+
+
+def write_initializer(f, variable, name):
+    """Writes one ``ModelProto`` holding the weight as an initializer, its values one slice at a time.
+
+    The bytes are those of ``SerializeToString()`` of a ``ModelProto`` whose
+    graph holds ``numpy_helper.from_array(variable.numpy(), name)``: the
+    tensor's other fields (dims, data type, name; field numbers below
+    ``raw_data``'s) and then ``raw_data``, written from `weight_chunks`, so
+    no whole copy of the weight (or of its serialized form) is made.
+    """
+    from onnx import GraphProto, ModelProto, TensorProto, helper
+
+    if not _streamable(variable):
+        piece = ModelProto()
+        piece.graph.initializer.append(weight_tensor(variable, name))
+        f.write(piece.SerializeToString())
+        return
+    header = TensorProto(dims=list(variable.shape) or [1])  # as `from_array(np.ascontiguousarray(...))`: ndim >= 1
+    if name:
+        header.name = name
+    header.data_type = helper.np_dtype_to_tensor_dtype(np.dtype(str(variable.dtype)))
+    nbytes = int(np.prod(variable.shape)) * np.dtype(str(variable.dtype)).itemsize
+    tensor = header.SerializeToString() + _field_header(TensorProto, "raw_data", nbytes)
+    graph = _field_header(GraphProto, "initializer", len(tensor) + nbytes)
+    f.write(_field_header(ModelProto, "graph", len(graph) + len(tensor) + nbytes) + graph + tensor)
+    for chunk in weight_chunks(variable):
+        f.write(_byte_view(chunk))
+        del chunk
+
+
 def save_with_weights(proto, path, used, variables, names, layout=None):
-    """Writes `proto` with the used weights as initializers, one weight in memory at a time; returns its digest.
+    """Writes `proto` with the used weights as initializers, one slice of one weight in memory at a time.
 
     The weight inputs leave the graph's inputs. The file is the serialized
     graph followed by one serialized ``ModelProto`` per weight holding just
@@ -89,7 +177,12 @@ def save_with_weights(proto, path, used, variables, names, layout=None):
     message (repeated fields append), so this is the same model as one
     `onnx.save` of the graph with every initializer, without ever holding
     the whole serialized model (GPT-2 base: 0.47 GB of weights, twice, per
-    graph) in memory.
+    graph) in memory. Inline values are written slice by slice
+    (`write_initializer`); with `layout`, each initializer points into the
+    external data file.
+
+    Returns:
+        ``{"size": bytes, "sha256": hex}`` of the file.
     """
     from onnx import ModelProto
 
@@ -101,6 +194,9 @@ def save_with_weights(proto, path, used, variables, names, layout=None):
         f = _DigestingFile(raw)
         f.write(proto.SerializeToString())
         for i in used:
+            if layout is None:
+                write_initializer(f, variables[i], names[i])
+                continue
             piece = ModelProto()
             piece.graph.initializer.append(weight_tensor(variables[i], names[i], layout))
             f.write(piece.SerializeToString())
@@ -111,7 +207,7 @@ def save_with_weights(proto, path, used, variables, names, layout=None):
 
 
 def write_external_data(path, variables, used, export_id):
-    """Writes the used weights, aligned, after a header naming the export.
+    """Writes the used weights, aligned, after a header naming the export, one slice of one weight at a time.
 
     Returns:
         ``({index: (offset, length)}, {"size": bytes, "sha256": hex})``.
@@ -123,12 +219,12 @@ def write_external_data(path, variables, used, export_id):
         header = _onnx_files.DATA_MAGIC + f"export_id={export_id}\n".encode()
         f.write(header.ljust(align, b"\0"))
         for i in used:
-            value = np.ascontiguousarray(variables[i].numpy())
             offset = f.tell()
-            f.write(memoryview(value).cast("B"))  # the array's own buffer: no second copy of a weight
-            layout[i] = (offset, value.nbytes)
+            for chunk in weight_chunks(variables[i]):
+                f.write(_byte_view(chunk))
+                del chunk
+            layout[i] = (offset, f.tell() - offset)
             f.write(b"\0" * (-f.tell() % align))
-            del value
         raw.flush()
         os.fsync(raw.fileno())
     return layout, f.digest()

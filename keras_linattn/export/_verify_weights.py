@@ -6,8 +6,9 @@ Two kinds of files:
   as an initializer named by the weight's Keras path (metadata
   ``"weights": "named"``). Each is compared with its weight by name, bit for
   bit, one weight at a time (a weight in external data is read from the file
-  at its offset, not loaded with the rest), so a damaged copy is found
-  wherever it is and memory stays at one weight.
+  at its offset, not loaded with the rest, and compared one slice of rows at
+  a time), so a damaged copy is found wherever it is and memory stays at one
+  slice of a weight (a whole weight where it differs, for the detail).
 - Other files (SavedModel variables, ONNX files from older exports with
   weights folded into constants) are matched by value: a weight is stored if
   some tensor has its size, dtype and sorted values (a transposed or
@@ -23,7 +24,7 @@ import os
 
 import numpy as np
 
-from keras_linattn.export import onnx_export
+from keras_linattn.export import _onnx_publish, onnx_export
 from keras_linattn.export._verify_report import _Check
 
 
@@ -211,10 +212,36 @@ def _initializer_reader(path):
                 data = np.fromfile(location, dtype=np.uint8, count=length, offset=offset)
                 return data.view(dtype).reshape(shape)
 
+            read.external = (location, offset, length, np.dtype(dtype), shape)
             readers[tensor.name] = read
         else:
             readers[tensor.name] = lambda tensor=tensor: numpy_helper.to_array(tensor)
     return readers
+
+
+def _equal_in_slices(external, variable):
+    """Whether the external data at ``(location, offset, length, dtype, shape)`` holds exactly `variable`'s bytes.
+
+    Read and compared one slice at a time (`_onnx_publish.weight_chunks`): a
+    1B model's 1 GiB embedding is never in memory whole, twice. False when
+    `external` is None, or when shapes, dtypes or sizes differ.
+    """
+    if external is None:
+        return False
+    location, offset, length, dtype, shape = external
+    if tuple(shape) != tuple(variable.shape) or dtype != np.dtype(str(variable.dtype)):
+        return False
+    if not os.path.isfile(location) or os.path.getsize(location) < offset + length:
+        return False
+    if length != int(np.prod(shape)) * dtype.itemsize:
+        return False
+    with open(location, "rb") as f:
+        f.seek(offset)
+        for chunk in _onnx_publish.weight_chunks(variable):
+            expected = chunk.reshape(-1).view(np.uint8)
+            if not np.array_equal(np.frombuffer(f.read(expected.nbytes), np.uint8), expected):
+                return False
+    return True
 
 
 def check_by_name(weights, path):
@@ -226,7 +253,9 @@ def check_by_name(weights, path):
         if read is None:
             unused.append(name)
             continue
-        stored = read()
+        if _equal_in_slices(getattr(read, "external", None), variable):
+            continue
+        stored = read()  # differs, or not external: compared whole, for the detail
         value = np.asarray(variable.numpy())
         if stored is None:
             missing.append((name, "its external data is missing or short"))

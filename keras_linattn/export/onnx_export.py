@@ -188,6 +188,7 @@ def _convert(fn, input_signature, opset, metadata, fast=True, variables=None):
             raise
         proto = _from_function(tf_fn, input_signature, opset, fast=False)
     _onnx_graph._hoist_loop_invariants(proto.graph)
+    _onnx_graph._hoist_weight_ops(proto.graph)  # one folded copy of a reshaped or transposed weight, not two
     _onnx_graph._unsigned_int8_products(proto.graph)  # onnxruntime's fast integer kernel is uint8 x int8
     try:
         onnx.checker.check_model(proto)

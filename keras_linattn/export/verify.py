@@ -207,30 +207,34 @@ def verify(
     report = VerificationReport()
     run = _Run(specs, report, progress or (lambda line: None), seed, onnx_device, _verify_bounds._row_conditioning)
     runner = SavedModelRunner(saved_model_dir) if saved_model_dir is not None else None
-    predictor = None
-    if onnx_path is not None:
-        predictor = OnnxPredictor(onnx_path, device=onnx_device, prepacking=False)  # one copy of the weights
     paths = (saved_model_dir, onnx_path, onnx_step_path, onnx_generate_path, check_weights)
     tolerances = (saved_model_tolerance, onnx_tolerance)
     # The exports of a 16-bit model compute in float32 on its weights (`_float_compute`): so does the reference.
     with _float_compute.float32_compute(model):
-        _check_all(run, model, specs, inputs, shapes, runner, predictor, paths, decode_steps, limit, tolerances)
+        _check_all(run, model, specs, inputs, shapes, runner, paths, decode_steps, limit, tolerances)
     if raise_on_failure and not report.ok:
         raise VerificationError(report)
     return report
 
 
-def _check_all(run, model, specs, inputs, shapes, runner, predictor, paths, decode_steps, limit, tolerances):
-    """`verify`'s checks: the stored weights, the outputs, then the step and generate graphs of a causal LM."""
+def _check_all(run, model, specs, inputs, shapes, runner, paths, decode_steps, limit, tolerances):
+    """`verify`'s checks: the stored weights, the outputs, then the step and generate graphs of a causal LM.
+
+    At most one onnxruntime session (one copy of the weights) is alive at a
+    time: the model graph's session is made after the weight checks and this
+    function holds its only reference, dropped before the step and generate
+    graphs load theirs (a 1B model's weights are 4.6 GiB).
+    """
     saved_model_dir, onnx_path, onnx_step_path, onnx_generate_path, check_weights = paths
     saved_model_tolerance, onnx_tolerance = tolerances
     try:
         if check_weights:
             _verify_weights.check_files(run, model, saved_model_dir, (onnx_path, onnx_step_path, onnx_generate_path))
-        _verify_outputs.check_outputs(run, inputs, shapes, runner, predictor, saved_model_tolerance, onnx_tolerance)
-        # The model's session is done: free its copy of the weights before the step and generate sessions
-        # load theirs (a 1B model's are 4.6 GB each).
         predictor = None
+        if onnx_path is not None:
+            predictor = OnnxPredictor(onnx_path, device=run.onnx_device, prepacking=False)  # one copy of the weights
+        _verify_outputs.check_outputs(run, inputs, shapes, runner, predictor, saved_model_tolerance, onnx_tolerance)
+        predictor = None  # the only reference: its session is freed here
         if specs.causal_lm:
             _verify_decoding.check_decoding(
                 run,
