@@ -27,6 +27,7 @@ from keras_linattn.export import _verify_bounds
 from keras_linattn.feature_maps import registry as feature_maps
 from keras_linattn.layers import MixtureOfExperts
 from keras_linattn.models import LinearBackbone, LinearCausalLM
+from tests.models.test_quantize import _package_kernel_layers
 from tests.tolerance import bound
 
 pytestmark = pytest.mark.numeric
@@ -110,17 +111,6 @@ def float_kernels(model):
 
 def _int8_paths(model):
     return {w.path for w in model.weights if str(w.dtype) == "int8"}
-
-
-def _package_kernel_layers(lm):
-    """Class names of the package's leaf layers that hold a weight of rank >= 2."""
-    return {
-        type(layer).__name__
-        for layer in lm._flatten_layers()
-        if type(layer).__module__.startswith("keras_linattn")
-        and not list(layer._flatten_layers(include_self=False))
-        and any(len(w.shape) >= 2 for w in layer.weights)
-    }
 
 
 @pytest.fixture(scope="module")
