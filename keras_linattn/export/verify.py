@@ -188,7 +188,12 @@ def verify(
             the model's ``max_sequence_length`` attribute, if any.
         onnx_generate_path: the ONNX generate graph; default: the one the
             model file names.
-        check_weights: compare the stored weights with the model's.
+        check_weights: compare the stored weights with the model's. The
+            ONNX sessions on the CPU then read each weight found equal, bit
+            for bit and by name, from the model's own memory instead of a
+            second copy from the file (sound only because of that check);
+            a weight that differs, and every weight with
+            ``check_weights=False``, is loaded from the file.
 
     Returns:
         A `VerificationReport`.
