@@ -194,11 +194,12 @@ def _check_saved_model(run, keras_decoding, runner, fixed):
     ref.check_tokens(run, "saved_model", greedy, sampled, names)
 
 
-def _check_onnx(run, keras_decoding, step_path, generate_path, fixed):
+def _check_onnx(run, keras_decoding, step_path, generate_path, fixed, session_options):
     """The ONNX step graph, then (where it exists) the generate graph, greedy and sampled."""
     ref = keras_decoding
     # No prepacked weight copies: verify checks values, and a 1B model's sessions peaked 6 GiB higher with them.
-    gen = OnnxGenerator(step_path, generate_path=generate_path, device=run.onnx_device, prepacking=False)
+    options = {"session_options": session_options} if session_options is not None else {"prepacking": False}
+    gen = OnnxGenerator(step_path, generate_path=generate_path, device=run.onnx_device, **options)
     state = gen.initial_state(ref.batch)
     got = []
     for t in range(ref.steps):
@@ -216,7 +217,9 @@ def _check_onnx(run, keras_decoding, step_path, generate_path, fixed):
         ref.check_tokens(run, "onnx", greedy, sampled, (f"{graph}:greedy", f"{graph}:sampled"))
 
 
-def check_decoding(run, runner, onnx_step_path, onnx_generate_path, batch, steps, limit, sm_fixed, onnx_fixed):
+def check_decoding(
+    run, runner, onnx_step_path, onnx_generate_path, batch, steps, limit, sm_fixed, onnx_fixed, session_options=None
+):
     """The decoding rows of a causal LM: the SavedModel's signatures, then the ONNX step and generate graphs.
 
     Args:
@@ -228,9 +231,12 @@ def check_decoding(run, runner, onnx_step_path, onnx_generate_path, batch, steps
         limit: the model's max_sequence_length, or None.
         sm_fixed, onnx_fixed: None (the error model) or a fixed max
             relative difference of the step logits.
+        session_options: the `onnxruntime.SessionOptions` of the step and
+            generate sessions (`_verify_sessions`); None: `OnnxGenerator`'s
+            without prepacking.
     """
     keras_decoding = _KerasDecoding(run, batch, steps, limit)
     if runner is not None:
         _check_saved_model(run, keras_decoding, runner, sm_fixed)
     if onnx_step_path is not None:
-        _check_onnx(run, keras_decoding, onnx_step_path, onnx_generate_path, onnx_fixed)
+        _check_onnx(run, keras_decoding, onnx_step_path, onnx_generate_path, onnx_fixed, session_options)

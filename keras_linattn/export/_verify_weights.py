@@ -37,13 +37,16 @@ class WeightCheck:
         folded: paths left to the output checks (an older ONNX file stored
             the converter's folded result instead of the weight).
         unused: paths of weights that no graph of the file reads.
+        same: paths of the weights stored by name with exactly the model's
+            bytes (`check_by_name`; empty for the checks by value).
     """
 
-    def __init__(self, total, missing=(), folded=(), unused=()):
+    def __init__(self, total, missing=(), folded=(), unused=(), same=()):
         self.total = total
         self.missing = list(missing)
         self.folded = list(folded)
         self.unused = list(unused)
+        self.same = list(same)
 
     @property
     def exact(self):
@@ -247,16 +250,22 @@ def _equal_in_slices(external, variable):
 def check_by_name(weights, path):
     """Each weight the file's graph reads, compared bit for bit with the initializer of its name."""
     readers = _initializer_reader(path)
-    missing, unused = [], []
+    missing, unused, same = [], [], []
     for name, variable in weights.items():
         read = readers.get(name)
         if read is None:
             unused.append(name)
             continue
         if _equal_in_slices(getattr(read, "external", None), variable):
+            same.append(name)
             continue
         stored = read()  # differs, or not external: compared whole, for the detail
         value = np.asarray(variable.numpy())
+        if stored is not None and stored.shape == value.shape and stored.dtype == value.dtype:
+            if np.array_equal(stored.view(np.uint8), np.ascontiguousarray(value).view(np.uint8)):
+                same.append(name)  # an inline weight, stored exactly
+                del stored, value
+                continue
         if stored is None:
             missing.append((name, "its external data is missing or short"))
         elif stored.shape != value.shape or stored.dtype != value.dtype:
@@ -268,7 +277,7 @@ def check_by_name(weights, path):
             gap = float(np.nanmax(np.abs(stored.astype(np.float64) - value)))
             missing.append((name, f"values differ (max {gap:.3g}; {changed:.2%} of its values changed)"))
         del stored, value
-    return WeightCheck(len(weights), missing, unused=unused)
+    return WeightCheck(len(weights), missing, unused=unused, same=same)
 
 
 # ------------------------------------------------------------ report rows
@@ -288,14 +297,22 @@ def _check_onnx_weights(report, model, path, say):
         check = check_by_name(model_weights(model, skip_constant=False), path)
     else:  # an older export: weights folded into constants, matched by value
         check = check_by_value(model_weights(model), onnx_tensors(path), allow_folded=True)
-    return _check_weights(report, "onnx", os.path.basename(path), check, say)
+    _check_weights(report, "onnx", os.path.basename(path), check, say)
+    return check
 
 
 def check_files(run, model, saved_model_dir, onnx_paths):
-    """One row per file: the SavedModel's variables (`saved_model_dir`; None: none), then each of `onnx_paths`."""
+    """One row per file: the SavedModel's variables (`saved_model_dir`; None: none), then each of `onnx_paths`.
+
+    Returns:
+        ``{path: [weight path, ...]}``: for each ONNX file, the weights its
+        initializer of that name holds bit for bit (`WeightCheck.same`).
+    """
     if saved_model_dir is not None:
         check = check_by_value(model_weights(model), saved_model_tensors(saved_model_dir))
         _check_weights(run.report, "saved_model", "variables", check, run.say)
+    same = {}
     for path in onnx_paths:
         if path is not None:
-            _check_onnx_weights(run.report, model, path, run.say)
+            same[path] = _check_onnx_weights(run.report, model, path, run.say).same
+    return same

@@ -16,6 +16,7 @@ from keras_linattn.export import (
     _verify_bounds,
     _verify_decoding,
     _verify_outputs,
+    _verify_sessions,
     _verify_weights,
     onnx_export,
     saved_model,
@@ -187,7 +188,12 @@ def verify(
             the model's ``max_sequence_length`` attribute, if any.
         onnx_generate_path: the ONNX generate graph; default: the one the
             model file names.
-        check_weights: compare the stored weights with the model's.
+        check_weights: compare the stored weights with the model's. The
+            ONNX sessions on the CPU then read each weight found equal, bit
+            for bit and by name, from the model's own memory instead of a
+            second copy from the file (sound only because of that check);
+            a weight that differs, and every weight with
+            ``check_weights=False``, is loaded from the file.
 
     Returns:
         A `VerificationReport`.
@@ -220,22 +226,34 @@ def verify(
 def _check_all(run, model, specs, inputs, shapes, runner, paths, decode_steps, limit, tolerances):
     """`verify`'s checks: the stored weights, the outputs, then the step and generate graphs of a causal LM.
 
-    At most one onnxruntime session (one copy of the weights) is alive at a
-    time: the model graph's session is made after the weight checks and this
-    function holds its only reference, dropped before the step and generate
-    graphs load theirs (a 1B model's weights are 4.6 GiB).
+    At most one onnxruntime session is alive at a time: the model graph's
+    session is made after the weight checks and this function holds its only
+    reference, dropped before the step and generate graphs load theirs. On
+    the CPU, the sessions read the weights the weight check proved equal
+    from the model's own buffers (`_verify_sessions`): no second copy of the
+    weights (a 1B model's are 4.6 GiB). Without `check_weights` they load
+    the file's.
     """
     saved_model_dir, onnx_path, onnx_step_path, onnx_generate_path, check_weights = paths
     saved_model_tolerance, onnx_tolerance = tolerances
+    same = {}
     try:
         if check_weights:
-            _verify_weights.check_files(run, model, saved_model_dir, (onnx_path, onnx_step_path, onnx_generate_path))
+            same = _verify_weights.check_files(
+                run, model, saved_model_dir, (onnx_path, onnx_step_path, onnx_generate_path)
+            )
         predictor = None
         if onnx_path is not None:
-            predictor = OnnxPredictor(onnx_path, device=run.onnx_device, prepacking=False)  # one copy of the weights
+            options, shared = _verify_sessions.session_options(model, same.get(onnx_path), run.onnx_device)
+            predictor = OnnxPredictor(onnx_path, device=run.onnx_device, session_options=options)
         _verify_outputs.check_outputs(run, inputs, shapes, runner, predictor, saved_model_tolerance, onnx_tolerance)
-        predictor = None  # the only reference: its session is freed here
+        predictor = options = shared = None  # the only references: the session is freed here
         if specs.causal_lm:
+            # The step and generate sessions share one set of options: the weights proven in both files.
+            proven = [n for n in same.get(onnx_step_path, ()) if n in set(same.get(onnx_generate_path, ()))]
+            if onnx_generate_path is None or not os.path.isfile(onnx_generate_path):
+                proven = same.get(onnx_step_path)
+            decoding_options, shared = _verify_sessions.session_options(model, proven, run.onnx_device)
             _verify_decoding.check_decoding(
                 run,
                 runner,
@@ -246,6 +264,7 @@ def _check_all(run, model, specs, inputs, shapes, runner, paths, decode_steps, l
                 limit=limit,
                 sm_fixed=saved_model_tolerance,
                 onnx_fixed=onnx_tolerance,
+                session_options=decoding_options,
             )
     finally:
         if runner is not None:

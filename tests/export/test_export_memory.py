@@ -9,7 +9,11 @@ serialization (`numpy_helper.from_array`), bit for bit.
 
 `verify` must hold at most one onnxruntime session (one copy of the weights):
 the model graph's session is made after the weight checks and is freed before
-the step and generate graphs load theirs.
+the step and generate graphs load theirs. On the CPU, those sessions read
+every weight the weight check proved equal from the model's own buffers (the
+OrtValue given to the session points at the variable's memory: no copy), and a
+weight that differs is loaded from the file, so the outputs show what the file
+holds.
 
 The generate graph's loop body must compute nothing from weights alone:
 onnxruntime folds such work (a reshaped kernel, a transposed tied embedding)
@@ -21,6 +25,7 @@ hand-made Loop before and after the move).
 import gc
 import importlib
 import io
+import os
 import tracemalloc
 import weakref
 
@@ -31,7 +36,7 @@ import pytest
 from onnx import ModelProto, numpy_helper
 
 from keras_linattn import export
-from keras_linattn.export import _onnx_graph, _onnx_publish, _verify_decoding, _verify_weights
+from keras_linattn.export import _onnx_graph, _onnx_publish, _verify_decoding, _verify_sessions, _verify_weights
 from tests import _shared_exports
 
 pytestmark = pytest.mark.tf_only("ONNX export runs on TensorFlow")
@@ -248,3 +253,87 @@ def test_verify_holds_one_onnx_session_at_a_time(monkeypatch):
     assert report.ok, report
     assert len(sessions) == 1  # the model graph's session was made
     assert seen == {"weights": 0, "decoding": 0}, f"model graph sessions alive when each check began: {seen}"
+
+
+def _recorded_sessions(monkeypatch):
+    """The ``(names, shared OrtValues)`` of each `_verify_sessions.session_options` call of verify."""
+    calls = []
+    made = _verify_sessions.session_options
+
+    def recording(model, names, device):
+        options, shared = made(model, names, device)
+        calls.append((list(names or ()), list(shared)))
+        return options, shared
+
+    monkeypatch.setattr(_verify_sessions, "session_options", recording)
+    return calls
+
+
+def _file_weights(model, path):
+    """The model's float weights stored in `path` by name."""
+    stored = {t.name for t in onnx.load(path, load_external_data=False).graph.initializer}
+    return {v.path: v for v in model.weights if v.path in stored and "float" in str(v.dtype)}
+
+
+def test_verify_sessions_read_every_weight_from_the_models_buffers(monkeypatch):
+    model, _, paths = _shared_exports.limited_export()
+    calls = _recorded_sessions(monkeypatch)
+    report = export.verify(model, onnx_path=paths["model"], shapes=[(1, 5)], decode_steps=3)
+    assert report.ok, report
+    assert len(calls) == 2  # the model graph's session, then the step and generate graphs'
+    for path, (names, shared) in zip([paths["model"], paths["step"]], calls, strict=True):
+        weights = _file_weights(model, path)
+        assert weights and sorted(names) == sorted(weights), f"{path}: {sorted(set(weights) - set(names))[:3]}"
+        assert len(shared) == len(names)
+        for name, value in zip(names, shared, strict=True):  # the session reads the variable's memory
+            assert value.data_ptr() == _verify_sessions.buffer_view(weights[name]).ctypes.data, name
+
+
+def test_verify_without_the_weight_check_loads_the_files_weights(monkeypatch):
+    model, _, paths = _shared_exports.limited_export()
+    calls = _recorded_sessions(monkeypatch)
+    report = export.verify(model, onnx_path=paths["model"], shapes=[(1, 5)], decode_steps=3, check_weights=False)
+    assert report.ok, report
+    assert calls and all(not shared for _, shared in calls)
+
+
+def test_a_weight_view_is_the_variables_memory_and_bfloat16_is_not_shared():
+    variable = keras.Variable(np.arange(12, dtype="float32").reshape(3, 4), name="w")
+    first, second = _verify_sessions.buffer_view(variable), _verify_sessions.buffer_view(variable)
+    assert not first.flags.owndata and not first.flags.writeable
+    assert first.ctypes.data == second.ctypes.data  # one buffer, not a copy per call
+    np.testing.assert_array_equal(first, variable.numpy())
+    assert _verify_sessions.buffer_view(keras.Variable(np.ones((2, 2), "float32"), dtype="bfloat16")) is None
+
+
+@pytest.fixture(scope="module")
+def external_export(tmp_path_factory):
+    model, _, _ = _shared_exports.limited_export()
+    folder = tmp_path_factory.mktemp("external")
+    return model, export.export_onnx(model, str(folder / "lm.onnx"), external_data=True)
+
+
+def test_a_damaged_external_weight_is_run_from_the_file_not_the_model(external_export, monkeypatch):
+    """Only weights proven equal are shared: a damaged one fails its weight row and the outputs it reaches."""
+    model, paths = external_export
+    report = export.verify(model, onnx_path=paths["model"], shapes=[(1, 5)], decode_steps=2, raise_on_failure=False)
+    assert report.ok, report
+    name = "token_embedding/embeddings"
+    tensor = next(t for t in onnx.load(paths["model"], load_external_data=False).graph.initializer if t.name == name)
+    info = {entry.key: entry.value for entry in tensor.external_data}
+    data = os.path.join(os.path.dirname(paths["model"]), info["location"])
+    original = open(data, "rb").read()
+    try:
+        with open(data, "r+b") as f:  # every value of the embedding scaled by 2: all rows, every token reached
+            f.seek(int(info["offset"]))
+            stored = np.frombuffer(f.read(int(info["length"])), "float32")
+            f.seek(int(info["offset"]))
+            f.write((stored * 2).astype("float32").tobytes())
+        calls = _recorded_sessions(monkeypatch)
+        report = export.verify(model, onnx_path=paths["model"], shapes=[(1, 5)], decode_steps=2, raise_on_failure=False)
+    finally:
+        with open(data, "wb") as f:
+            f.write(original)
+    failed = {row.signature for row in report.failed}
+    assert "lm.onnx:weights" in failed and "serving_default:logits" in failed, failed
+    assert calls and all(name not in names for names, _ in calls)
