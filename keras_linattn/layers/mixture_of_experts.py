@@ -49,6 +49,9 @@ class MixtureOfExperts(keras.layers.Layer):
             gated expert every token goes through, scaled by a sigmoid gate
             (Qwen MoE).
         activation: the experts' gate activation. Default ``"silu"``.
+        quantization_config: None, or the `keras.quantizers.QuantizationConfig`
+            of an int8 layer (set by `quantize`; kept by the config so that a
+            loaded layer quantizes its inputs as the saved one did).
         **kwargs: `keras.layers.Layer` arguments (`name`, `dtype`).
 
     Call arguments:
@@ -79,9 +82,11 @@ class MixtureOfExperts(keras.layers.Layer):
         normalize_top_k=True,
         shared_expert_dim=None,
         activation="silu",
+        quantization_config=None,
         **kwargs,
     ):
         super().__init__(**kwargs)
+        self.quantization_config = quantization_config
         self.num_experts = check_positive_int("num_experts", num_experts)
         self.top_k = check_positive_int("top_k", top_k)
         if self.top_k > self.num_experts:
@@ -122,7 +127,7 @@ class MixtureOfExperts(keras.layers.Layer):
                 }
             )
         if self.quantization_mode == "int8":  # a quantized layer loaded from its config: int8 kernels and scales
-            _quantized_experts.int8_build(self, shapes)
+            _quantized_experts.int8_build(self, shapes, self.quantization_config)
         else:
             for attribute, name, _ in _quantized_experts.kernels(self):
                 setattr(self, attribute, weight(name, shapes[attribute]))
@@ -153,6 +158,7 @@ class MixtureOfExperts(keras.layers.Layer):
                 f"Received: mode={mode!r}"
             )
         _quantized_experts.quantize_int8(self, config)
+        self.quantization_config = config
         self.dtype_policy = keras.dtype_policies.get(f"int8_from_{self.dtype_policy.name}")
 
     def _int8_call(self, inputs, step=False):
@@ -228,6 +234,13 @@ class MixtureOfExperts(keras.layers.Layer):
                 "normalize_top_k": self.normalize_top_k,
                 "shared_expert_dim": self.shared_expert_dim,
                 "activation": keras.activations.serialize(self.activation),
+                "quantization_config": keras.saving.serialize_keras_object(self.quantization_config),
             }
         )
         return config
+
+    @classmethod
+    def from_config(cls, config):
+        config = dict(config)
+        config["quantization_config"] = keras.saving.deserialize_keras_object(config.get("quantization_config"))
+        return super().from_config(config)

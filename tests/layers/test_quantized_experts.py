@@ -174,3 +174,17 @@ def test_modes_other_than_int8_leave_the_experts_float_and_name_the_mode():
         moe.quantize("int4")
     assert moe.quantization_mode is None
     assert {str(v.dtype) for v in moe.weights} == {"float32"}
+
+
+def test_a_weight_only_quantization_config_survives_get_config_and_from_config():
+    """`Int8QuantizationConfig(activation_quantizer=None)` (float inputs) is kept by the config, as `Dense` keeps it."""
+    moe = _layer(SHARED)
+    moe.quantize("int8", config=keras.quantizers.Int8QuantizationConfig(activation_quantizer=None))
+    assert moe.inputs_quantizer is None
+    clone = MixtureOfExperts.from_config(moe.get_config())
+    clone.build((None, None, DIM))
+    for target, source in zip(clone.weights, moe.weights, strict=True):
+        target.assign(source)
+    assert clone.quantization_mode == "int8" and clone.inputs_quantizer is None
+    x = np.random.default_rng(3).normal(size=(B, T, DIM)).astype("float32")
+    np.testing.assert_array_equal(np.asarray(clone(x)), np.asarray(moe(x)))
