@@ -389,10 +389,11 @@ def _hoist_weight_ops(graph):
     known.update({init.name: values.constant(init) for init in graph.initializer})
     holder = {number: name for name, number in known.items()}  # number -> an outer name holding it
     nodes, total = [], 0
+    taken = _defined_names(graph)  # a moved value's name must be new to the whole graph (SSA over scopes)
     for node in graph.node:
         if node.op_type == "Loop":
             body = next(a.g for a in node.attribute if a.name == "body")
-            hoisted, moved = _hoist_from_body(body, values, known, holder)
+            hoisted, moved = _hoist_from_body(body, values, known, holder, taken)
             nodes.extend(hoisted)
             total += moved
         elif node.op_type == "Constant":
@@ -413,13 +414,50 @@ def _hoist_weight_ops(graph):
     return total
 
 
-def _hoist_from_body(body, values, known, holder):
-    """`_hoist_weight_ops` for one body: returns the nodes to put before its Loop and how many body nodes left it."""
+def _defined_names(graph):
+    """``Counter`` of the value names that `graph` and its subgraphs define (inputs, initializers, node outputs).
+
+    A count: sibling subgraphs may define the same name.
+    """
+    import collections
+
+    import onnx
+
+    names = collections.Counter([i.name for i in graph.input] + [i.name for i in graph.initializer])
+    for node in graph.node:
+        names.update(name for name in node.output if name)
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                names += _defined_names(attribute.g)
+            elif attribute.type == onnx.AttributeProto.GRAPHS:
+                for sub in attribute.graphs:
+                    names += _defined_names(sub)
+    return names
+
+
+def _fresh(name, taken):
+    """`name`, or `name` with a suffix, not in `taken` (a ``Counter``); added to `taken`."""
+    fresh, i = name, 0
+    while taken[fresh]:
+        i += 1
+        fresh = f"{name}__kla_hoisted{i}"
+    taken[fresh] += 1
+    return fresh
+
+
+def _hoist_from_body(body, values, known, holder, taken):
+    """`_hoist_weight_ops` for one body: returns the nodes to put before its Loop and how many body nodes left it.
+
+    `taken`: the count of each name's definitions in the graph
+    (`_defined_names`); a moved value whose name another scope (a sibling
+    Loop's body, the outer graph) also defines gets a new one.
+    """
     from onnx import helper
 
     defined = (
         {i.name for i in body.input} | {o for n in body.node for o in n.output} | {i.name for i in body.initializer}
     )
+    own = _defined_names(body)
     constants = _constant_numbers(values, body)
     visible = {name: number for name, number in known.items() if name not in defined}
     visible.update(constants)
@@ -440,12 +478,15 @@ def _hoist_from_body(body, values, known, holder):
                 copy.input[j] = rename[name]
             elif name in constants:  # a body constant: read an outer one of the same value
                 if constants[name] not in holder:
-                    outer = f"{name}__kla_outer"
+                    outer = _fresh(f"{name}__kla_outer", taken)
                     added.append(helper.make_node("Constant", [], [outer], value=_constant_tensor(body, name, outer)))
                     holder[constants[name]] = outer
                 copy.input[j] = holder[constants[name]]
+        for j, output in enumerate(copy.output):
+            if output and taken[output] > own[output]:  # defined in another scope too: the moved value is renamed
+                copy.output[j] = rename[output] = _fresh(output, taken)
         added.append(copy)
-        for output, number in zip(node.output, numbers, strict=True):
+        for output, number in zip(copy.output, numbers, strict=True):
             holder.setdefault(number, output)
     if not leaving:
         return [], 0

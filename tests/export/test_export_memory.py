@@ -224,6 +224,67 @@ def test_weight_only_loop_work_moves_in_front_of_the_loop_and_merges():
     np.testing.assert_array_equal(run(model)[0], want[0])
 
 
+def _two_loops_defining_the_same_names():
+    """Two Loops whose bodies each compute ``t`` (a transpose, then a reshape, of the weight): valid ONNX, since
+    sibling bodies may define the same name."""
+    from onnx import TensorProto, helper
+
+    def body(second):
+        work = [helper.make_node("Transpose", ["kla_weight_0"], ["t"], perm=[1, 0])]
+        initializers = []
+        if second:
+            initializers = [numpy_helper.from_array(np.array([4, 4], "int64"), "s")]
+            work = [helper.make_node("Reshape", ["kla_weight_0", "s"], ["t"])]
+        return helper.make_graph(
+            [
+                helper.make_node("Identity", ["c_in"], ["c_out"]),
+                *work,
+                helper.make_node("MatMul", ["v", "t"], ["v_out"]),
+            ],
+            "body",
+            [
+                helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                helper.make_tensor_value_info("c_in", TensorProto.BOOL, []),
+                helper.make_tensor_value_info("v", TensorProto.FLOAT, [1, 4]),
+            ],
+            [
+                helper.make_tensor_value_info("c_out", TensorProto.BOOL, []),
+                helper.make_tensor_value_info("v_out", TensorProto.FLOAT, [1, 4]),
+            ],
+            initializer=initializers,
+        )
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Loop", ["n", "", "x"], ["y1"], body=body(False)),
+            helper.make_node("Loop", ["n", "", "y1"], ["y2"], body=body(True)),
+        ],
+        "loops",
+        [
+            helper.make_tensor_value_info("n", TensorProto.INT64, []),
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4]),
+            helper.make_tensor_value_info("kla_weight_0", TensorProto.FLOAT, [4, 4]),
+        ],
+        [helper.make_tensor_value_info("y2", TensorProto.FLOAT, [1, 4])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+
+
+def test_work_moved_out_of_two_loops_that_define_the_same_name_keeps_the_graph_valid():
+    import onnxruntime as ort
+
+    model = _two_loops_defining_the_same_names()
+    onnx.checker.check_model(model)
+    w = (np.random.default_rng(0).normal(size=(4, 4)) * 0.5).astype("float32")
+    feeds = {"n": np.array(3, "int64"), "x": np.array([[1.0, -2.0, 0.5, 3.0]], "float32"), "kla_weight_0": w}
+    run = lambda m: ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)  # noqa: E731
+    want = run(model)
+    assert _onnx_graph._hoist_weight_ops(model.graph) == 2  # the Transpose and the Reshape, each in front of its Loop
+    onnx.checker.check_model(model)  # SSA: the two moved values have different names in the outer scope
+    assert [node.op_type for node in model.graph.node] == ["Transpose", "Loop", "Constant", "Reshape", "Loop"]
+    np.testing.assert_array_equal(run(model)[0], want[0])
+
+
 def test_verify_holds_one_onnx_session_at_a_time(monkeypatch):
     model, _, paths = _shared_exports.limited_export()
     sessions = []
