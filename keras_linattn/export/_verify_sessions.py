@@ -30,9 +30,10 @@ def buffer_view(variable):
     """A read-only numpy array on `variable`'s own CPU buffer, or None where that needs a copy.
 
     TensorFlow reads a CPU variable without copying it, and DLPack hands the
-    buffer to numpy as is (``variable.numpy()`` copies); on JAX's CPU backend
-    the view is of the JAX array's buffer, also without a copy. None for
-    dtypes DLPack does not carry (bfloat16) and for a buffer off the CPU.
+    buffer to numpy as is (``variable.numpy()`` copies). Under JAX the view
+    is of the host array ``numpy.asarray`` gives: the JAX array's own buffer
+    on the CPU, a host copy of a GPU one. None for dtypes DLPack does not
+    carry (bfloat16) and for a TensorFlow variable off the CPU.
 
     Args:
         variable: a `keras.Variable`.
