@@ -404,7 +404,7 @@ def _hoist_weight_ops(graph):
             if numbers is not None:
                 known.update(zip(node.output, numbers, strict=True))
         for name in node.output:
-            if name in known:
+            if name and name in known:  # an omitted optional output ("") holds nothing a body could read
                 holder.setdefault(known[name], name)
         nodes.append(node)
     if total:
@@ -469,8 +469,9 @@ def _hoist_from_body(body, values, known, holder, taken):
             continue
         leaving.add(position)
         visible.update(zip(node.output, numbers, strict=True))
-        if all(number in holder for number in numbers):  # computed before the Loop already
-            rename.update({output: holder[number] for output, number in zip(node.output, numbers, strict=True)})
+        used = [(output, number) for output, number in zip(node.output, numbers, strict=True) if output]
+        if all(number in holder for _, number in used):  # computed before the Loop already
+            rename.update({output: holder[number] for output, number in used})
             continue
         copy = type(node).FromString(node.SerializeToString())
         for j, name in enumerate(copy.input):
@@ -487,7 +488,8 @@ def _hoist_from_body(body, values, known, holder, taken):
                 copy.output[j] = rename[output] = _fresh(output, taken)
         added.append(copy)
         for output, number in zip(copy.output, numbers, strict=True):
-            holder.setdefault(number, output)
+            if output:
+                holder.setdefault(number, output)
     if not leaving:
         return [], 0
     kept = [type(node).FromString(node.SerializeToString()) for i, node in enumerate(body.node) if i not in leaving]

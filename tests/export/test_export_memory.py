@@ -285,6 +285,56 @@ def test_work_moved_out_of_two_loops_that_define_the_same_name_keeps_the_graph_v
     np.testing.assert_array_equal(run(model)[0], want[0])
 
 
+def test_an_omitted_optional_output_before_the_loop_is_not_read_for_the_bodys_value():
+    """The graph splits the weight keeping only the first half (second output ""); the body reads the second half
+    of the same Split: it must keep computing it, not read the omitted name."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    body = helper.make_graph(
+        [
+            helper.make_node("Identity", ["c_in"], ["c_out"]),
+            helper.make_node("Split", ["kla_weight_0"], ["b1", "b2"], axis=0, num_outputs=2),
+            helper.make_node("MatMul", ["v", "b2"], ["v_out"]),
+        ],
+        "body",
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("c_in", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("v", TensorProto.FLOAT, [1, 4]),
+        ],
+        [
+            helper.make_tensor_value_info("c_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("v_out", TensorProto.FLOAT, [1, 4]),
+        ],
+    )
+    graph = helper.make_graph(
+        [
+            helper.make_node("Split", ["kla_weight_0"], ["a", ""], axis=0, num_outputs=2),
+            helper.make_node("MatMul", ["x", "a"], ["x1"]),
+            helper.make_node("Loop", ["n", "", "x1"], ["y"], body=body),
+        ],
+        "split",
+        [
+            helper.make_tensor_value_info("n", TensorProto.INT64, []),
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4]),
+            helper.make_tensor_value_info("kla_weight_0", TensorProto.FLOAT, [8, 4]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+    # Small integers: every product and sum is exact in float32, so the expected value is exact (onnxruntime
+    # crashes running the graph as it is before the move, so it is computed here).
+    w = np.random.default_rng(0).integers(-2, 3, size=(8, 4)).astype("float32")
+    x = np.array([[1.0, -2.0, 0.0, 3.0]], "float32")
+    want = x @ w[:4] @ w[4:] @ w[4:] @ w[4:]
+    assert _onnx_graph._hoist_weight_ops(model.graph) == 1  # the body's Split, moved in front of the Loop
+    onnx.checker.check_model(model)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = session.run(None, {"n": np.array(3, "int64"), "x": x, "kla_weight_0": w})[0]
+    np.testing.assert_array_equal(got, want)
+
+
 def test_verify_holds_one_onnx_session_at_a_time(monkeypatch):
     model, _, paths = _shared_exports.limited_export()
     sessions = []
