@@ -205,7 +205,9 @@ def main(argv=None):
     parser.add_argument("--workdir", default=os.path.join("build", "memory_1b"))
     parser.add_argument("--kill-gib", type=float, default=16.0, help="end a step whose RSS passes this")
     parser.add_argument("--timeout", type=float, default=1800.0)
-    parser.add_argument("--label", default="after", help="the key of this run in --out (e.g. before, after)")
+    parser.add_argument(
+        "--label", default="after", help="the key of this run under --out's <family>_<size> entry (e.g. before, after)"
+    )
     parser.add_argument("--out", default=os.path.join("benchmarks", "results", "memory_1b.json"))
     parser.add_argument("--onnx-dir", default=None, help="onnx_generate: the export to serve (default: the workdir's)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -226,9 +228,8 @@ def main(argv=None):
         row = measure(step, args)
         print(json.dumps(row), flush=True)
         rows.append(row)
-        results[args.label] = rows + [
-            r for r in results.get(args.label, []) if r["step"] not in {x["step"] for x in rows}
-        ]
+        shape = results.setdefault(f"{args.family}_{args.size}", {})  # e.g. llama_1b, llama_scaled
+        shape[args.label] = rows + [r for r in shape.get(args.label, []) if r["step"] not in {x["step"] for x in rows}]
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
     return 0
