@@ -17,7 +17,7 @@ def test_memory_benchmark_rows_at_tiny_size(tmp_path):
     command += ["--workdir", str(tmp_path / "work"), "--out", out, "--label", "tiny", "--kill-gib", "3"]
     subprocess.run(command, check=True, timeout=600, capture_output=True)
     with open(out) as f:
-        rows = json.load(f)["tiny"]
+        rows = json.load(f)["llama_tiny"]["tiny"]  # <family>_<size>, then the label
     assert [r["step"] for r in rows] == ["linearize_save", "load"]
     for row in rows:
         assert "failed" not in row and "killed" not in row, row
