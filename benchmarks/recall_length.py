@@ -50,6 +50,8 @@ order::
      "rows": {"recall": row, "length": row}, "training": {"recall": str, "length": str},
      "missing_seeds": {"recall": [...], "length": [...]},
      "targets": {...} or None, "beats_window_beyond_range": {...} or None,
+     "per_seed": {"haystack": {seed: {...}}, "bits_per_char": {seed: {...}}},
+     "change_from_copy": {...} (the transferred rows only),
      "recommended_rule": str (the recommended row only)}
 
 - ``seeds``: the seeds on which the student has a row on both benchmarks;
@@ -62,6 +64,10 @@ order::
 - ``targets`` (issue 59): ``retrieval`` (4-32x mean >= 0.9 x the teacher's),
   ``cache`` (cache_fraction <= 1/4), ``length`` (16x mean <= 1.02 x its own
   1x mean).
+- ``change_from_copy`` (a row with ``after_transfer_of``): the row minus
+  its copy on each seed both have, ``{"seeds", "haystack": {key: [mean,
+  min, max]}, "bits_per_char": {...}}`` (issue 59: after the attention
+  objective, retrieval >= at copy and bits/char < at copy).
 - ``beats_window_beyond_range``: ``{"4-32x": its min > the window's max,
   "1x": its max bits < the window's min}``, on the seeds of each.
 
@@ -237,6 +243,7 @@ def _student_row(student, rows_of, after, recall, length):
             absent = [s for s, values in zip(seeds, per_seed, strict=True) if None in values.values()]
             raise ValueError(f"The {kind} row {names[kind]!r} lacks a column of {list(per_seed[0])} on seeds {absent}.")
         out[field], out[field + "_range"] = _stats(per_seed) if per_seed else (None, None)
+        out.setdefault("per_seed", {})[field] = {str(s): v for s, v in zip(seeds, per_seed, strict=True)}
     for kind in ("recall", "length"):
         if missing[kind]:
             print(
@@ -296,6 +303,23 @@ def _beats(row, window):
     }
 
 
+def _change(row, copy):
+    """``{"seeds", "haystack": {key: [mean, min, max]}, "bits_per_char": ...}``: row minus copy, seed by seed."""
+    seeds = [s for s in row["seeds"] if s in copy["seeds"]]
+    out = {"seeds": seeds}
+    for field in ("haystack", "bits_per_char"):
+        if not seeds:
+            out[field] = None
+            continue
+        diffs = [
+            {k: row["per_seed"][field][str(s)][k] - copy["per_seed"][field][str(s)][k] for k in row[field]}
+            for s in seeds
+        ]
+        means, ranges = _stats(diffs)
+        out[field] = {k: [means[k], *ranges[k]] for k in means}
+    return out
+
+
 def recommend(rows, min_seeds):
     """Marks exactly one row ``recommended`` (module docstring's rule) and returns it.
 
@@ -346,6 +370,8 @@ def aggregate(recall, length, min_seeds=3, length_rows=None):
     for row in rows:
         row["targets"] = _targets(row, teacher)
         row["beats_window_beyond_range"] = _beats(row, window if window["seeds"] else None)
+        if row["after_transfer_of"]:
+            row["change_from_copy"] = _change(row, next(r for r in rows if r["student"] == row["after_transfer_of"]))
     recommend(rows, min_seeds)
     return rows
 
@@ -368,6 +394,15 @@ def render_markdown(rows):
         fraction = "-" if r["cache_fraction"] is None else f"{r['cache_fraction']:.3f}"
         seeds = ",".join(map(str, r["seeds"])) or "none"
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {fraction} | {seeds} |")
+    changes = [r for r in rows if r.get("change_from_copy") and r["change_from_copy"]["haystack"]]
+    if changes:
+        lines += ["", "After transfer minus at copy, mean (min-max) over the seeds both have:", ""]
+        for r in changes:
+            far, one = r["change_from_copy"]["haystack"]["4-32x"], r["change_from_copy"]["bits_per_char"]["1x"]
+            lines.append(
+                f"- {r['student']} - {r['after_transfer_of']}: haystack 4-32x {far[0]:+.3f} "
+                f"({far[1]:+.3f} to {far[2]:+.3f}), bits/char 1x {one[0]:+.4f} ({one[1]:+.4f} to {one[2]:+.4f})"
+            )
     best = next(r for r in rows if r["recommended"])
     lines += ["", f"Recommended: {best['student']} ({best['recommended_rule']})."]
     return "\n".join(lines)

@@ -113,6 +113,12 @@ def test_rows_hold_the_issue_schema_with_means_and_ranges_over_the_seeds(tmp_pat
     ]
     assert by["cache_clamped"]["training"] == {"recall": ["none (as linearized)"], "length": ["none (as linearized)"]}
     assert by["cache_clamped"]["beats_window_beyond_range"] == {"4-32x": True, "1x": True}
+    change = by["cache_clamped_attention"]["change_from_copy"]
+    assert change["seeds"] == [0, 1, 2]
+    assert change["haystack"]["4-32x"] == pytest.approx([0.03, 0.03, 0.03], abs=1e-4)  # 0.88 - 0.85 on each seed
+    assert change["bits_per_char"]["1x"] == pytest.approx([-0.01, -0.01, -0.01], abs=1e-4)
+    assert by["cache_clamped_attention"]["per_seed"]["haystack"]["2"]["4-32x"] == pytest.approx(0.89)
+    assert "change_from_copy" not in by["cache_clamped"]
 
 
 def test_the_recommended_row_meets_the_targets_with_the_best_far_retrieval(tmp_path):
@@ -215,6 +221,7 @@ def test_main_writes_a_list_of_rows_and_the_tables(tmp_path, capsys):
     assert isinstance(rows, list) and sum(r["recommended"] for r in rows) == 1
     text = markdown.read_text()
     assert "**cache_clamped_attention** (recommended)" in text
+    assert "- cache_clamped_attention - cache_clamped: haystack 4-32x +0.030 (+0.030 to +0.030)" in text
     assert "| teacher | KV | 0.800 (0.700-0.900) |" in text
     assert "| sparse_cache | 16 | 0.600 (0.500-0.700) |" in text
     with pytest.raises(SystemExit):
