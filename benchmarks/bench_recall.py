@@ -62,6 +62,10 @@ teacher, see docs/linearize.md "Window gamma").
 Output: ``benchmarks/results/recall.json`` (``--out``): the config, the
 teacher's training, every row's accuracy per bucket with its count, the
 cache / KV ratio, wall times and the process's peak RSS (VmHWM).
+
+``--cache-sizes`` with ``--pair-counts`` runs the cache-size curve instead
+of the rows: dense rows at 4-32x the window, the sparse cache at each size
+beside the teacher (`benchmarks.recall_curve`).
 """
 
 import argparse
