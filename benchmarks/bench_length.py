@@ -266,7 +266,7 @@ def make_student(name, teacher, ids, args):
         extra["transfer"] = {"objective": OBJECTIVES[name], "freeze": list(FROZEN), "steps": args.transfer_steps}
         extra["transfer_loss"] = [round(first, 6), round(last, 6)]
         # The freeze's check: the largest change of a frozen weight (0.0 where it held).
-        extra["frozen_max_change"] = max(float(abs(after[k] - before[k]).max()) for k in before)
+        extra["frozen_max_change"] = max((float(abs(after[k] - before[k]).max()) for k in before), default=None)
     else:
         _, first, last = P.transfer(
             student, teacher, ids, steps=args.transfer_steps, sequence_length=T, batch_size=2, verbose=0
