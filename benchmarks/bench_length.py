@@ -31,6 +31,20 @@ weights trained). Rows (``--students``):
 - ``cache_clamped``, ``cache_clamped_mean``: the two unrotated cache rows
   with ``cache_max_distance=T`` (the training length) instead: a cached
   pair at its real distance up to T, at T beyond (RoPE distance ``min(d, T)``).
+- ``cache_clamped_copy``, ``cache_copy``, ``cache_unrotated_fixed_copy``:
+  ``cache_clamped``, ``cache`` and ``cache_unrotated_fixed`` as linearized,
+  no transfer (the rows above are all transferred, gamma and the linear
+  weight trained; bench_recall's cache rows are not).
+- ``cache_clamped_output``, ``cache_clamped_attention``,
+  ``cache_clamped_both``: ``cache_clamped`` transferred with
+  ``attention_transfer(objective="output" | "attention" | "both",
+  freeze=("gamma", "linear_weight"))``: the feature maps train, the window's
+  gamma and linear weight stay at copy (each row records the largest change
+  of a frozen weight, ``frozen_max_change``). With ``cache_clamped_copy``
+  these are bench_recall's ``sparse_cache_clamped`` and
+  ``sparse_cache_clamped_{output,attention,both}``. With ``--teacher-preset``
+  and ``--scratch ''`` they can be added to a run whose teacher was saved
+  (``--save-teacher``).
 
 The two mean rows start the learned linear weight at ``--mean-linear-weight``
 (default 8: a mean of hedgehog kernels at copy is about 2/C, so weight 1
@@ -88,7 +102,21 @@ STUDENTS = {
     # cache_max_distance is the training length
     "cache_clamped": {"cache_size": None, "linear_rope": False, "cache_max_distance": None},
     "cache_clamped_mean": {"cache_size": None, "linear_rope": False, "linear_mean": True, "cache_max_distance": None},
+    # cache_clamped's construction: at copy (no transfer), and transferred with one objective each, gamma and the
+    # linear weight frozen (bench_recall's sparse_cache_clamped and sparse_cache_clamped_{output,attention,both})
+    "cache_clamped_copy": {"cache_size": None, "linear_rope": False, "cache_max_distance": None},
+    # cache and cache_unrotated_fixed at copy (bench_recall's sparse_cache and sparse_cache_fixed)
+    "cache_copy": {"cache_size": None},
+    "cache_unrotated_fixed_copy": {"cache_size": None, "linear_rope": False, "cache_distance": None},
+    "cache_clamped_output": {"cache_size": None, "linear_rope": False, "cache_max_distance": None},
+    "cache_clamped_attention": {"cache_size": None, "linear_rope": False, "cache_max_distance": None},
+    "cache_clamped_both": {"cache_size": None, "linear_rope": False, "cache_max_distance": None},
 }
+# Students scored as linearized, with no attention transfer.
+AT_COPY = ("cache_clamped_copy", "cache_copy", "cache_unrotated_fixed_copy")
+# Students transferred with `attention_transfer(objective=...)`, the window's gamma and linear weight frozen.
+OBJECTIVES = {"cache_clamped_output": "output", "cache_clamped_attention": "attention", "cache_clamped_both": "both"}
+FROZEN = ("gamma", "linear_weight")
 SCRATCH = {
     "delta_conv": {"feature_map": None, "update": "delta", "normalize": False, "conv_size": 4},
     "gated_delta_conv": {"feature_map": None, "update": "delta", "normalize": False, "conv_size": 4, "decay": "scalar"},
@@ -170,6 +198,83 @@ def _row(name, bits, **extra):
     }
 
 
+def _frozen_values(student):
+    """``{variable path: value}`` of the window weights `FROZEN` names in the student's attention layers."""
+    from keras_linattn.linearization._attention_objective import frozen_names
+
+    names = frozen_names(FROZEN)
+    return {
+        v.path: keras.ops.convert_to_numpy(v).copy()
+        for layer in P.attention_layers(student)
+        for v in layer.weights
+        if v.name in names
+    }
+
+
+def transfer(student, teacher, ids, args, objective="output", freeze=None):
+    """`attention_transfer` as `examples.linearize.pipeline.transfer` runs it, with `objective` and `freeze`.
+
+    Returns:
+        ``(first loss, last loss)``.
+    """
+    pairs = list(zip(P.attention_layers(teacher), P.attention_layers(student), strict=True))
+    data = P.dataset(ids, args.sequence_length, 2, seed=1).map(lambda x, y: x)
+    _, history = keras_linattn.attention_transfer(
+        student,
+        teacher,
+        data,
+        steps=1,
+        epochs=args.transfer_steps,
+        learning_rate=1e-2,
+        pairs=pairs,
+        verbose=0,
+        objective=objective,
+        freeze=freeze,
+    )
+    losses = history.history["loss"]
+    return float(losses[0]), float(losses[-1])
+
+
+def make_student(name, teacher, ids, args):
+    """``(student, row extras)``: the `STUDENTS` row `name` of `teacher`, linearized and trained as the row says.
+
+    Raises:
+        ValueError: for a name not in `STUDENTS`.
+    """
+    if name not in STUDENTS:
+        raise ValueError(f"Unknown student {name!r}; known: {', '.join(STUDENTS)}")
+    T, W = args.sequence_length, args.window_size
+    if STUDENTS[name] is None:
+        return P.window_only(teacher, W), {}
+    options = dict(STUDENTS[name])
+    if "cache_size" in options:
+        options["cache_size"] = args.cache_size
+    if "cache_distance" in options:
+        options["cache_distance"] = W
+    if "cache_max_distance" in options:
+        options["cache_max_distance"] = T
+    if options.get("linear_mean") and args.mean_linear_weight:
+        options["linear_weight"] = args.mean_linear_weight
+    student = keras_linattn.linearize(teacher, window_size=W, window_gamma=args.window_gamma, **options)
+    extra = {"options": options}
+    if name in AT_COPY:
+        extra["transfer"] = None
+    elif name in OBJECTIVES:
+        before = _frozen_values(student)
+        first, last = transfer(student, teacher, ids, args, objective=OBJECTIVES[name], freeze=FROZEN)
+        after = _frozen_values(student)
+        extra["transfer"] = {"objective": OBJECTIVES[name], "freeze": list(FROZEN), "steps": args.transfer_steps}
+        extra["transfer_loss"] = [round(first, 6), round(last, 6)]
+        # The freeze's check: the largest change of a frozen weight (0.0 where it held).
+        extra["frozen_max_change"] = max((float(abs(after[k] - before[k]).max()) for k in before), default=None)
+    else:
+        _, first, last = P.transfer(
+            student, teacher, ids, steps=args.transfer_steps, sequence_length=T, batch_size=2, verbose=0
+        )
+        extra["transfer_loss"] = [round(first, 6), round(last, 6)]
+    return student, extra
+
+
 def run(args):
     keras.utils.set_random_seed(args.seed)
     text = load_stdlib_corpus(args.max_chars)
@@ -177,7 +282,7 @@ def run(args):
     vocab = CharVocabulary.from_text(train_text)
     ids, val_ids = vocab.encode(train_text), vocab.encode(val_text)
     val_ids = val_ids[: args.eval_chars]
-    T, W = args.sequence_length, args.window_size
+    T = args.sequence_length
     res = {"command": args.command, "config": {k: v for k, v in vars(args).items() if k != "command"}, "rows": []}
 
     def save():
@@ -211,23 +316,7 @@ def run(args):
         save()
         for name in args.students:
             start = time.time()
-            if STUDENTS[name] is None:
-                student, extra = P.window_only(teacher, W), {}
-            else:
-                options = dict(STUDENTS[name])
-                if "cache_size" in options:
-                    options["cache_size"] = args.cache_size
-                if "cache_distance" in options:
-                    options["cache_distance"] = W
-                if "cache_max_distance" in options:
-                    options["cache_max_distance"] = T
-                if options.get("linear_mean") and args.mean_linear_weight:
-                    options["linear_weight"] = args.mean_linear_weight
-                student = keras_linattn.linearize(teacher, window_size=W, window_gamma=args.window_gamma, **options)
-                _, first, last = P.transfer(
-                    student, teacher, ids, steps=args.transfer_steps, sequence_length=T, batch_size=2, verbose=0
-                )
-                extra = {"options": options, "transfer_loss": [round(first, 6), round(last, 6)]}
+            student, extra = make_student(name, teacher, ids, args)
             bits = bits_at_lengths(student, val_ids, T, args.factors, args.eval_chars)
             res["rows"].append(_row(name, bits, trained_at=T, seconds=round(time.time() - start, 1), **extra))
             log(f"{name}: {bits} {extra}")

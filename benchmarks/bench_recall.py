@@ -62,6 +62,10 @@ teacher, see docs/linearize.md "Window gamma").
 Output: ``benchmarks/results/recall.json`` (``--out``): the config, the
 teacher's training, every row's accuracy per bucket with its count, the
 cache / KV ratio, wall times and the process's peak RSS (VmHWM).
+
+``--cache-sizes`` with ``--pair-counts`` runs the cache-size curve instead
+of the rows: dense rows at 4-32x the window, the sparse cache at each size
+beside the teacher (`benchmarks.recall_curve`).
 """
 
 import argparse
@@ -478,8 +482,8 @@ def transfer(student, teacher, cfg, seed, objective="output", freeze=None):
     }
 
 
-def accuracy_by_bucket(model, tokens, targets, distances, cfg):
-    """``({bucket: accuracy}, {bucket: count})`` of the last-position value predictions."""
+def prediction_function(model):
+    """``f(token_ids [B, T]) -> [B]``: the argmax over the vocabulary at the last position (traced once per shape)."""
     import keras
 
     if keras.backend.backend() == "tensorflow":
@@ -495,11 +499,25 @@ def accuracy_by_bucket(model, tokens, targets, distances, cfg):
             logits = model(as_inputs(x), training=False)  # [B, T, V]
             return keras.ops.argmax(logits[:, -1], axis=-1)
 
+    return last_prediction
+
+
+def last_predictions(model, tokens, cfg, predict=None):
+    """``[rows]`` int: the argmax over the vocabulary at each row's last position, ``eval_batch_size`` rows a call.
+
+    ``predict``: `prediction_function(model)`, to reuse its trace across calls (default: a new one).
+    """
+    last_prediction = predict or prediction_function(model)
     predictions = []
     size = cfg["eval_batch_size"]
     for start in range(0, len(tokens), size):
         predictions.append(np.asarray(last_prediction(tokens[start : start + size])))
-    correct = np.concatenate(predictions) == targets
+    return np.concatenate(predictions)
+
+
+def accuracy_by_bucket(model, tokens, targets, distances, cfg):
+    """``({bucket: accuracy}, {bucket: count})`` of the last-position value predictions."""
+    correct = last_predictions(model, tokens, cfg) == targets
     acc, count = {}, {}
     for name, lo, hi in buckets(cfg["window_size"], eval_length(cfg)):
         sel = (distances >= lo) & (distances < hi)
@@ -588,22 +606,28 @@ def make_student(name, teacher, cfg):
     raise ValueError(f"Unknown row {name!r}")
 
 
+def get_teacher(cfg, log):
+    """``(teacher, its training record)``: loaded from ``cfg["load_teacher"]``, else trained (and saved if asked)."""
+    seed = cfg.get("seed", 0)
+    teacher = build_teacher(cfg, seed=seed)
+    if cfg.get("load_teacher"):
+        teacher(as_inputs(np.ones((1, 8), "int32")))
+        teacher.load_weights(cfg["load_teacher"])
+        return teacher, {"loaded_from": cfg["load_teacher"]}
+    record = train_teacher(teacher, cfg, log, seed=seed)
+    if cfg.get("save_teacher"):
+        teacher.save_weights(cfg["save_teacher"])
+        record["saved_to"] = cfg["save_teacher"]
+    return teacher, record
+
+
 def run(cfg, rows, log):
     import keras
 
     started = time.perf_counter()
     out = {"rows": []}
     seed = cfg.get("seed", 0)  # the teacher's init, its training rows, each student's transfer rows
-    teacher = build_teacher(cfg, seed=seed)
-    if cfg.get("load_teacher"):
-        teacher(as_inputs(np.ones((1, 8), "int32")))
-        teacher.load_weights(cfg["load_teacher"])
-        out["teacher_training"] = {"loaded_from": cfg["load_teacher"]}
-    else:
-        out["teacher_training"] = train_teacher(teacher, cfg, log, seed=seed)
-        if cfg.get("save_teacher"):
-            teacher.save_weights(cfg["save_teacher"])
-            out["teacher_training"]["saved_to"] = cfg["save_teacher"]
+    teacher, out["teacher_training"] = get_teacher(cfg, log)
     tokens, targets, distances = evaluation_rows(cfg)
     built = {}
 
@@ -697,8 +721,20 @@ def parse_args(argv=None):
     )
     p.add_argument("--save-teacher", default=None, help="write the trained teacher's weights (.weights.h5)")
     p.add_argument("--load-teacher", default=None, help="load the teacher's weights instead of training it")
-    p.add_argument("--out", default=RESULTS_PATH)
+    p.add_argument(
+        "--cache-sizes",
+        default=None,
+        help="the cache-size curve instead of the rows (benchmarks/recall_curve.py): comma list of cache sizes",
+    )
+    p.add_argument("--pair-counts", default=None, help="the curve's pairs per evaluation row, comma list")
+    p.add_argument("--curve-students", default=None, help="the curve's cache students (default both)")
+    p.add_argument("--out", default=None, help="default benchmarks/results/recall.json (the curve: recall_curve.json)")
     args = p.parse_args(argv)
+    if args.cache_sizes or args.pair_counts or args.curve_students:
+        from benchmarks import recall_curve
+
+        recall_curve.check_args(p, args)
+    args.out = args.out or (RESULTS_PATH if not args.cache_sizes else recall_curve.RESULTS_PATH)
     args.row_list = [r.strip() for r in args.rows.split(",") if r.strip()]
     unknown = sorted(set(args.row_list) - set(ROWS))
     if unknown:
@@ -773,6 +809,10 @@ def main(argv=None):
             "window_plus_cache_over_kv": (w + n) / t,
         },
     }
+    if args.cache_sizes:
+        from benchmarks import recall_curve
+
+        return recall_curve.main(args, cfg, results, log)
     results.update(run(cfg, args.row_list, log))
     results["peak_rss_bytes"] = proc_status_bytes("VmHWM")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
