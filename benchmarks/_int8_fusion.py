@@ -63,7 +63,7 @@ def _fixed_values(graph, outer):
     return fixed
 
 
-def integer_to_float_products(graph, outer=frozenset(), outer_constants=None):
+def integer_to_float_products(graph, outer=frozenset(), outer_constants=None, taken=None):
     """Rewrites ``MatMulInteger -> Cast -> Div(Mul(s, t))`` to ``... -> Mul(Mul(1 / s, 1 / t))``; returns how many.
 
     Only products whose ``A`` is uint8 (`_onnx_graph._unsigned_int8_products`:
@@ -75,15 +75,20 @@ def integer_to_float_products(graph, outer=frozenset(), outer_constants=None):
         graph: an ONNX `GraphProto`, changed in place.
         outer: names of weight-derived values of the enclosing scopes.
         outer_constants: the enclosing scopes' constants (`_onnx_graph._constants`).
+        taken: the count of each name's definitions in the whole model (`_onnx_graph._defined_names`;
+            a new name is new to every scope).
 
     Returns:
         The number of products rewritten, subgraphs included.
     """
     import onnx
 
+    taken = _onnx_graph._defined_names(graph) if taken is None else taken
     constants = _onnx_graph._constants(graph, outer_constants or {})
     fixed = _fixed_values(graph, outer)
-    changed = sum(integer_to_float_products(sub, fixed, constants) for node in graph.node for sub in _subgraphs(node))
+    changed = sum(
+        integer_to_float_products(sub, fixed, constants, taken) for node in graph.node for sub in _subgraphs(node)
+    )
     producer = {output: node for node in graph.node for output in node.output}
     readers = {}
     for node in graph.node:
@@ -120,10 +125,10 @@ def integer_to_float_products(graph, outer=frozenset(), outer_constants=None):
         inverse = []
         for scale in scales.input:
             if scale not in reciprocals:
-                reciprocals[scale] = f"{scale}__kla_reciprocal"
+                reciprocals[scale] = _onnx_graph._fresh(f"{scale}__kla_reciprocal", taken)
                 inserted.append(onnx.helper.make_node("Reciprocal", [scale], [reciprocals[scale]]))
             inverse.append(reciprocals[scale])
-        multiplier = f"{div.output[0]}__kla_multiplier"
+        multiplier = _onnx_graph._fresh(f"{div.output[0]}__kla_multiplier", taken)
         inserted.append(onnx.helper.make_node("Mul", inverse, [multiplier]))
         before[id(div)] = inserted
         if only_reader(scales.output[0], div):
@@ -133,7 +138,7 @@ def integer_to_float_products(graph, outer=frozenset(), outer_constants=None):
         changed += 1
         bias_add = _bias_add(div, readers, pinned, fixed)
         if bias_add is not None:
-            negated = f"{bias_add.output[0]}__kla_negated_bias"
+            negated = _onnx_graph._fresh(f"{bias_add.output[0]}__kla_negated_bias", taken)
             bias = bias_add.input[1] if bias_add.input[0] == div.output[0] else bias_add.input[0]
             before.setdefault(id(bias_add), []).append(onnx.helper.make_node("Neg", [bias], [negated]))
             bias_add.op_type = "Sub"

@@ -86,3 +86,49 @@ def test_the_bias_stays_out_of_the_fused_kernel(tmp_path):
     _int8_fusion.integer_to_float_products(proto.graph)
     _, ops = _optimized(proto, tmp_path)
     assert "Sub" in ops  # ``y - (-bias)``, the addition bit for bit
+
+
+def _product_nodes(prefix, a):
+    """uint8 ``a`` times the int8 ``W`` (zero point 128), cast and divided by ``Mul(s_<prefix>, v)``."""
+    from onnx import TensorProto, helper
+
+    return [
+        helper.make_node("MatMulInteger", [a, "W", "zp"], [f"{prefix}_p"]),
+        helper.make_node("Cast", [f"{prefix}_p"], [f"{prefix}_pf"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", [f"{prefix}_s", "v"], [f"{prefix}_scale"]),
+        helper.make_node("Div", [f"{prefix}_pf", f"{prefix}_scale"], [f"{prefix}_y"]),
+    ]
+
+
+def test_products_in_a_loop_body_and_outside_get_names_of_their_own():
+    """The generate graph: the prompt's product and the Loop body's read the same outer scale ``v``; each scope's
+    reciprocal of it is a new name (ONNX values are defined once across scopes)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    body = helper.make_graph(
+        _product_nodes("b", "a") + [helper.make_node("Identity", ["cond_in"], ["cond_out"])],
+        "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []), helper.make_tensor_value_info("cond_in", 9, [])],
+        [helper.make_tensor_value_info("cond_out", 9, []), helper.make_tensor_value_info("b_y", 1, [1, 4])],
+    )
+    graph = helper.make_graph(
+        _product_nodes("o", "a") + [helper.make_node("Loop", ["n", "true"], ["ys"], body=body)],
+        "g",
+        [
+            helper.make_tensor_value_info("a", TensorProto.UINT8, [1, 8]),
+            helper.make_tensor_value_info("n", TensorProto.INT64, []),
+        ],
+        [helper.make_tensor_value_info("o_y", 1, [1, 4]), helper.make_tensor_value_info("ys", 1, [None, 1, 4])],
+        [
+            numpy_helper.from_array(rng.integers(-127, 128, (8, 4)).astype("int8"), "W"),
+            numpy_helper.from_array(np.array(128, "uint8"), "zp"),
+            numpy_helper.from_array(np.array(True), "true"),
+            numpy_helper.from_array(np.array([0.5, 2.0, 4.0, 0.25], "float32"), "v"),
+            numpy_helper.from_array(np.array([[8.0]], "float32"), "o_s"),
+            numpy_helper.from_array(np.array([[8.0]], "float32"), "b_s"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+    assert _int8_fusion.integer_to_float_products(model.graph) == 2
+    onnx.checker.check_model(model)  # SSA across scopes
