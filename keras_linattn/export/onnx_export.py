@@ -338,7 +338,9 @@ def export_onnx(
     names = _weight_names(variables)
     weight_bytes = sum(int(np.prod(v.shape)) * np.dtype(str(v.dtype)).itemsize for v in variables)
     external = weight_bytes > EXTERNAL_DATA_THRESHOLD if external_data == "auto" else bool(external_data)
+    int8_bytes = sum(int(np.prod(v.shape)) for v in variables if str(v.dtype) == "int8")
     weights_meta = {"weights": "named", "weight_bytes": weight_bytes, "external_data": external}
+    weights_meta["int8_weight_bytes"] = int8_bytes  # `OnnxGenerator` keeps int8 weights repacked (`prepacking`)
     protos, used = {}, {}
     # 16-bit float weights: stored as they are, computed in float32 (`_float_compute`).
     with _float_compute.float32_compute(model):

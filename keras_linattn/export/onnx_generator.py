@@ -39,10 +39,14 @@ class OnnxGenerator:
             (`device`, `use_tensorrt`, `use_io_binding`,
             `intra_op_num_threads`, `allow_spinning`, `session_options`,
             `verify`, `prepacking`), passed through unchanged, except that
-            ``prepacking`` defaults to False here: the step and generate
-            sessions each hold the weights, and onnxruntime's repacked copies
-            would double that (a 1B model: past 17 GB instead of about 11 GiB,
-            at the same decode speed). At load (and when the
+            ``prepacking`` defaults to False here for float weights: the
+            step and generate sessions each hold the weights, and
+            onnxruntime's repacked copies would double that (a 1B model: past
+            17 GB instead of about 11 GiB, at the same decode speed). For an
+            export with int8 weights (its metadata's ``int8_weight_bytes``)
+            it defaults to True: onnxruntime's integer products without
+            their repacked weights repack each weight at every call (several
+            times slower), and the copies are int8-sized. At load (and when the
             generate graph's session is created) the generate graph must
             carry the step graph's export id; ``verify="full"`` also
             compares its sha256 with the one the step graph recorded.
@@ -93,9 +97,12 @@ class OnnxGenerator:
     """
 
     def __init__(self, step_path, generate_path=None, **predictor_options):
-        _onnx_text.check_step_graph(step_path, _onnx_files.read_metadata(step_path))  # names the file to pass
-        # Two sessions hold the weights (step, generate): no repacked third and fourth copy unless asked for.
-        predictor_options.setdefault("prepacking", False)
+        metadata = _onnx_files.read_metadata(step_path)
+        _onnx_text.check_step_graph(step_path, metadata)  # names the file to pass
+        # Two sessions hold the weights (step, generate): no repacked third and fourth copy of float weights
+        # unless asked for. int8 weights are repacked: without its packed copy, onnxruntime's integer product
+        # packs the whole weight again at every call, and that copy is a quarter of float32's size.
+        predictor_options.setdefault("prepacking", bool(metadata.get("int8_weight_bytes")))
         self.predictor = OnnxPredictor(step_path, **predictor_options)
         self._predictor_options = predictor_options
         names = self.predictor.input_names

@@ -8,7 +8,8 @@ would multiply the int8 values as floats, and an exported graph would hold
 a float product. `int8_call` is the same call with the contraction written
 as one 2-D ``ops.matmul`` (int8 operands: an int32 product, a
 `MatMulInteger` in ONNX), as `_ProjectionDense.step_call` writes the float
-one. Quantizers, scales, LoRA, bias and the gradient are Keras' own.
+one, rescaled in 2-D and then reshaped. Quantizers, scales, LoRA, bias and
+the gradient are Keras' own.
 """
 
 from keras import ops
@@ -17,19 +18,22 @@ from keras_linattn import _compat
 
 
 def _int_product(x, kernel, form):
-    """``einsum(equation, x, kernel)`` of a projection as one 2-D product (int8 operands: int32 result).
+    """``einsum(equation, x, kernel)`` of a projection as one 2-D product, and the einsum's output shape.
 
     ``form`` is ``"input"`` (``btd,dhk->bthk``: ``[B, T, dim] x [dim, H, K]``)
     or ``"output"`` (``bthk,hkd->btd``: ``[B, T, H, K] x [H, K, dim]``).
+    Returns ``([B * T, N], shape)``: the product (int8 operands: int32) with
+    ``N`` the kernel's output dims flattened in order, and the shape
+    ``[B, T, H, K]`` or ``[B, T, dim]`` that it is reshaped to.
     """
     shape = ops.shape(x)
     if form == "input":
         dim, heads, size = kernel.shape
         y = ops.matmul(ops.reshape(x, (-1, dim)), ops.reshape(kernel, (dim, heads * size)))  # [B * T, H * K]
-        return ops.reshape(y, (shape[0], shape[1], heads, size))  # [B, T, H, K]
+        return y, (shape[0], shape[1], heads, size)
     heads, size, dim = kernel.shape
     y = ops.matmul(ops.reshape(x, (-1, heads * size)), ops.reshape(kernel, (heads * size, dim)))  # [B * T, dim]
-    return ops.reshape(y, (shape[0], shape[1], dim))  # [B, T, dim]
+    return y, (shape[0], shape[1], dim)
 
 
 def int8_call(layer, inputs, form):
@@ -53,10 +57,15 @@ def int8_call(layer, inputs, form):
             float_kernel = ops.divide(ops.cast(kernel, layer.compute_dtype), scale)
             return ops.einsum(layer._custom_gradient_equation, upstream, float_kernel), None, None
 
-        quantized, inputs_scale = layer.inputs_quantizer(inputs, axis=layer.quantization_axis)
-        inputs_scale = layer._adjust_scale_for_quant(inputs_scale, "input")
-        x = ops.cast(_int_product(quantized, kernel, form), layer.compute_dtype)
-        return ops.divide(x, ops.multiply(inputs_scale, kernel_scale)), grad_fn
+        quantized, inputs_scale = layer.inputs_quantizer(inputs, axis=layer.quantization_axis)  # one scale a token
+        x, shape = _int_product(quantized, kernel, form)  # [B * T, N] int32
+        x = ops.cast(x, layer.compute_dtype)
+        # Keras' rescale (the product of the two scales, then a division) on the 2-D product, before the
+        # reshape: the same values, and in an ONNX graph `MatMulInteger -> Cast -> Div` with nothing between,
+        # as Keras' int8 `Dense` writes it: one pattern for every integer product of an export (the one
+        # onnxruntime's `MatMulIntegerToFloat` fusion matches, `benchmarks._int8_fusion`).
+        scale = ops.multiply(ops.reshape(inputs_scale, (-1, 1)), ops.reshape(kernel_scale, (-1,)))  # [B * T, N]
+        return ops.reshape(ops.divide(x, scale), shape), grad_fn
 
     x = product(
         inputs, ops.convert_to_tensor(_compat.unmerged_kernel(layer)), ops.convert_to_tensor(layer.kernel_scale)

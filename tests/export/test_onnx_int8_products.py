@@ -8,6 +8,8 @@ exactly the same integers. The products' int32 results are compared for
 equality (integer arithmetic: no rounding to bound).
 """
 
+import collections
+
 import numpy as np
 import onnx
 import pytest
@@ -169,9 +171,12 @@ def test_products_inside_a_loop_body_become_uint8():
     assert zero_point.data_type == TensorProto.UINT8
 
 
-@pytest.mark.parametrize("equation", ["btd,dhk->bthk", "bthk,hkd->btd"])
-def test_a_converted_int8_projection_multiplies_uint8_by_int8(equation, tmp_path):
-    """The package's int8 projection (`_quantized_projection.int8_call`) through the export's conversion."""
+def converted_projection(equation, bias=False):
+    """An int8 `_ProjectionDense` of `equation` and its graph as the export converts it.
+
+    Returns ``(dense, proto, feeds, x)``: ``feeds`` holds the weight inputs, ``x`` an input ``[3, 5, ...]``
+    (15 tokens: one input scale each). ``bias``: a random bias instead of zeros.
+    """
     import keras
     import tensorflow as tf
 
@@ -184,17 +189,44 @@ def test_a_converted_int8_projection_multiplies_uint8_by_int8(equation, tmp_path
     }[equation]
     dense = _ProjectionDense(equation, output_shape=output_shape, bias_axes=bias_axes)
     dense.build(shape)
+    if bias:
+        dense.bias.assign(np.random.default_rng(3).normal(size=dense.bias.shape).astype("float32"))
     dense.quantize("int8")
-    x = np.random.default_rng(2).normal(size=shape).astype("float32")
     signature = [tf.TensorSpec((None, None) + shape[2:], tf.float32, name="x")]
     variables = list(dense.variables)
     proto = onnx_export._convert(lambda t: {"y": dense(t)}, signature, 17, None, variables=variables)
+    feeds = {}
+    for graph_input in proto.graph.input[1:]:
+        feeds[graph_input.name] = np.asarray(variables[int(graph_input.name.rsplit("_", 1)[1])])
+    x = np.random.default_rng(2).normal(size=(3, 5) + shape[2:]).astype("float32")
+    return dense, proto, feeds, x
+
+
+@pytest.mark.parametrize("equation", ["btd,dhk->bthk", "bthk,hkd->btd"])
+def test_a_converted_int8_projection_multiplies_uint8_by_int8(equation, tmp_path):
+    """The package's int8 projection (`_quantized_projection.int8_call`) through the export's conversion."""
+    dense, proto, feeds, x = converted_projection(equation)
     products = _a_zero_points(proto.graph)
     assert products and all(z is not None and z.data_type == TensorProto.UINT8 for _, z in products), products
-    feeds = {"x": x}
-    for graph_input in proto.graph.input[1:]:
-        index = int(graph_input.name.rsplit("_", 1)[1])
-        feeds[graph_input.name] = np.asarray(variables[index])
-    got = _session(proto).run(None, feeds)[0]
+    got = _session(proto).run(None, {"x": x, **feeds})[0]
     # The same integers multiplied and the same float rescale as the layer's own call.
     np.testing.assert_allclose(got, np.asarray(dense(x)), rtol=4 * np.finfo("float32").eps, atol=0)
+
+
+@pytest.mark.parametrize("equation", ["btd,dhk->bthk", "bthk,hkd->btd"])
+def test_an_int8_projection_rescales_the_product_itself(equation):
+    """``MatMulInteger -> Cast -> Div``, nothing between: the projection's rescale reads the 2-D product, as
+    Keras' int8 `Dense` does (the reshape to heads comes after), so every integer product of an export has one
+    pattern, the one onnxruntime's integer-to-float fusion matches."""
+    _, proto, _, _ = converted_projection(equation)
+    producer = {output: node for node in proto.graph.node for output in node.output}
+    readers = collections.defaultdict(list)
+    for node in proto.graph.node:
+        for name in node.input:
+            readers[name].append(node.op_type)
+    products = [node for node in proto.graph.node if node.op_type == "MatMulInteger"]
+    assert len(products) == 1
+    (cast,) = [node for node in proto.graph.node if products[0].output[0] in node.input]
+    assert cast.op_type == "Cast" and readers[cast.output[0]] == ["Div"]
+    (div,) = [node for node in proto.graph.node if cast.output[0] in node.input]
+    assert producer[div.input[1]].op_type == "Mul"  # the product of the two scales, as Keras writes it

@@ -129,6 +129,24 @@ def test_onnxruntime_runs_uint8_by_int8_products(int8_export, tmp_path):
 
 
 @pytest.mark.slow
+def test_generator_keeps_int8_weights_repacked(int8_export):
+    """Without its repacked weights, onnxruntime's integer product repacks each weight at every call (several
+    times slower decode): an int8 export's `OnnxGenerator` keeps the repacked copies, int8-sized, by default."""
+    from keras_linattn.export import OnnxGenerator, _onnx_files
+
+    lm, _, paths = int8_export
+    int8_bytes = sum(int(np.prod(w.shape)) for w in lm.weights if str(w.dtype) == "int8")
+    assert _onnx_files.read_metadata(paths["step"])["int8_weight_bytes"] == int8_bytes > 0
+    generator = OnnxGenerator(paths["step"], device="cpu")
+    generator.generate(np.array([[1, 2, 3]], "int32"), max_length=5)
+    for predictor in (generator.predictor, generator._generate_graph()):
+        assert predictor.prepacking is True
+        with pytest.raises(RuntimeError):  # onnxruntime: no such entry (prepacking is on unless it is "1")
+            predictor.session.get_session_options().get_session_config_entry("session.disable_prepacking")
+    assert OnnxGenerator(paths["step"], device="cpu", prepacking=False).predictor.prepacking is False
+
+
+@pytest.mark.slow
 def test_int8_exports_pass_verify(int8_export):
     lm, version_dir, paths = int8_export
     report = export.verify(lm, saved_model_dir=version_dir, onnx_path=paths["model"], decode_steps=3)
