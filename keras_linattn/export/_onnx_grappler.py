@@ -44,7 +44,7 @@ from keras_linattn.export import _onnx_graph
 __all__ = ["weights_without_fake_inputs"]
 
 _WEIGHT = re.compile(re.escape(_onnx_graph.WEIGHT_INPUT).replace(r"\{\}", r"\d+") + "$")
-_PATCH_LOCK = threading.Lock()
+_PATCH_LOCK = threading.RLock()  # re-entrant: a nested use wraps the wrapper, which is harmless
 
 
 def hide_weights(graph_def):

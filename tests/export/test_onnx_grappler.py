@@ -8,10 +8,12 @@ the weights cost one whole copy of their bytes per Grappler call, which
 TensorFlow's CPU allocator then kept. The tests count those bytes on every
 graph Grappler receives during `export_onnx` (a spy on the function both of
 tf2onnx's Grappler calls go through), check that what Grappler returns to
-tf2onnx is the same graph, node for node, with and without the weights hidden
-(on a model whose graph folds the shape of a weight, what a weight input of
-unknown shape would not give), and, in a subprocess, that the export's peak
-resident memory stays under half the weights' bytes above where it started.
+tf2onnx is the same graph, node for node, with and without the weights' shapes
+hidden (on a model that reshapes a weight to its own shape: Grappler drops such
+a reshape where it trusts the weight's shape, as it would for a weight given
+as a ``PlaceholderWithDefault``, and keeps it for a fed placeholder), and, in a
+subprocess, that the export's peak resident memory stays under half the
+weights' bytes above where it started.
 """
 
 import contextlib
@@ -38,7 +40,7 @@ _WEIGHT = re.compile(re.escape(_onnx_graph.WEIGHT_INPUT).replace(r"\{\}", r"\d+"
 
 
 class _ShapedDense(keras.layers.Layer):
-    """A dense layer that reads its kernel's shape in the graph (``tf.shape``): Grappler folds it."""
+    """A dense layer that reshapes its kernel to the kernel's own shape and scales its bias by a dim of it."""
 
     def build(self, input_shape):
         self.kernel = self.add_weight(shape=(input_shape[-1], _UNITS), initializer="glorot_uniform", name="kernel")
@@ -91,8 +93,8 @@ def test_no_weight_reaches_grappler_as_a_fixed_shape_placeholder(monkeypatch, tm
     export.export_onnx(model, tmp_path / "m.onnx")
     assert len(seen) >= 2, "Grappler was not called (both of tf2onnx's passes go through OptimizeGraph)"
     n_weights = len(model.weights)
-    # What is left is the model's input (batch dim unknown: one row of _DIM float32) and one scalar default
-    # input per weight (at most 8 bytes: the widest dtype); a weight given as itself costs its whole size.
+    # What is left is the model's input (batch dim unknown: one row of _DIM float32) and one scalar per weight
+    # (shape hidden: at most 8 bytes, the widest dtype); a weight given with its shape costs its whole size.
     bound = _DIM * 4 + n_weights * 8
     for graph_def in seen:
         fixed = [
@@ -129,8 +131,9 @@ def test_grappler_returns_the_same_graph_with_the_weights_hidden():
     plain, hidden = _frozen_graphs(model, hide=False), _frozen_graphs(model, hide=True)
     assert _nodes(hidden) == _nodes(plain)
     assert hidden.library.SerializeToString(deterministic=True) == plain.library.SerializeToString(deterministic=True)
-    # The kernel's shape was folded (no Shape op is left): the fixed shapes reached Grappler's shape inference.
-    assert "Shape" not in {n.op for n in plain.node}
+    # The no-op reshape of the kernel is kept: Grappler does not trust the shape of a fed input, so hiding it
+    # takes nothing from what it folds.
+    assert "Reshape" in {n.op for n in plain.node}
     assert {n.name for n in plain.node if n.op == "Placeholder"} == {
         "features",
         *(_onnx_graph.WEIGHT_INPUT.format(i) for i in range(len(model.weights))),
