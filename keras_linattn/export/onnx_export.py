@@ -42,6 +42,7 @@ from keras_linattn.export import (
     _float_compute,
     _onnx_files,
     _onnx_graph,
+    _onnx_grappler,
     _onnx_handlers,
     _onnx_publish,
     _onnx_text,
@@ -153,7 +154,11 @@ def _from_function(tf_fn, input_signature, opset, fast=True):
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
-        with _without_optimizer_copies() if fast else contextlib.nullcontext():
+        # No fake copy of the weights in Grappler (`_onnx_grappler`): the same graph, without a W-sized buffer.
+        with (
+            _without_optimizer_copies() if fast else contextlib.nullcontext(),
+            _onnx_grappler.weights_without_fake_inputs(),
+        ):
             proto, _ = tf2onnx.convert.from_function(
                 tf_fn,
                 input_signature=input_signature,
