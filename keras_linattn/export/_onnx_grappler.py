@@ -101,11 +101,17 @@ def weights_without_fake_inputs():
     `hide_weights` to a copy of the meta graph, calls the original and
     `restore_weights` on its result. Graphs without weight placeholders pass
     through unchanged, so a Grappler call of another thread meanwhile is
-    unaffected.
+    unaffected. Where TensorFlow has no such function, nothing is replaced
+    (the conversion is the same, with its fake inputs).
     """
-    from tensorflow.core.protobuf import meta_graph_pb2
-    from tensorflow.python.grappler import tf_optimizer
+    try:
+        from tensorflow.core.protobuf import meta_graph_pb2
+        from tensorflow.python.grappler import tf_optimizer
 
+        tf_optimizer.OptimizeGraph  # noqa: B018  (present in the TensorFlow versions this was written for)
+    except (ImportError, AttributeError):  # another layout of TensorFlow's internals: convert as before
+        yield
+        return
     with _PATCH_LOCK:
         original = tf_optimizer.OptimizeGraph
 
