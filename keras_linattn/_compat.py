@@ -360,6 +360,23 @@ def is_tf_symbolic_tensor(x):
     return isinstance(x, _attribute(internal, "SymbolicTensor", "telling traced tensors from eager ones"))
 
 
+def grappler_tf_optimizer():
+    """``tensorflow.python.grappler.tf_optimizer``: the module whose ``OptimizeGraph`` runs Grappler on a graph.
+
+    No public API reaches the Grappler call that tf2onnx's conversion goes
+    through; `export._onnx_grappler` replaces its ``OptimizeGraph`` for the
+    length of a conversion, to keep Grappler from allocating a fake copy of
+    every weight. TensorFlow only (export). Returns None where TensorFlow has
+    no such module or function: the export then converts as before (the same
+    graph, with Grappler's copy of the weights), so this is not an error.
+    """
+    try:
+        module = importlib.import_module("tensorflow.python.grappler.tf_optimizer")
+    except ImportError:
+        return None
+    return module if callable(getattr(module, "OptimizeGraph", None)) else None
+
+
 @contextlib.contextmanager
 def silence_tf_deprecation():
     """``tensorflow.python.util.deprecation.silence()``: TF's deprecation notices off inside the block.

@@ -39,6 +39,7 @@ import contextlib
 import re
 import threading
 
+from keras_linattn import _compat
 from keras_linattn.export import _onnx_graph
 
 __all__ = ["weights_without_fake_inputs"]
@@ -104,19 +105,15 @@ def weights_without_fake_inputs():
     unaffected. Where TensorFlow has no such function, nothing is replaced
     (the conversion is the same, with its fake inputs).
     """
-    try:
-        from tensorflow.core.protobuf import meta_graph_pb2
-        from tensorflow.python.grappler import tf_optimizer
-
-        tf_optimizer.OptimizeGraph  # noqa: B018  (present in the TensorFlow versions this was written for)
-    except (ImportError, AttributeError):  # another layout of TensorFlow's internals: convert as before
+    tf_optimizer = _compat.grappler_tf_optimizer()
+    if tf_optimizer is None:  # another layout of TensorFlow's internals: convert as before
         yield
         return
     with _PATCH_LOCK:
         original = tf_optimizer.OptimizeGraph
 
         def optimize_graph(config_proto, metagraph, *args, **kwargs):
-            copy = meta_graph_pb2.MetaGraphDef()
+            copy = type(metagraph)()  # a MetaGraphDef
             copy.CopyFrom(metagraph)
             hidden = hide_weights(copy.graph_def)
             if not hidden:

@@ -412,6 +412,22 @@ def test_is_tf_symbolic_tensor_inside_traced_functions_only():
     assert not _compat.is_tf_symbolic_tensor(np.ones(3))
 
 
+@pytest.mark.tf_only("TensorFlow's Grappler")
+def test_grappler_tf_optimizer_is_the_module_tf2onnx_calls():
+    # tf2onnx runs Grappler through this module's OptimizeGraph (looked up at call time), which
+    # export._onnx_grappler replaces during a conversion.
+    import inspect
+
+    from tensorflow.python.framework import convert_to_constants
+    from tf2onnx import tf_loader
+
+    module = _compat.grappler_tf_optimizer()
+    assert module is not None and callable(module.OptimizeGraph)
+    assert convert_to_constants.tf_optimizer is module  # the function inlining's Grappler call
+    source = inspect.getsource(tf_loader.tf_optimize_grappler)  # tf2onnx's own call, imported at call time
+    assert "from tensorflow.python.grappler import tf_optimizer" in source and ".OptimizeGraph(" in source
+
+
 @pytest.mark.tf_only("TensorFlow's deprecation notices")
 def test_silence_tf_deprecation_silences_only_inside():
     # TF's switch for its deprecation notices: off inside the block, restored after it
