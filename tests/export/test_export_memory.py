@@ -38,6 +38,7 @@ from onnx import ModelProto, numpy_helper
 from keras_linattn import export
 from keras_linattn.export import _onnx_graph, _onnx_publish, _verify_decoding, _verify_sessions, _verify_weights
 from tests import _shared_exports
+from tests.tolerance import assert_close
 
 pytestmark = pytest.mark.tf_only("ONNX export runs on TensorFlow")
 
@@ -448,3 +449,49 @@ def test_a_damaged_external_weight_is_run_from_the_file_not_the_model(external_e
     failed = {row.signature for row in report.failed}
     assert "lm.onnx:weights" in failed and "serving_default:logits" in failed, failed
     assert calls and all(name not in names for names, _ in calls)
+
+
+def _transposed_weight_graph(path, rows, cols):
+    """``y = x @ transpose(w)`` with ``w [rows, cols]`` an initializer: a weight-sized constant expression."""
+    from onnx import TensorProto, helper
+
+    w = np.random.default_rng(0).normal(size=(rows, cols)).astype("float32")
+    graph = helper.make_graph(
+        [helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]), helper.make_node("MatMul", ["x", "wt"], ["y"])],
+        "transposed",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, cols])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, rows])],
+        initializer=[numpy_helper.from_array(w, "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8  # one every onnxruntime of the supported range loads
+    onnx.save(model, path)
+
+
+def _optimized_ops(path, options, tmp_path):
+    """The initializers of the graph an onnxruntime session runs with `options`, and its output for a fixed input."""
+    import onnxruntime as ort
+
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    session = ort.InferenceSession(path, sess_options=options, providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(1).normal(size=(2, session.get_inputs()[0].shape[1])).astype("float32")
+    y = session.run(None, {"x": x})[0]
+    return [t.name for t in onnx.load(options.optimized_model_filepath).graph.initializer], y
+
+
+def test_verify_sessions_fold_no_weight_sized_constant(tmp_path):
+    import onnxruntime as ort
+
+    rows = _verify_sessions.FOLD_LIMIT_BYTES // (4 * 256) + 16  # w^T is a little over the limit
+    path = str(tmp_path / "transposed.onnx")
+    _transposed_weight_graph(path, rows, 256)
+    defaults = ort.SessionOptions()
+    defaults.log_severity_level = 3
+    folded_constants, folded = _optimized_ops(path, defaults, tmp_path)
+    assert folded_constants != ["w"]  # onnxruntime's default: w^T becomes a constant the session owns
+    options, shared = _verify_sessions.session_options(None, [], "cpu")
+    assert shared == []
+    kept_constants, kept = _optimized_ops(path, options, tmp_path)
+    assert kept_constants == ["w"]  # verify's sessions: the graph reads w itself
+    # The same product (onnxruntime may fuse the transpose into the matmul: another summation order).
+    assert_close(kept, folded, n=256, paths=2, what="x @ w^T unfolded against folded")
