@@ -63,10 +63,10 @@ def _lm_of(args, dtype):
     return LinearCausalLM(backbone=backbone, preprocessor=None)
 
 
-def _rss_bytes():
+def _rss_bytes(field="VmRSS"):
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     return 0
 
@@ -76,6 +76,7 @@ def setup_precision(args, precision, base):
     from keras_linattn import export
     from keras_linattn.export import OnnxGenerator
 
+    rss_before = _rss_bytes()
     lm = _lm(args, "bfloat16" if precision == "bfloat16" else None)
     if precision == "int8":
         lm.quantize("int8")
@@ -91,6 +92,8 @@ def setup_precision(args, precision, base):
     row["onnx_bytes"] = {k: os.path.getsize(p) for k, p in paths.items() if isinstance(p, str)}
     generator = OnnxGenerator(paths["step"], device="cpu")
     row["rss_after_setup_bytes"] = _rss_bytes()  # the process, with this and the earlier precisions loaded
+    row["rss_added_bytes"] = row["rss_after_setup_bytes"] - rss_before  # this precision's model and session
+    row["peak_rss_bytes"] = _rss_bytes("VmHWM")  # the process's peak so far (this and the earlier precisions)
     return row, lm, generator
 
 
