@@ -209,6 +209,18 @@ def _embed(token_embedding, position_embedding, token_ids, positions, scale=None
     return x
 
 
+def _quantize_nothing(self, mode=None, type_check=True, config=None):
+    """No weights, nothing to quantize: `keras.Model.quantize` calls this on every leaf layer, and Keras
+    warns about a layer without it.
+
+    Args:
+        mode: the quantization mode (``"int8"``, ``"int4"``...), ignored.
+        type_check: Keras' argument, ignored.
+        config: Keras' `QuantizationConfig`, ignored.
+    """
+    del self, mode, type_check, config
+
+
 class _MarkInvalid(keras.layers.Layer):
     """The last node of `LinearBackbone`'s graph: NaN hidden states at the tokens `_TokenCheck` marks invalid.
 
@@ -216,6 +228,8 @@ class _MarkInvalid(keras.layers.Layer):
     the graph is traced, not captured from outside it (which an exported
     graph would take as an input). No weights.
     """
+
+    quantize = _quantize_nothing
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -240,6 +254,8 @@ class _TokenCheck(keras.layers.Layer):
     `max_sequence_length` in a traced graph; all False for concrete inputs,
     which raise instead). No weights.
     """
+
+    quantize = _quantize_nothing
 
     def __init__(self, vocabulary_size, max_sequence_length, **kwargs):
         super().__init__(**kwargs)

@@ -89,6 +89,18 @@ def test_no_warning_names_a_package_layer_with_a_kernel(quantized):
     assert not named
 
 
+def test_no_warning_names_a_layer_of_the_package(quantized):
+    """The package's weightless layers (the token check, the invalid-token mark) have nothing to quantize: silent."""
+    _, reference, _, messages = quantized
+    package = {
+        type(layer).__name__
+        for layer in reference._flatten_layers()
+        if type(layer).__module__.startswith("keras_linattn")
+    }
+    assert {"_TokenCheck", "_MarkInvalid"} <= package
+    assert [m for m in messages for name in package if f"Layer {name} " in m] == []
+
+
 def test_every_kernel_outside_the_feature_maps_is_quantized(quantized):
     mode, reference, lm, _ = quantized
     maps = _feature_map_paths(lm)
