@@ -4,10 +4,14 @@ greedy tokens against float32.
     python -m benchmarks.bench_precision                       # width 768, 6 layers, vocabulary 16,384 (~55M)
     python -m benchmarks.bench_precision --layers 12 --vocabulary 50257 --out benchmarks/results/precision_gpt2.json
     python -m benchmarks.bench_precision --layers 2 --width 128 --vocabulary 512 --out /tmp/p.json   # a quick one
+    python -m benchmarks.bench_precision --layers 16 --width 2048 --vocabulary 128256 --precisions float32 --out f.json
+    python -m benchmarks.bench_precision --layers 16 --width 2048 --vocabulary 128256 --precisions int8 \
+        --reference f.json --out i.json                                 # the 1B shape, one process a precision
 
-One process. Each precision (float32, bfloat16 by the `dtype=` policy, int8 by `Model.quantize`) is built from the
-same seed and exported to ONNX; then the timings run interleaved, `--rounds` rounds of every precision in turn
-(Keras `generate`, then `OnnxGenerator` on CPU; prompt of 8 tokens, 32 greedy tokens, prefill apart:
+One process (or one per precision with ``--reference``, where one process cannot hold them all). Each precision
+(float32, bfloat16 by the `dtype=` policy, int8 by `Model.quantize`) is built from the same seed and exported to
+ONNX; then the timings run interleaved, `--rounds` rounds of every precision in turn (Keras `generate`, then
+`OnnxGenerator` on CPU; prompt of 8 tokens, 32 greedy tokens, prefill apart:
 `benchmarks.device_check._decode_ms_per_token` with one run a length), and each figure is the median over the
 rounds. The floor is the weights' bytes (what decode at batch 1 reads per token) over the memory bandwidth of a
 large float32 matrix-vector product (`bench_linearized_decode.bandwidth_gib_s`, median of 3 before and 3 after
@@ -108,6 +112,19 @@ def time_round(lm, generator, prompt):
     return (keras_ms, keras_ids[0, DECODE_PROMPT:].tolist()), (onnx_ms, onnx_ids[0, DECODE_PROMPT:].tolist())
 
 
+def _reference_tokens(args):
+    """The float32 Keras tokens of ``args.reference``, checked to be of this shape."""
+    with open(args.reference) as f:
+        previous = json.load(f)
+    shape = {k: previous["shape"].get(k) for k in ("width", "layers", "vocabulary")}
+    if shape != {"width": args.width, "layers": args.layers, "vocabulary": args.vocabulary}:
+        raise ValueError(f"`--reference` is of another shape: {shape}. Received: reference={args.reference!r}")
+    rows = [r for r in previous["rows"] if r["precision"] == "float32"]
+    if not rows:
+        raise ValueError(f"`--reference` has no float32 row. Received: reference={args.reference!r}")
+    return rows[0]["keras_tokens"]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_precision", description=__doc__.split("\n")[0])
     p.add_argument("--width", type=int, default=768)
@@ -116,9 +133,16 @@ def main(argv=None):
     p.add_argument("--precisions", default="float32,bfloat16,int8", help="float32 first: the tokens' reference")
     p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (the median is reported)")
     p.add_argument(
+        "--reference",
+        default=None,
+        help="a float32 run's --out of the same shape: its Keras tokens are the reference (for precisions run in "
+        "another process, where one process cannot hold them all)",
+    )
+    p.add_argument(
         "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "precision.json")
     )
     args = p.parse_args(argv)
+    given = None if args.reference is None else _reference_tokens(args)  # before any work: a wrong file fails fast
     prompt = np.random.RandomState(1).randint(0, args.vocabulary, (1, DECODE_PROMPT)).astype("int32")
     from benchmarks.bench_linearized_decode import bandwidth_gib_s
 
@@ -139,7 +163,7 @@ def main(argv=None):
                     row[f"{kind}_tokens"] = tokens
         bandwidths += [bandwidth_gib_s() for _ in range(3)]
     bandwidth = float(np.median(bandwidths))
-    reference = rows[0]["keras_tokens"]
+    reference = rows[0]["keras_tokens"] if given is None else given
     for row, timing in zip(rows, times, strict=True):
         # onnxruntime folds a bfloat16 graph's casts at session start: its session reads float32 weights.
         floor_bytes = row["parameters"] * 4 if row["precision"] == "bfloat16" else row["weight_bytes"]
