@@ -94,6 +94,9 @@ def setup_precision(args, precision, base):
     paths = export.export_onnx(lm, os.path.join(base, f"{precision}.onnx"))
     row["export_s"] = time.perf_counter() - start
     row["onnx_bytes"] = {k: os.path.getsize(p) for k, p in paths.items() if isinstance(p, str)}
+    # Past 2 GB the weights go to one external data file beside the graphs, shared by the three.
+    data = [n for n in os.listdir(base) if n.startswith(f"{precision}.onnx") and n.endswith(".data")]
+    row["onnx_data_bytes"] = sum(os.path.getsize(os.path.join(base, n)) for n in data)
     generator = OnnxGenerator(paths["step"], device="cpu")
     row["rss_after_setup_bytes"] = _rss_bytes()  # the process, with this and the earlier precisions loaded
     row["rss_added_bytes"] = row["rss_after_setup_bytes"] - rss_before  # this precision's model and session
@@ -181,7 +184,15 @@ def main(argv=None):
     args.bandwidth_gib_s_all = [round(b, 2) for b in bandwidths]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"shape": vars(args), "rows": rows, "command": " ".join(sys.argv)}, f, indent=1)
+        json.dump(
+            {
+                "shape": vars(args),
+                "rows": rows,
+                "command": " ".join(["python -m benchmarks.bench_precision", *sys.argv[1:]]),
+            },
+            f,
+            indent=1,
+        )
     print(f"[bench] wrote {args.out}")
     return 0
 
