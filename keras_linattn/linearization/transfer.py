@@ -446,9 +446,9 @@ def attention_transfer(
             split between the window and the linear part trains the
             window's gamma and linear weight only, and the feature map
             learns the linear part's shape (``split_gradient="weights"``
-            there): with both weights frozen the linear part keeps its
-            share, where the plain gradient would let the features
-            collapse to raise it.
+            there): the features are not pushed to raise the linear part's
+            share, which with bounded features collapses them (the plain
+            gradient's failure with both weights frozen).
         freeze: None (default), or a tuple of ``"gamma"`` and
             ``"linear_weight"``: those window weights stay as they are (the
             feature map still trains).
