@@ -557,7 +557,8 @@ ROW_TITLES = {
     "sparse_cache_clamped_attention": "the min(d, T) cache after attention-weight transfer (gamma, weight frozen)",
     "sparse_cache_clamped_both": "the min(d, T) cache after output + attention transfer (gamma, weight frozen)",
 }
-# The min(d, L) cache's transferred rows: the objective of each (gamma and the linear weight frozen).
+# The min(d, L) cache's transferred rows: the objective of each (gamma and the linear weight frozen by default:
+# `--transfer-freeze`).
 _CLAMPED_OBJECTIVE = {
     "sparse_cache_clamped_output": "output",
     "sparse_cache_clamped_attention": "attention",
@@ -638,7 +639,7 @@ def run(cfg, rows, log):
             model = make_student(name, teacher, cfg)
             info = transfer(model, teacher, cfg, seed=20_000 + seed) if name in _TRANSFERRED else None
             if name in _CLAMPED_OBJECTIVE:
-                frozen = ("gamma", "linear_weight")
+                frozen = cfg.get("transfer_freeze", ("gamma", "linear_weight"))
                 objective = _CLAMPED_OBJECTIVE[name]
                 info = transfer(model, teacher, cfg, seed=20_000 + seed, objective=objective, freeze=frozen)
             built[name] = (model, info)
@@ -715,6 +716,12 @@ def parse_args(argv=None):
         default=0.001,
         help="initial linear weight of the *_lw and sparse-cache rows (the LoLCATs row keeps 1)",
     )
+    p.add_argument(
+        "--transfer-freeze",
+        default="gamma,linear_weight",
+        help="what the sparse_cache_clamped_{output,attention,both} rows leave untrained: a comma list of gamma, "
+        "linear_weight, or '' for neither (default both)",
+    )
     p.add_argument("--no-jit", action="store_true", help="train the teacher without XLA")
     p.add_argument(
         "--seed", type=int, default=0, help="teacher init, training and transfer rows (evaluation rows stay fixed)"
@@ -736,6 +743,9 @@ def parse_args(argv=None):
         recall_curve.check_args(p, args)
     args.out = args.out or (RESULTS_PATH if not args.cache_sizes else recall_curve.RESULTS_PATH)
     args.row_list = [r.strip() for r in args.rows.split(",") if r.strip()]
+    args.freeze = tuple(part.strip() for part in args.transfer_freeze.split(",") if part.strip())
+    if set(args.freeze) - {"gamma", "linear_weight"}:
+        p.error(f"--transfer-freeze takes gamma and linear_weight; received {args.transfer_freeze!r}")
     unknown = sorted(set(args.row_list) - set(ROWS))
     if unknown:
         p.error(f"unknown rows {unknown}; choose from {ROWS}")
@@ -770,6 +780,7 @@ def config_from_args(args):
     cfg["linear_weight"] = args.linear_weight
     cfg["save_teacher"], cfg["load_teacher"] = args.save_teacher, args.load_teacher
     cfg["seed"] = args.seed
+    cfg["transfer_freeze"] = args.freeze
     return cfg
 
 

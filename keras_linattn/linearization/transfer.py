@@ -196,7 +196,7 @@ def _transfer_objective(teacher, student, pairs, names, objective_name="output")
         if objective_name != "output":
             named = arguments.arguments
             entropy = _attention_objective.attention_cross_entropy(
-                student_layers[index], named["query"], named["value"], named["key"], mask
+                student_layers[index], named["query"], named["value"], named["key"], mask, split_gradient="weights"
             )
         # The attention objective alone needs no student output: the later layers are teacher-forced too.
         output = target if objective_name == "attention" else call(*arguments.args, **arguments.kwargs)
@@ -442,7 +442,13 @@ def attention_transfer(
             teacher's softmax weights and the student's window + linear
             weights, per layer, head and row:
             `keras_linattn.linearization._attention_objective`; causal
-            self-attention) or ``"both"`` (their sum).
+            self-attention) or ``"both"`` (their sum). The cross-entropy's
+            split between the window and the linear part trains the
+            window's gamma and linear weight only, and the feature map
+            learns the linear part's shape (``split_gradient="weights"``
+            there): the features are not pushed to raise the linear part's
+            share, which with bounded features collapses them (the plain
+            gradient's failure with both weights frozen).
         freeze: None (default), or a tuple of ``"gamma"`` and
             ``"linear_weight"``: those window weights stay as they are (the
             feature map still trains).

@@ -202,3 +202,13 @@ def test_the_teacher_trains_and_is_scored_on_jax_without_tensorflow(tmp_path):
     assert result["teacher_training"]["steps"] == 2 and result["teacher_training"]["saved_to"] == str(weights)
     assert weights.exists()
     assert set(result["rows"][0]["accuracy"]) == {name for name, _, _ in result["buckets"]} | {"all"}
+
+
+def test_transfer_freeze_picks_what_the_clamped_rows_leave_untrained():
+    config = bench.config_from_args(bench.parse_args(["--quick"]))
+    assert config["transfer_freeze"] == ("gamma", "linear_weight")  # the default
+    config = bench.config_from_args(bench.parse_args(["--quick", "--transfer-freeze", "gamma"]))
+    assert config["transfer_freeze"] == ("gamma",)
+    assert bench.config_from_args(bench.parse_args(["--quick", "--transfer-freeze", ""]))["transfer_freeze"] == ()
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--quick", "--transfer-freeze", "gamma,feature_map"])
