@@ -22,6 +22,7 @@ measures the logits' perturbation, not a trained model's.
 """
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -31,6 +32,8 @@ import time
 import numpy as np
 
 from benchmarks.device_check import DECODE_PROMPT, _decode_ms_per_token
+
+RUNTIMES = ("keras", "onnx")
 
 
 def _lm(args, dtype):
@@ -75,11 +78,12 @@ def _rss_bytes(field="VmRSS"):
     return 0
 
 
-def setup_precision(args, precision, base):
-    """One precision's model, its export and its onnxruntime generator; the row's sizes."""
-    from keras_linattn import export
-    from keras_linattn.export import OnnxGenerator
+def setup_precision(args, precision, base, runtimes=RUNTIMES):
+    """One precision's model, its export and its onnxruntime generator; the row's sizes.
 
+    With ``runtimes`` ``("keras",)`` nothing is exported (generator None); with ``("onnx",)`` the Keras model is
+    freed once exported (None), so that the process holds what onnxruntime serving holds.
+    """
     rss_before = _rss_bytes()
     lm = _lm(args, "bfloat16" if precision == "bfloat16" else None)
     if precision == "int8":
@@ -90,6 +94,23 @@ def setup_precision(args, precision, base):
         "parameters": int(sum(np.prod(w.shape) for w in weights)),
         "weight_bytes": int(sum(np.prod(w.shape) * np.dtype(str(w.dtype)).itemsize for w in weights)),
     }
+    generator = None
+    if "onnx" in runtimes:
+        generator = _export(lm, precision, base, row)
+    if "keras" not in runtimes:
+        lm = None
+        gc.collect()
+    row["rss_after_setup_bytes"] = _rss_bytes()  # the process, with this and the earlier precisions loaded
+    row["rss_added_bytes"] = row["rss_after_setup_bytes"] - rss_before  # this precision's model and session
+    row["peak_rss_bytes"] = _rss_bytes("VmHWM")  # the process's peak so far (this and the earlier precisions)
+    return row, lm, generator
+
+
+def _export(lm, precision, base, row):
+    """Exports `lm` to ONNX under `base` (its sizes into `row`); returns `OnnxGenerator` on the step graph."""
+    from keras_linattn import export
+    from keras_linattn.export import OnnxGenerator
+
     start = time.perf_counter()
     paths = export.export_onnx(lm, os.path.join(base, f"{precision}.onnx"))
     row["export_s"] = time.perf_counter() - start
@@ -97,22 +118,19 @@ def setup_precision(args, precision, base):
     # Past 2 GB the weights go to one external data file beside the graphs, shared by the three.
     data = [n for n in os.listdir(base) if n.startswith(f"{precision}.onnx") and n.endswith(".data")]
     row["onnx_data_bytes"] = sum(os.path.getsize(os.path.join(base, n)) for n in data)
-    generator = OnnxGenerator(paths["step"], device="cpu")
-    row["rss_after_setup_bytes"] = _rss_bytes()  # the process, with this and the earlier precisions loaded
-    row["rss_added_bytes"] = row["rss_after_setup_bytes"] - rss_before  # this precision's model and session
-    row["peak_rss_bytes"] = _rss_bytes("VmHWM")  # the process's peak so far (this and the earlier precisions)
-    return row, lm, generator
+    return OnnxGenerator(paths["step"], device="cpu")
 
 
 def time_round(lm, generator, prompt):
-    """One round: (Keras ms/token, tokens), (onnxruntime ms/token, tokens)."""
-    keras_ms, keras_ids = _decode_ms_per_token(
-        lambda p, n: np.asarray(lm.generate(p, max_length=n, sampler="greedy")), prompt, repeats=1
-    )
-    onnx_ms, onnx_ids = _decode_ms_per_token(
-        lambda p, n: np.asarray(generator.generate(p, max_length=n, sampler="greedy")), prompt, repeats=1
-    )
-    return (keras_ms, keras_ids[0, DECODE_PROMPT:].tolist()), (onnx_ms, onnx_ids[0, DECODE_PROMPT:].tolist())
+    """One round: ``{runtime: (ms/token, tokens)}`` for Keras (`lm`) and onnxruntime (`generator`), each if given."""
+    out = {}
+    for kind, model in (("keras", lm), ("onnx", generator)):
+        if model is not None:
+            ms, ids = _decode_ms_per_token(
+                lambda p, n, m=model: np.asarray(m.generate(p, max_length=n, sampler="greedy")), prompt, repeats=1
+            )
+            out[kind] = (ms, ids[0, DECODE_PROMPT:].tolist())
+    return out
 
 
 def _reference_tokens(args):
@@ -142,10 +160,20 @@ def main(argv=None):
         "another process, where one process cannot hold them all)",
     )
     p.add_argument(
+        "--runtimes",
+        default=",".join(RUNTIMES),
+        help="comma list of keras,onnx: with one, the process holds that runtime's model only (the 1B shape)",
+    )
+    p.add_argument(
         "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "precision.json")
     )
     args = p.parse_args(argv)
+    runtimes = tuple(args.runtimes.split(","))
+    if not runtimes or not set(runtimes) <= set(RUNTIMES):
+        raise ValueError(f"`--runtimes` must be a comma list of {RUNTIMES}. Received: runtimes={args.runtimes!r}")
     given = None if args.reference is None else _reference_tokens(args)  # before any work: a wrong file fails fast
+    if "keras" not in runtimes and given is None:
+        raise ValueError("`--runtimes` without keras needs `--reference` (the float32 Keras tokens).")
     prompt = np.random.RandomState(1).randint(0, args.vocabulary, (1, DECODE_PROMPT)).astype("int32")
     from benchmarks.bench_linearized_decode import bandwidth_gib_s
 
@@ -153,20 +181,20 @@ def main(argv=None):
     rows, models = [], []
     with tempfile.TemporaryDirectory() as base:
         for precision in precisions:
-            row, lm, generator = setup_precision(args, precision, base)
+            row, lm, generator = setup_precision(args, precision, base, runtimes)
             rows.append(row)
             models.append((lm, generator))
             print(json.dumps(row), flush=True)
         bandwidths = [bandwidth_gib_s() for _ in range(3)]
-        times = [{"keras": [], "onnx": []} for _ in rows]
+        times = [{kind: [] for kind in runtimes} for _ in rows]
         for _ in range(args.rounds):
             for row, (lm, generator), timing in zip(rows, models, times, strict=True):
-                for kind, (ms, tokens) in zip(("keras", "onnx"), time_round(lm, generator, prompt), strict=True):
+                for kind, (ms, tokens) in time_round(lm, generator, prompt).items():
                     timing[kind].append(ms)
                     row[f"{kind}_tokens"] = tokens
         bandwidths += [bandwidth_gib_s() for _ in range(3)]
     bandwidth = float(np.median(bandwidths))
-    reference = rows[0]["keras_tokens"] if given is None else given
+    reference = rows[0].get("keras_tokens") if given is None else given
     for row, timing in zip(rows, times, strict=True):
         # onnxruntime folds a bfloat16 graph's casts at session start: its session reads float32 weights.
         floor_bytes = row["parameters"] * 4 if row["precision"] == "bfloat16" else row["weight_bytes"]
@@ -174,7 +202,7 @@ def main(argv=None):
             "keras": 1000.0 * row["weight_bytes"] / (bandwidth * 2**30),
             "onnx": 1000.0 * floor_bytes / (bandwidth * 2**30),
         }
-        for kind in ("keras", "onnx"):
+        for kind in runtimes:
             row[f"{kind}_ms_per_token"] = float(np.median(timing[kind]))
             row[f"{kind}_ms_per_token_all"] = [round(t, 2) for t in timing[kind]]
             row[f"{kind}_x_floor"] = row[f"{kind}_ms_per_token"] / row["floor_ms_per_token"][kind]
