@@ -78,11 +78,13 @@ def _rss_bytes(field="VmRSS"):
     return 0
 
 
-def setup_precision(args, precision, base, runtimes=RUNTIMES):
+def setup_precision(args, precision, base, runtimes=RUNTIMES, fold_limit=None):
     """One precision's model, its export and its onnxruntime generator; the row's sizes.
 
     With ``runtimes`` ``("keras",)`` nothing is exported (generator None); with ``("onnx",)`` the Keras model is
-    freed once exported (None), so that the process holds what onnxruntime serving holds.
+    freed once exported (None), so that the process holds what onnxruntime serving holds. ``fold_limit``
+    (bytes): onnxruntime folds no constant larger (a bfloat16 export's casts of its weights then run at each call,
+    and its sessions hold the 2-byte weights only).
     """
     rss_before = _rss_bytes()
     lm = _lm(args, "bfloat16" if precision == "bfloat16" else None)
@@ -96,7 +98,7 @@ def setup_precision(args, precision, base, runtimes=RUNTIMES):
     }
     generator = None
     if "onnx" in runtimes:
-        generator = _export(lm, precision, base, row)
+        generator = _export(lm, precision, base, row, fold_limit)
     if "keras" not in runtimes:
         lm = None
         gc.collect()
@@ -106,7 +108,7 @@ def setup_precision(args, precision, base, runtimes=RUNTIMES):
     return row, lm, generator
 
 
-def _export(lm, precision, base, row):
+def _export(lm, precision, base, row, fold_limit=None):
     """Exports `lm` to ONNX under `base` (its sizes into `row`); returns `OnnxGenerator` on the step graph."""
     from keras_linattn import export
     from keras_linattn.export import OnnxGenerator
@@ -118,7 +120,17 @@ def _export(lm, precision, base, row):
     # Past 2 GB the weights go to one external data file beside the graphs, shared by the three.
     data = [n for n in os.listdir(base) if n.startswith(f"{precision}.onnx") and n.endswith(".data")]
     row["onnx_data_bytes"] = sum(os.path.getsize(os.path.join(base, n)) for n in data)
-    return OnnxGenerator(paths["step"], device="cpu")
+    if fold_limit is None:
+        return OnnxGenerator(paths["step"], device="cpu")
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()  # OnnxGenerator's float defaults, and the folding limit
+    for key in ("session.intra_op.allow_spinning", "session.inter_op.allow_spinning", "session.disable_prepacking"):
+        options.add_session_config_entry(key, "1" if key.endswith("prepacking") else "0")
+    options.add_session_config_entry("optimization.constant_folding_max_output_size_in_bytes", str(fold_limit))
+    options.log_severity_level = 3  # one warning a constant left unfolded
+    row["onnx_fold_limit_bytes"] = fold_limit
+    return OnnxGenerator(paths["step"], device="cpu", session_options=options)
 
 
 def time_round(lm, generator, prompt):
@@ -165,6 +177,12 @@ def main(argv=None):
         help="comma list of keras,onnx: with one, the process holds that runtime's model only (the 1B shape)",
     )
     p.add_argument(
+        "--onnx-fold-limit",
+        type=int,
+        default=None,
+        help="bytes: onnxruntime folds no larger constant (bfloat16 exports: sessions keep the 2-byte weights)",
+    )
+    p.add_argument(
         "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "precision.json")
     )
     args = p.parse_args(argv)
@@ -181,7 +199,7 @@ def main(argv=None):
     rows, models = [], []
     with tempfile.TemporaryDirectory() as base:
         for precision in precisions:
-            row, lm, generator = setup_precision(args, precision, base, runtimes)
+            row, lm, generator = setup_precision(args, precision, base, runtimes, args.onnx_fold_limit)
             rows.append(row)
             models.append((lm, generator))
             print(json.dumps(row), flush=True)
@@ -197,7 +215,9 @@ def main(argv=None):
     reference = rows[0].get("keras_tokens") if given is None else given
     for row, timing in zip(rows, times, strict=True):
         # onnxruntime folds a bfloat16 graph's casts at session start: its session reads float32 weights.
-        floor_bytes = row["parameters"] * 4 if row["precision"] == "bfloat16" else row["weight_bytes"]
+        # (With --onnx-fold-limit it reads the 2-byte weights and casts them at each call: their bytes are the floor.)
+        folded = row["precision"] == "bfloat16" and args.onnx_fold_limit is None
+        floor_bytes = row["parameters"] * 4 if folded else row["weight_bytes"]
         row["floor_ms_per_token"] = {
             "keras": 1000.0 * row["weight_bytes"] / (bandwidth * 2**30),
             "onnx": 1000.0 * floor_bytes / (bandwidth * 2**30),
